@@ -1,0 +1,336 @@
+"""kvtool as plain functions: profile, calibrate, export, generate, evaluate, inspect.
+
+Every function takes model ids/paths and file paths, returns plain results, and
+never prints; progress goes through an optional ``progress`` wrapper (see
+`kvtool.capture.Progress`). The CLI is a thin layer over these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvtool.artifact import Artifact, check_model, load_artifact, save_artifact
+from kvtool.capture import ChannelStats, Progress, no_progress, stream_batches
+from kvtool.calibration import QuantErrorStats, build_quantizers
+from kvtool.data import DataSpec, token_windows
+from kvtool.errors import ArtifactError, RuntimeConfigError
+from kvtool.models.adapter import adapter_for
+from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
+from kvtool.recipe import Recipe, load_recipe
+from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+
+DEFAULT_MODEL_SOURCE = "kvtool:default-model"
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load the model: dtype (auto|float32|float16|bfloat16), device, device_map."""
+
+    dtype: str = "auto"
+    device: str = "cpu"
+    device_map: str | None = None
+
+
+def _load(model: str | None, options: LoadOptions):
+    return load_model(model, dtype=options.dtype, device=options.device, device_map=options.device_map)
+
+
+def model_source(model: str | None) -> str:
+    """What a manifest records as the model: an absolute local path, a hub id, or the embedded default."""
+    if model is None:
+        return DEFAULT_MODEL_SOURCE
+    path = resolve_model_path(model)
+    return DEFAULT_MODEL_SOURCE if Path(path) == DEFAULT_MODEL_DIR.resolve() else path
+
+
+def model_for_artifact(model: str | None, artifact: Artifact) -> str | None:
+    """--model if given; else the manifest's model if it can be found here; else the embedded default."""
+    if model is not None:
+        return model
+    source = artifact.manifest.get("model_source", DEFAULT_MODEL_SOURCE)
+    if source != DEFAULT_MODEL_SOURCE and Path(source).is_dir():
+        return source
+    return None
+
+
+def _windows(tokenizer, data: str | DataSpec, samples: int, seq_len: int, seed: int, mode: str) -> torch.Tensor:
+    spec = data if isinstance(data, DataSpec) else DataSpec.parse(data)
+    return token_windows(tokenizer, spec, samples=samples, seq_len=seq_len, seed=seed, mode=mode)
+
+
+def _provenance(data: str | DataSpec, windows: torch.Tensor, seed: int, tokens: int) -> dict:
+    spec = data if isinstance(data, DataSpec) else DataSpec.parse(data)
+    return {"data": spec.describe(), "samples": windows.shape[0], "seq_len": windows.shape[1], "seed": seed, "tokens": tokens}
+
+
+# --- profile ----------------------------------------------------------------------------------
+
+
+def profile(
+    data: str | DataSpec,
+    out: str | Path,
+    model: str | None = None,
+    *,
+    samples: int = 8,
+    seq_len: int = 512,
+    seed: int = 0,
+    batch_size: int = 4,
+    load: LoadOptions = LoadOptions(),
+    progress: Progress = no_progress,
+) -> Artifact:
+    """Per-layer, per-KV-head channel statistics of pre-RoPE keys, keys and values -> profile artifact."""
+    hf_model, tokenizer = _load(model, load)
+    adapter = adapter_for(hf_model)
+    windows = _windows(tokenizer, data, samples, seq_len, seed, "random")
+    CompressedRuntime.from_recipe(hf_model, Recipe()).check_context(seq_len)
+    stats = ChannelStats()
+    tokens = stream_batches(hf_model, adapter, windows, [stats], batch_size, progress)
+    artifact = Artifact(
+        kind="profile",
+        manifest={
+            "model": adapter.fingerprint(),
+            "model_source": model_source(model),
+            "calibration": _provenance(data, windows, seed, tokens),
+            "statistics": list(ChannelStats.KINDS),
+        },
+        tensors=stats.tensors(),
+    )
+    save_artifact(out, artifact)
+    return artifact
+
+
+# --- calibrate --------------------------------------------------------------------------------
+
+
+def calibrate(
+    data: str | DataSpec,
+    out: str | Path,
+    model: str | None = None,
+    recipe: str | Path | Recipe | None = None,
+    *,
+    samples: int | None = None,
+    seq_len: int | None = None,
+    seed: int | None = None,
+    batch_size: int = 4,
+    load: LoadOptions = LoadOptions(),
+    progress: Progress = no_progress,
+) -> Artifact:
+    """Measure (and, for methods that learn, fit) the recipe's quantizers on calibration data -> calibration artifact.
+
+    samples / seq_len / seed override the recipe's ``calibration`` section.
+    """
+    resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len), ("seed", seed)) if v is not None}
+    resolved = dataclasses.replace(resolved, calibration=dataclasses.replace(resolved.calibration, **overrides))
+    hf_model, tokenizer = _load(model, load)
+    runtime = CompressedRuntime.from_recipe(hf_model, resolved)  # validates the recipe against the model
+    cal = resolved.calibration
+    runtime.check_context(cal.seq_len)
+    windows = _windows(tokenizer, data, cal.samples, cal.seq_len, cal.seed, "random")
+    errors = QuantErrorStats(resolved, runtime.adapter.geometry.head_dim)
+    tokens = stream_batches(hf_model, runtime.adapter, windows, [errors], batch_size, progress)
+    keys_q, values_q = build_quantizers(resolved, runtime.adapter.geometry.head_dim)
+    artifact = Artifact(
+        kind="calibration",
+        manifest={
+            "model": runtime.adapter.fingerprint(),
+            "model_source": model_source(model),
+            "recipe": resolved.to_dict(),
+            "calibration": _provenance(data, windows, cal.seed, tokens),
+            "expected_bits_per_element": _body_bits(keys_q, values_q),
+            "quality": errors.summary(),
+        },
+        tensors=errors.sqnr_db(),
+    )
+    save_artifact(out, artifact)
+    return artifact
+
+
+def _body_bits(keys_q, values_q) -> dict:
+    k, v = keys_q.bits_per_element(), values_q.bits_per_element()
+    return {"keys": k, "values": v, "body": (k + v) / 2}
+
+
+# --- export -----------------------------------------------------------------------------------
+
+
+def export(
+    calib: str | Path,
+    out: str | Path,
+    model: str | None = None,
+    profile_path: str | Path | None = None,
+    *,
+    load: LoadOptions = LoadOptions(),
+) -> Artifact:
+    """Validate a calibration (and optional profile) against the model and write the deployable artifact."""
+    calibration = load_artifact(calib, expect_kind="calibration")
+    hf_model, _ = _load(model_for_artifact(model, calibration), load)
+    fingerprint = adapter_for(hf_model).fingerprint()
+    check_model(calibration, fingerprint, source=f"calibration '{calib}'")
+    tensors = dict(calibration.tensors)
+    manifest = {k: v for k, v in calibration.manifest.items() if k not in ("kind", "tensors_sha256", "kvtool_version")}
+    if profile_path is not None:
+        prof = load_artifact(profile_path, expect_kind="profile")
+        check_model(prof, fingerprint, source=f"profile '{profile_path}'")
+        tensors.update({f"profile.{k}": v for k, v in prof.tensors.items()})
+        manifest["profile"] = prof.manifest.get("calibration", {})
+    artifact = Artifact(kind="deployable", manifest=manifest, tensors=tensors)
+    CompressedRuntime.from_artifact(hf_model, artifact)  # the runtime can really load it
+    save_artifact(out, artifact)
+    return artifact
+
+
+# --- runtime: generate and evaluate ----------------------------------------------------------
+
+
+def load_runtime(
+    model: str | None = None,
+    artifact: str | Path | None = None,
+    recipe: str | Path | Recipe | None = None,
+    *,
+    load: LoadOptions = LoadOptions(),
+):
+    """(model, tokenizer, runtime) from a deployable artifact, or from a recipe (no calibration), or uncompressed."""
+    if artifact is not None and recipe is not None:
+        raise ArtifactError("give either an artifact or a recipe, not both")
+    loaded = load_artifact(artifact, expect_kind="deployable") if artifact is not None else None
+    hf_model, tokenizer = _load(model_for_artifact(model, loaded) if loaded else model, load)
+    if loaded is not None:
+        return hf_model, tokenizer, CompressedRuntime.from_artifact(hf_model, loaded)
+    resolved = recipe if isinstance(recipe, Recipe) else (load_recipe(recipe) if recipe else uncompressed_recipe())
+    return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    texts: list[str]
+    prompt_tokens: int
+    new_tokens: int  # per sequence (the longest)
+    seconds: float
+    tokens_per_s: float  # generated tokens per second, all sequences together
+    memory: dict
+
+
+class _Streamer:
+    """Minimal streamer for generate(): decodes new tokens of a single sequence and hands text to a callback."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None]) -> None:
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.ids: list[int] = []
+        self.printed = 0
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate() first sends the prompt
+            self.prompt_seen = True
+            return
+        self.ids.extend(value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for complete UTF-8 characters
+            self.on_text(text[self.printed :])
+            self.printed = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.on_text(text[self.printed :])
+
+
+def generate(
+    prompts: list[str],
+    model: str | None = None,
+    artifact: str | Path | None = None,
+    recipe: str | Path | Recipe | None = None,
+    *,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    on_text: Callable[[str], None] | None = None,
+    load: LoadOptions = LoadOptions(),
+) -> GenerateResult:
+    """Generate with the compressed cache; batches of prompts are left-padded. Streams text when one prompt."""
+    if not prompts or any(not p for p in prompts):
+        raise RuntimeConfigError("give at least one non-empty prompt")
+    if max_new_tokens < 1:
+        raise RuntimeConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, load=load)
+    device = next(hf_model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+    runtime.check_context(enc.input_ids.shape[1] + max_new_tokens)
+    cache = runtime.new_cache()
+    streamer = _Streamer(tokenizer, on_text) if on_text and len(prompts) == 1 else None
+    torch.manual_seed(seed)
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = hf_model.generate(
+            **enc, past_key_values=cache, max_new_tokens=max_new_tokens, streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id, **sampling,
+        )
+    seconds = time.perf_counter() - start
+    new = out[:, enc.input_ids.shape[1] :]
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    return GenerateResult(
+        texts=texts,
+        prompt_tokens=enc.input_ids.shape[1],
+        new_tokens=new.shape[1],
+        seconds=seconds,
+        tokens_per_s=new.numel() / seconds if seconds else 0.0,
+        memory=cache.memory_report(),
+    )
+
+
+def evaluate_perplexity(
+    data: str | DataSpec,
+    model: str | None = None,
+    artifact: str | Path | None = None,
+    recipe: str | Path | Recipe | None = None,
+    *,
+    samples: int = 4,
+    seq_len: int = 1024,
+    prefill: int | None = None,
+    chunk: int = 1,
+    batch_size: int = 4,
+    baseline: bool = True,
+    load: LoadOptions = LoadOptions(),
+    progress: Progress = no_progress,
+) -> dict:
+    """Perplexity through the runtime on sequential windows, with the uncompressed baseline from the same code path.
+
+    Returns a JSON-able dict with baseline_ppl, ppl, delta_pct, bits_per_element, cache_bytes,
+    baseline_cache_bytes, fp16_cache_bytes, bytes_per_token, tokens/s and the settings.
+    """
+    from kvtool.eval.perplexity import perplexity
+
+    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, load=load)
+    runtime.check_context(seq_len)
+    windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")
+    prefill = seq_len // 2 if prefill is None else prefill
+    kwargs = {"prefill": prefill, "chunk": chunk, "batch_size": batch_size, "progress": progress}
+    result = perplexity(hf_model, windows, runtime.new_cache, **kwargs).to_dict()
+    report = {"recipe": runtime.recipe.name, "data": _provenance(data, windows, 0, windows.numel())["data"], **result}
+    if baseline:
+        base_runtime = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe())
+        base = perplexity(hf_model, windows, base_runtime.new_cache, **kwargs)
+        report.update(
+            baseline_ppl=base.ppl,
+            baseline_cache_bytes=base.cache_bytes,
+            baseline_bytes_per_token=base.bytes_per_token,
+            baseline_decode_tokens_per_s=base.decode_tokens_per_s,
+            delta_pct=100 * (result["ppl"] / base.ppl - 1),
+        )
+    return report
+
+
+def inspect(path: str | Path) -> dict:
+    """Manifest and tensor table of any kvtool artifact."""
+    artifact = load_artifact(path)
+    tensors = {name: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for name, t in artifact.tensors.items()}
+    return {"path": str(path), "kind": artifact.kind, "manifest": artifact.manifest, "tensors": tensors}

@@ -1,0 +1,138 @@
+"""Stream per-layer K/V statistics through a model without holding its activations.
+
+The model runs unmodified; a pass-through `CaptureCache` sits where the KV cache
+would be. Every attention layer hands it the keys (after RoPE) and values of the
+batch; the cache rotates the keys back to their pre-RoPE form with the model's
+own cos/sin (RoPE is orthogonal, so this is exact up to float rounding) and
+gives all three to the observers, then lets the tensors go. Memory is one
+batch's activations plus whatever the observers reduce them to.
+
+Observers receive, per layer: keys_pre_rope, keys, values, each (B, H_kv, T, D),
+never expanded to query heads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Protocol
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvtool.models.adapter import ModelAdapter
+from kvtool.models.rope import unapply_rope
+
+Progress = Callable[[Iterable, str, int], Iterable]
+
+
+def no_progress(items: Iterable, description: str, total: int) -> Iterable:
+    """Default progress wrapper: none."""
+    return items
+
+
+class Observer(Protocol):
+    """Reduces captured activations to statistics."""
+
+    def observe(self, layer: int, keys_pre_rope: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+
+class _CaptureLayer(CacheLayerMixin):
+    """Pass-through cache layer: reports K/V to the observers and stores nothing."""
+
+    is_sliding = False
+
+    def __init__(self, layer: int, owner: "CaptureCache") -> None:
+        super().__init__()
+        self.layer, self.owner = layer, owner
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.owner.report(self.layer, key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class CaptureCache(Cache):
+    """A cache that captures instead of caching, for one forward of a batch without padding."""
+
+    def __init__(self, adapter: ModelAdapter, observers: list[Observer], cos: torch.Tensor, sin: torch.Tensor):
+        super().__init__(layers=[_CaptureLayer(i, self) for i in range(adapter.geometry.num_layers)])
+        self.observers, self.cos, self.sin = observers, cos, sin
+
+    def report(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        keys, values = keys.detach().float(), values.detach().float()  # (B, H_kv, T, D)
+        keys_pre = unapply_rope(keys, self.cos.float(), self.sin.float())
+        for observer in self.observers:
+            observer.observe(layer, keys_pre, keys, values)
+
+
+@torch.no_grad()
+def stream_batches(
+    model,
+    adapter: ModelAdapter,
+    windows: torch.Tensor,
+    observers: list[Observer],
+    batch_size: int = 4,
+    progress: Progress = no_progress,
+) -> int:
+    """Run token windows (N, T) through the model batch by batch; return the number of tokens seen."""
+    device = next(model.parameters()).device
+    batches = windows.split(batch_size)
+    seen = 0
+    for batch in progress(batches, "capturing K/V statistics", len(batches)):
+        batch = batch.to(device)  # (b, T)
+        positions = torch.arange(batch.shape[1], device=device).expand(batch.shape[0], -1)
+        cos, sin = adapter.rope_cos_sin(positions, torch.float32)  # (b, T, R)
+        cache = CaptureCache(adapter, observers, cos, sin)
+        model(input_ids=batch, past_key_values=cache, use_cache=True)
+        seen += batch.numel()
+    return seen
+
+
+class ChannelStats:
+    """Per layer and KV head: mean, std and absmax of every channel of pre-RoPE keys, keys and values.
+
+    Finalised tensors: ``layers.{i}.{kind}.{mean,std,absmax}`` of shape (H_kv, D), and
+    ``layers.{i}.{kind}.token_norm`` (H_kv,) the mean L2 norm of a token's vector.
+    """
+
+    KINDS = ("keys_pre_rope", "keys", "values")
+
+    def __init__(self) -> None:
+        self.sums: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+    def observe(self, layer, keys_pre_rope, keys, values) -> None:
+        for kind, x in zip(self.KINDS, (keys_pre_rope, keys, values)):
+            acc = self.sums.setdefault((layer, kind), {})
+            flat = x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])  # (H_kv, B*T, D)
+            update = {
+                "count": torch.tensor(float(flat.shape[1])),
+                "sum": flat.sum(dim=1),
+                "sumsq": flat.square().sum(dim=1),
+                "norm_sum": flat.norm(dim=-1).sum(dim=1),
+            }
+            for name, value in update.items():
+                acc[name] = acc[name] + value if name in acc else value
+            absmax = flat.abs().amax(dim=1)
+            acc["absmax"] = torch.maximum(acc["absmax"], absmax) if "absmax" in acc else absmax
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for (layer, kind), acc in sorted(self.sums.items()):
+            mean = acc["sum"] / acc["count"]
+            var = (acc["sumsq"] / acc["count"] - mean.square()).clamp(min=0)
+            prefix = f"layers.{layer}.{kind}"
+            out[f"{prefix}.mean"] = mean
+            out[f"{prefix}.std"] = var.sqrt()
+            out[f"{prefix}.absmax"] = acc["absmax"]
+            out[f"{prefix}.token_norm"] = acc["norm_sum"] / acc["count"]
+        return out

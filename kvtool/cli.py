@@ -1,0 +1,317 @@
+"""The ``kvtool`` command line: Typer options, one call into `kvtool.api`, Rich output.
+
+No logic lives here. Errors a user can hit (`KvtoolError`) are printed without a
+traceback and the command exits with status 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.errors import KvtoolError
+
+app = typer.Typer(
+    help="Compress the KV cache of Hugging Face causal LMs: profile, calibrate, export, generate, eval.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Evaluate through the real runtime.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+console = Console()
+err_console = Console(stderr=True)
+
+# --- shared options ---------------------------------------------------------------------------
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="Hub id or local model directory. Default: the artifact's model, else the embedded kvref-5m."),
+]
+DataOpt = Annotated[
+    str,
+    typer.Option(
+        "--data", "-d",
+        help="Text: a .txt/.jsonl/.parquet file or folder, or a hub dataset 'name[:config[:split]]'. "
+        "A suffix [a:b] keeps that fraction of the characters, e.g. file.txt[0.9:1].",
+    ),
+]
+TextColumnOpt = Annotated[str, typer.Option(help="Column holding the text (jsonl/parquet/hub data).")]
+SamplesOpt = Annotated[int, typer.Option(help="Number of token windows.")]
+SeqLenOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per window.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed for window sampling and generation.")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")]
+DtypeOpt = Annotated[str, typer.Option(help="Model dtype: auto (float32 on CPU, checkpoint dtype on GPU), float32, float16, bfloat16.")]
+DeviceOpt = Annotated[str, typer.Option(help="Device: cpu, cuda, cuda:N.")]
+DeviceMapOpt = Annotated[Optional[str], typer.Option("--device-map", help="transformers device_map (e.g. auto) for models that do not fit one device.")]
+RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe YAML path or bundled recipe name (see `kvtool recipes`). Default: kivi-4bit.")]
+
+
+def _friendly(fn):
+    """Print KvtoolError as one red line and exit 2, instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvtoolError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise typer.Exit(code=2) from None
+
+    return wrapper
+
+
+def _quiet_libraries() -> None:
+    """Silence transformers'/datasets' own progress bars; kvtool shows its own."""
+    import datasets
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+
+def _progress(items, description: str, total: int):
+    from rich.progress import track
+
+    return track(items, description=description, total=total, console=err_console, transient=True)
+
+
+def _load_options(dtype: str, device: str, device_map: Optional[str]):
+    from kvtool.api import LoadOptions
+
+    return LoadOptions(dtype=dtype, device=device, device_map=device_map)
+
+
+def _data(data: str, text_column: str):
+    from kvtool.data import DataSpec
+
+    return DataSpec.parse(data, text_column=text_column)
+
+
+def _write_json(path: Optional[Path], payload: dict) -> None:
+    if path is None:
+        return
+    from kvtool.jsonio import write_json_atomic
+
+    write_json_atomic(path, payload)
+    err_console.print(f"wrote {path}")
+
+
+# --- commands ---------------------------------------------------------------------------------
+@app.command()
+@_friendly
+def profile(
+    data: DataOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Profile artifact to write (.safetensors).")],
+    model: ModelOpt = None,
+    samples: SamplesOpt = 8,
+    seq_len: SeqLenOpt = 512,
+    seed: SeedOpt = 0,
+    batch_size: BatchOpt = 4,
+    text_column: TextColumnOpt = "text",
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+):
+    """Per-layer, per-KV-head statistics of pre-RoPE keys, keys and values on calibration text."""
+    from kvtool import api
+    from kvtool.cli_render import render_profile
+
+    _quiet_libraries()
+    artifact = api.profile(
+        _data(data, text_column), out, model, samples=samples, seq_len=seq_len, seed=seed,
+        batch_size=batch_size, load=_load_options(dtype, device, device_map), progress=_progress,
+    )
+    render_profile(console, artifact)
+    console.print(f"wrote profile [bold]{out}[/]")
+
+
+@app.command()
+@_friendly
+def calibrate(
+    data: DataOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Calibration artifact to write (.safetensors).")],
+    model: ModelOpt = None,
+    recipe: RecipeOpt = None,
+    samples: Annotated[Optional[int], typer.Option(help="Calibration windows. Default: the recipe's calibration.samples.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per window. Default: the recipe's calibration.seq_len.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed. Default: the recipe's calibration.seed.")] = None,
+    batch_size: BatchOpt = 4,
+    text_column: TextColumnOpt = "text",
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+):
+    """Fit and measure the recipe's quantizers on calibration text."""
+    from kvtool import api
+    from kvtool.cli_render import render_calibration
+
+    _quiet_libraries()
+    artifact = api.calibrate(
+        _data(data, text_column), out, model, recipe, samples=samples, seq_len=seq_len, seed=seed,
+        batch_size=batch_size, load=_load_options(dtype, device, device_map), progress=_progress,
+    )
+    render_calibration(console, artifact)
+    console.print(f"wrote calibration [bold]{out}[/]")
+
+
+@app.command()
+@_friendly
+def export(
+    calib: Annotated[Path, typer.Option("--calib", "-c", help="Calibration artifact from `kvtool calibrate`.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Deployable artifact to write (.safetensors).")],
+    model: ModelOpt = None,
+    profile: Annotated[Optional[Path], typer.Option("--profile", "-p", help="Profile artifact from `kvtool profile` to include.")] = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+):
+    """Validate calibration (and profile) against the model and write one deployable artifact."""
+    from kvtool import api
+
+    _quiet_libraries()
+    artifact = api.export(calib, out, model, profile, load=_load_options(dtype, device, device_map))
+    bits = artifact.manifest.get("expected_bits_per_element", {})
+    console.print(f"wrote artifact [bold]{out}[/] ({len(artifact.tensors)} tensors, {bits.get('body', 0):.2f} bits per body element)")
+
+
+@app.command()
+@_friendly
+def generate(
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="Prompt text; repeat for a batch (left-padded).")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", help="File whose whole text is one prompt.")] = None,
+    model: ModelOpt = None,
+    artifact: Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact from `kvtool export`.")] = None,
+    recipe: RecipeOpt = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.")] = 64,
+    sample: Annotated[bool, typer.Option("--sample/--greedy", help="Sample instead of greedy decoding.")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (with --sample).")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (with --sample).")] = 1.0,
+    seed: SeedOpt = 0,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+):
+    """Generate with the compressed cache; ends with cache bytes vs the 16-bit cache and tokens/s."""
+    from kvtool import api
+    from kvtool.cli_render import render_generation, read_prompts
+
+    _quiet_libraries()
+    prompts = read_prompts(prompt, prompt_file)
+    stream = (lambda text: console.print(text, end="", highlight=False, markup=False)) if len(prompts) == 1 else None
+    if stream:
+        console.print(prompts[0], end="", style="dim", highlight=False, markup=False)
+    result = api.generate(
+        prompts, model, artifact, recipe, max_new_tokens=max_new_tokens, do_sample=sample,
+        temperature=temperature, top_p=top_p, seed=seed, on_text=stream, load=_load_options(dtype, device, device_map),
+    )
+    render_generation(console, prompts, result, streamed=stream is not None)
+
+
+@eval_app.command("ppl")
+@_friendly
+def eval_ppl(
+    data: DataOpt,
+    model: ModelOpt = None,
+    artifact: Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")] = None,
+    samples: SamplesOpt = 4,
+    seq_len: SeqLenOpt = 1024,
+    prefill: Annotated[Optional[int], typer.Option(help="Tokens written to the cache before scoring. Default: seq_len / 2.")] = None,
+    chunk: Annotated[int, typer.Option(help="Tokens per decode forward. 1 = true decoding; >1 is a faster approximation.")] = 1,
+    batch_size: BatchOpt = 4,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also score the uncompressed cache.")] = True,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    text_column: TextColumnOpt = "text",
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+):
+    """Perplexity through the real runtime: prefill into the cache, then score while decoding."""
+    from kvtool import api
+    from kvtool.cli_render import render_perplexity
+
+    _quiet_libraries()
+    report = api.evaluate_perplexity(
+        _data(data, text_column), model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
+        chunk=chunk, batch_size=batch_size, baseline=baseline, load=_load_options(dtype, device, device_map), progress=_progress,
+    )
+    render_perplexity(console, report)
+    _write_json(json_out, report)
+
+
+@app.command()
+@_friendly
+def inspect(
+    artifact: Annotated[Path, typer.Argument(help="Any kvtool artifact (profile, calibration or deployable).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest and tensor list as JSON.")] = False,
+):
+    """Show an artifact's manifest, model, recipe, quality and tensors."""
+    from kvtool import api
+    from kvtool.cli_render import render_inspect
+
+    info = api.inspect(artifact)
+    if as_json:
+        console.print_json(json.dumps(info))
+    else:
+        render_inspect(console, info)
+
+
+@app.command()
+def recipes():
+    """List the bundled recipes."""
+    from kvtool.recipe import bundled_recipe_dir, load_recipe
+
+    table = Table("name", "keys", "values", "window", "description")
+    for path in sorted(bundled_recipe_dir().glob("*.yaml")):
+        r = load_recipe(path)
+        table.add_row(
+            path.stem, f"{r.keys.method} {r.keys.bits}b {r.keys.axis}", f"{r.values.method} {r.values.bits}b {r.values.axis}",
+            f"{r.cache.sink_tokens} sink + {r.cache.recent_tokens} recent", r.description,
+        )
+    console.print(table)
+
+
+@app.command()
+@_friendly
+def run(
+    data: DataOpt,
+    out_dir: Annotated[Path, typer.Option("--out-dir", "-o", help="Folder for profile, calibration, artifact and report.")] = Path("kvtool-run"),
+    model: ModelOpt = None,
+    recipe: RecipeOpt = None,
+    calib_fraction: Annotated[float, typer.Option(help="Leading fraction of the text used to calibrate; the rest evaluates.")] = 0.9,
+    samples: Annotated[int, typer.Option(help="Calibration windows.")] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration window.")] = 512,
+    eval_samples: Annotated[int, typer.Option(help="Evaluation windows.")] = 4,
+    eval_seq_len: Annotated[int, typer.Option(help="Tokens per evaluation window (half prefill, half decoded).")] = 512,
+    prompt: Annotated[str, typer.Option(help="Prompt for the generated sample.")] = "Once upon a time",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate for the sample.")] = 48,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+):
+    """The whole pipeline: profile, calibrate, export, perplexity with and without compression, a sample."""
+    from kvtool.cli_render import render_summary
+    from kvtool.pipeline import run_pipeline
+
+    _quiet_libraries()
+    summary = run_pipeline(
+        data, out_dir, model, recipe, calib_fraction=calib_fraction, samples=samples, seq_len=seq_len,
+        eval_samples=eval_samples, eval_seq_len=eval_seq_len, prompt=prompt, max_new_tokens=max_new_tokens,
+        load=_load_options(dtype, device, None), progress=_progress, log=lambda msg: err_console.print(f"[cyan]>[/] {msg}"),
+    )
+    render_summary(console, summary)
+
+
+def main() -> None:  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Rich rendering of kvtool results for the terminal (used only by `kvtool.cli`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.errors import RuntimeConfigError
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> list[str]:
+    """--prompt values plus the text of --prompt-file; at least one."""
+    out = list(prompts or [])
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise RuntimeConfigError(f"prompt file '{prompt_file}' does not exist")
+        text = prompt_file.read_text()
+        if not text.strip():
+            raise RuntimeConfigError(f"prompt file '{prompt_file}' is empty")
+        out.append(text)
+    if not out:
+        raise RuntimeConfigError("give a prompt: --prompt TEXT (repeatable) or --prompt-file FILE")
+    return out
+
+
+def render_memory(console: Console, memory: dict, seconds_note: str = "") -> None:
+    table = Table(title="KV cache", show_header=True)
+    for column in ("tokens x batch", "held", "16-bit cache", "ratio", "bits/element"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{memory['tokens']} x {memory['batch']}", _mib(memory["cache_bytes"]), _mib(memory["fp16_cache_bytes"]),
+        f"{memory['compression_ratio']:.2f}x", f"{memory['bits_per_element']:.2f}",
+    )
+    console.print(table)
+    if seconds_note:
+        console.print(seconds_note)
+
+
+def render_generation(console: Console, prompts: list[str], result, streamed: bool) -> None:
+    if streamed:
+        console.print()
+    else:
+        for prompt, text in zip(prompts, result.texts):
+            console.print(f"[dim]{prompt}[/]{text}", highlight=False)
+            console.rule()
+    render_memory(
+        console, result.memory,
+        f"{result.new_tokens} new tokens x {len(prompts)} in {result.seconds:.2f} s = {result.tokens_per_s:.1f} tokens/s",
+    )
+
+
+def render_perplexity(console: Console, report: dict) -> None:
+    table = Table(title=f"Perplexity through the runtime ({report['scored_tokens']} scored tokens)")
+    for column in ("cache", "ppl", "delta", "bits/elem", "bytes/token", "decode tok/s"):
+        table.add_column(column, justify="right")
+    if "baseline_ppl" in report:
+        table.add_row("uncompressed", f"{report['baseline_ppl']:.3f}", "", f"{16 * report['baseline_cache_bytes'] / report['fp16_cache_bytes']:.1f}",
+                      f"{report['baseline_bytes_per_token']:.0f}", f"{report['baseline_decode_tokens_per_s']:.1f}")
+    delta = f"{report['delta_pct']:+.2f}%" if "delta_pct" in report else ""
+    table.add_row(report["recipe"], f"{report['ppl']:.3f}", delta, f"{report['bits_per_element']:.2f}",
+                  f"{report['bytes_per_token']:.0f}", f"{report['decode_tokens_per_s']:.1f}")
+    console.print(table)
+    mode = "true decoding (1 token per step)" if report["exact_decoding"] else f"APPROXIMATE: chunks of {report['chunk']} tokens see each other uncompressed"
+    console.print(f"{report['windows']} windows x {report['seq_len']} tokens, prefill {report['prefill']}; {mode}")
+
+
+def _layer_table(console: Console, tensors: dict, title: str, name_format: str, parts: tuple[str, ...], unit: str) -> None:
+    layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("layers.")} |
+                    {int(k.split(".")[2]) for k in tensors if k.startswith("quality.layers.")})
+    table = Table(title=title)
+    table.add_column("layer", justify="right")
+    for part in parts:
+        table.add_column(f"{part} {unit}", justify="right")
+    for layer in layers:
+        row = []
+        for part in parts:
+            t = tensors.get(name_format.format(layer=layer, part=part))
+            row.append("" if t is None else " ".join(f"{float(v):.1f}" for v in t.reshape(-1)))
+        table.add_row(str(layer), *row)
+    console.print(table)
+
+
+def render_profile(console: Console, artifact) -> None:
+    table = Table(title="K/V statistics per layer (per KV head)")
+    for column in ("layer", "pre-RoPE key absmax", "key token norm", "value absmax", "value token norm"):
+        table.add_column(column, justify="right")
+    layer = 0
+    while f"layers.{layer}.keys.absmax" in artifact.tensors:
+        t = artifact.tensors
+        fmt = lambda x: " ".join(f"{float(v):.2f}" for v in x.reshape(-1))  # noqa: E731
+        table.add_row(str(layer), fmt(t[f"layers.{layer}.keys_pre_rope.absmax"].amax(dim=-1)),
+                      fmt(t[f"layers.{layer}.keys.token_norm"]), fmt(t[f"layers.{layer}.values.absmax"].amax(dim=-1)),
+                      fmt(t[f"layers.{layer}.values.token_norm"]))
+        layer += 1
+    console.print(table)
+
+
+def render_calibration(console: Console, artifact) -> None:
+    _layer_table(console, artifact.tensors, "Quantization SQNR per layer (one number per KV head)",
+                 "quality.layers.{layer}.{part}.sqnr_db", ("keys", "values"), "dB")
+    quality = artifact.manifest.get("quality", {})
+    bits = artifact.manifest.get("expected_bits_per_element", {})
+    console.print(
+        f"mean SQNR keys {quality.get('keys_sqnr_db', float('nan')):.1f} dB, values {quality.get('values_sqnr_db', float('nan')):.1f} dB; "
+        f"body {bits.get('body', 0):.2f} bits per element (scales included)"
+    )
+
+
+def render_inspect(console: Console, info: dict) -> None:
+    manifest = info["manifest"]
+    console.print(f"[bold]{info['path']}[/]: {info['kind']} artifact, kvtool {manifest.get('kvtool_version')}")
+    model = manifest.get("model", {})
+    console.print(
+        f"model: {manifest.get('model_source')} ({model.get('family')}, {model.get('num_layers')} layers, "
+        f"{model.get('num_heads')} q heads / {model.get('num_kv_heads')} KV heads, head_dim {model.get('head_dim')}, "
+        f"K/V weights sha256 {str(model.get('kv_weights_sha256'))[:16]}...)"
+    )
+    for key in ("recipe", "calibration", "expected_bits_per_element", "quality", "profile"):
+        if key in manifest:
+            console.print(f"[bold]{key}[/]: {manifest[key]}", highlight=False)
+    table = Table("tensor", "shape", "dtype", title=f"{len(info['tensors'])} tensors")
+    for name, meta in sorted(info["tensors"].items()):
+        table.add_row(name, str(meta["shape"]), meta["dtype"])
+    console.print(table)
+
+
+def render_summary(console: Console, summary: dict) -> None:
+    ppl = summary["perplexity"]
+    bits = summary["expected_bits_per_element"]
+    table = Table(title=f"kvtool run: {summary['recipe']['name']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("body bits per stored element (keys / values)", f"{bits['keys']:.2f} / {bits['values']:.2f}"),
+        ("bits per element held (incl. sinks + recent window)", f"{ppl['bits_per_element']:.2f}"),
+        ("cache bytes vs 16-bit cache", f"{_mib(ppl['cache_bytes'])} vs {_mib(ppl['fp16_cache_bytes'])} "
+                                        f"({ppl['fp16_cache_bytes'] / ppl['cache_bytes']:.2f}x smaller)"),
+        ("perplexity uncompressed", f"{ppl['baseline_ppl']:.3f}"),
+        ("perplexity compressed", f"{ppl['ppl']:.3f} ({ppl['delta_pct']:+.2f}%)"),
+        ("decode tokens/s compressed / uncompressed", f"{ppl['decode_tokens_per_s']:.1f} / {ppl['baseline_decode_tokens_per_s']:.1f}"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"[bold]sample[/] [dim]{summary['sample']['prompt']}[/]{summary['sample']['text']}", highlight=False)
+    console.print(f"files: {summary['files']}")

@@ -1,0 +1,1 @@
+"""Compression methods: one method per file, registered explicitly in `registry.py`."""

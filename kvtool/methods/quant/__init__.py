@@ -1,0 +1,1 @@
+"""Quantizers that store blocks of keys or values as packed integer codes."""

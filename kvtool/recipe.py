@@ -1,0 +1,230 @@
+"""Recipes: frozen, validated descriptions of how to compress a KV cache.
+
+A recipe is YAML on disk and a tree of frozen dataclasses in memory. Every field
+is validated in ``__post_init__``; unknown keys and bad values raise
+``RecipeError`` naming the field path (for example ``keys.bits``).
+
+Example (``recipes/kivi-4bit.yaml``)::
+
+    name: kivi-4bit
+    keys:   {method: uniform, bits: 4, axis: channel}
+    values: {method: uniform, bits: 4, axis: token, group_size: 32}
+    cache:  {block_size: 32, sink_tokens: 4, recent_tokens: 64}
+    calibration: {samples: 8, seq_len: 512, seed: 0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtool.errors import RecipeError
+
+QUANT_METHODS = ("none", "uniform")
+AXES = ("channel", "token")
+FLOAT_DTYPES = ("float16", "bfloat16", "model")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _require(condition: bool, path: str, message: str) -> None:
+    if not condition:
+        raise RecipeError(f"recipe field '{path}': {message}")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one tensor kind (keys or values) is stored in the cache body.
+
+    method: ``none`` keeps the model's float dtype; ``uniform`` is asymmetric
+        integer quantization (KIVI) with one scale and zero point per group.
+    bits: code width for ``uniform`` (2, 3, 4 or 8); 16 for ``none``.
+    axis: ``channel`` = one scale per channel over a block of tokens (keys,
+        KIVI/KVQuant); ``token`` = one scale per token over ``group_size`` channels.
+    group_size: channels per scale group when ``axis == token`` (clamped to head_dim).
+    """
+
+    method: str = "uniform"
+    bits: int = 4
+    axis: str = "channel"
+    group_size: int = 32
+    path: str = field(default="keys", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        p = self.path
+        _require(self.method in QUANT_METHODS, f"{p}.method", f"'{self.method}' is not one of {list(QUANT_METHODS)}")
+        if self.method == "none":
+            _require(self.bits == 16, f"{p}.bits", f"method 'none' stores 16-bit floats; got {self.bits} (use bits: 16)")
+        else:
+            _require(
+                isinstance(self.bits, int) and self.bits in (2, 3, 4, 8),
+                f"{p}.bits",
+                f"{self.bits} is not supported by '{self.method}'; choose 2, 3, 4 or 8",
+            )
+        _require(self.axis in AXES, f"{p}.axis", f"'{self.axis}' is not one of {list(AXES)}")
+        _require(
+            isinstance(self.group_size, int) and _is_power_of_two(self.group_size),
+            f"{p}.group_size",
+            f"{self.group_size} must be a positive power of two",
+        )
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Layout of the runtime cache.
+
+    block_size: tokens per storage block; the body is quantized a block at a
+        time (power of two, at least 32 so codes fill 32-bit words).
+    sink_tokens: first tokens kept in full precision (attention sinks).
+    recent_tokens: most recent tokens kept in full precision (KIVI residual).
+    float_dtype: dtype of every float the cache stores (sinks, recent window,
+        ``none`` bodies): ``float16``, ``bfloat16``, or ``model`` (whatever the
+        model computes in, e.g. float32 on CPU; makes a no-op cache bit-exact).
+    """
+
+    block_size: int = 32
+    sink_tokens: int = 4
+    recent_tokens: int = 64
+    float_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.block_size, int) and _is_power_of_two(self.block_size) and self.block_size >= 32,
+            "cache.block_size",
+            f"{self.block_size} must be a power of two >= 32",
+        )
+        _require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0, "cache.sink_tokens", "must be an integer >= 0")
+        _require(
+            isinstance(self.recent_tokens, int) and self.recent_tokens >= 0, "cache.recent_tokens", "must be an integer >= 0"
+        )
+        _require(
+            self.float_dtype in FLOAT_DTYPES,
+            "cache.float_dtype",
+            f"'{self.float_dtype}' is not one of {list(FLOAT_DTYPES)}",
+        )
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """How much calibration text to use (windows of ``seq_len`` tokens)."""
+
+    samples: int = 8
+    seq_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.samples, int) and self.samples >= 1, "calibration.samples", "must be an integer >= 1")
+        _require(isinstance(self.seq_len, int) and self.seq_len >= 2, "calibration.seq_len", "must be an integer >= 2")
+        _require(isinstance(self.seed, int), "calibration.seed", "must be an integer")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A complete, validated compression recipe."""
+
+    name: str = "kivi-4bit"
+    description: str = ""
+    keys: QuantSpec = field(default_factory=lambda: QuantSpec(axis="channel", path="keys"))
+    values: QuantSpec = field(default_factory=lambda: QuantSpec(axis="token", path="values"))
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and self.name.strip() != "", "name", "must be a non-empty string")
+
+    @property
+    def is_noop(self) -> bool:
+        """True when nothing is compressed (both tensors stored as floats)."""
+        return self.keys.method == "none" and self.values.method == "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-able dict (the form stored in artifact manifests)."""
+        out = dataclasses.asdict(self)
+        for part in ("keys", "values"):
+            out[part].pop("path", None)
+        return out
+
+    def with_bits(self, bits: int) -> "Recipe":
+        """Same recipe at another code width for keys and values (16 = no compression)."""
+        method = "none" if bits == 16 else "uniform"
+        keys = dataclasses.replace(self.keys, method=method, bits=bits)
+        values = dataclasses.replace(self.values, method=method, bits=bits)
+        return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=keys, values=values)
+
+
+_SECTIONS = {"keys": QuantSpec, "values": QuantSpec, "cache": CacheSpec, "calibration": CalibrationSpec}
+_TOP_LEVEL = {"name", "description", *_SECTIONS}
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe field '{name}': expected a mapping, got {type(raw).__name__}")
+    allowed = {f.name for f in dataclasses.fields(cls) if f.name != "path"}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise RecipeError(f"recipe field '{name}.{unknown[0]}' is unknown; allowed fields: {sorted(allowed)}")
+    kwargs = dict(raw)
+    if cls is QuantSpec:
+        kwargs.setdefault("axis", "channel" if name == "keys" else "token")
+        kwargs["path"] = name
+        if kwargs.get("method") == "none":
+            kwargs.setdefault("bits", 16)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
+        raise RecipeError(f"recipe section '{name}': {exc}") from exc
+
+
+def recipe_from_dict(raw: Any) -> Recipe:
+    """Validate a plain dict (from YAML or a manifest) into a `Recipe`."""
+    if not isinstance(raw, dict):
+        raise RecipeError(f"a recipe must be a mapping at the top level, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _TOP_LEVEL)
+    if unknown:
+        raise RecipeError(f"recipe field '{unknown[0]}' is unknown; allowed top-level fields: {sorted(_TOP_LEVEL)}")
+    kwargs: dict[str, Any] = {k: raw[k] for k in ("name", "description") if k in raw}
+    for name, cls in _SECTIONS.items():
+        if name in raw:
+            kwargs[name] = _build_section(name, cls, raw[name])
+    return Recipe(**kwargs)
+
+
+def load_recipe(source: str | Path | None) -> Recipe:
+    """Load a recipe from a YAML path or the name of a bundled recipe (``recipes/NAME.yaml``).
+
+    ``None`` gives the default recipe (4-bit KIVI-style uniform quantization).
+    """
+    import yaml
+
+    if source is None:
+        return Recipe()
+    path = Path(source)
+    if not path.exists():
+        bundled = bundled_recipe_dir() / f"{source}.yaml"
+        if not bundled.exists():
+            names = ", ".join(sorted(p.stem for p in bundled_recipe_dir().glob("*.yaml")))
+            raise RecipeError(f"recipe '{source}' not found: give a YAML path or one of the bundled recipes: {names}")
+        path = bundled
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe file '{path}' is not valid YAML: {exc}") from exc
+    return recipe_from_dict(raw)
+
+
+def bundled_recipe_dir() -> Path:
+    """Folder of the recipes shipped with kvtool (repository ``recipes/`` or the installed copy)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "recipes"
+    return installed if installed.exists() else here.parent / "recipes"
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """YAML text of a recipe (round-trips through `recipe_from_dict`)."""
+    import yaml
+
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

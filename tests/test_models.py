@@ -1,0 +1,227 @@
+"""Adapters, RoPE and loading, checked on tiny random models of every family."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+from kvtool.errors import ModelError
+from kvtool.models import (
+    ADAPTERS,
+    adapter_for,
+    apply_rope,
+    compare_fingerprints,
+    load_model,
+    loading,
+    resolve_model_path,
+    rotate_half,
+    unapply_rope,
+)
+from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer_free_inputs
+
+STORIES = Path("/work/shared/models/stories260K")
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+# ----- geometry and weights ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_geometry_and_kv_weights(family):
+    adapter = adapter_for(tiny_model(family))
+    g = adapter.geometry
+    assert (g.family, g.num_layers, g.num_heads, g.num_kv_heads) == (family, 2, 4, 2)
+    assert (g.head_dim, g.rotary_dim, g.group_size, g.max_positions) == (32, 32, 2, 256)
+    assert g.sliding_windows == (None, None)
+    assert len(adapter.attention_modules()) == 2
+    for layer in range(2):
+        w_k, w_v = adapter.kv_projection_weights(layer)
+        assert w_k.shape == w_v.shape == (2 * 32, 64)  # (H_kv*D, d_model)
+        assert adapter.kv_projection_inputs_module(layer).in_features == 64
+
+
+def test_geometry_follows_overrides():
+    assert adapter_for(tiny_model("qwen3", kv_heads=4)).geometry.group_size == 1
+    assert adapter_for(tiny_model("phi3", partial_rotary_factor=0.5)).geometry.rotary_dim == 16
+    assert adapter_for(tiny_model("mistral", sliding_window=16)).geometry.sliding_windows == (16, 16)
+    qwen2 = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    geometry = adapter_for(qwen2).geometry
+    assert geometry.layer_types == ("sliding_attention", "full_attention")
+    assert geometry.sliding_windows == (16, None)
+
+
+def test_missing_layer_names_the_range():
+    with pytest.raises(ModelError, match="has 2 layers"):
+        adapter_for(tiny_model("llama")).kv_projection_weights(5)
+
+
+# ----- fingerprints -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fingerprint_stable_dtype_independent_and_weight_sensitive(family):
+    model = tiny_model(family)
+    adapter = adapter_for(model)
+    first = adapter.fingerprint()
+    assert json.loads(json.dumps(first)) == first
+    assert adapter.fingerprint() == first
+    assert adapter_for(copy.deepcopy(model).to(torch.bfloat16)).fingerprint() == first
+    with torch.no_grad():
+        adapter.kv_projection_weights(1)[0][3, 5] += 0.5  # a view: edits the model's own weight
+    changed = adapter.fingerprint()
+    assert changed["kv_weights_sha256"] != first["kv_weights_sha256"]
+    assert compare_fingerprints(first, changed) == [
+        f"kv_weights_sha256: artifact has {first['kv_weights_sha256'][:16]}..., "
+        f"model has {changed['kv_weights_sha256'][:16]}..."
+    ]
+
+
+def test_compare_fingerprints_names_fields():
+    expected = adapter_for(tiny_model("llama")).fingerprint()
+    actual = adapter_for(tiny_model("llama", kv_heads=4)).fingerprint()
+    assert compare_fingerprints(expected, expected) == []
+    lines = compare_fingerprints(expected, actual)
+    assert "num_kv_heads: artifact has 2, model has 4" in lines
+    assert any(line.startswith("kv_weights_sha256:") for line in lines)
+    del actual["rope"]
+    assert "rope: artifact has {'rope_theta': 10000.0, 'rope_type': 'default'}, model has (missing)" in (
+        compare_fingerprints(expected, actual)
+    )
+
+
+# ----- where keys live: the adapter + RoPE reproduce the model's own cache -------------------
+
+
+def _check_cache_matches(model):
+    """Run the model with a DynamicCache; rebuild every layer's cached K/V from the adapter."""
+    adapter = adapter_for(model)
+    with torch.no_grad():  # make biases (zero-initialised) matter where a family has them
+        for layer in range(adapter.geometry.num_layers):
+            for bias in adapter.kv_projection_biases(layer):
+                if bias is not None:
+                    bias.normal_()
+    input_ids, attention_mask = tiny_tokenizer_free_inputs()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    hidden = {}
+    hooks = [
+        adapter.kv_projection_inputs_module(i).register_forward_hook(
+            lambda module, args, output, i=i: hidden.__setitem__(i, args[0])
+        )
+        for i in range(adapter.geometry.num_layers)
+    ]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    for hook in hooks:
+        hook.remove()
+    cos, sin = adapter.rope_cos_sin(position_ids, torch.float32)  # (B, T, R)
+    assert cos.shape == (2, 12, adapter.geometry.rotary_dim)
+    for layer in range(adapter.geometry.num_layers):
+        keys, values = adapter.project_kv(layer, hidden[layer])  # (B, H_kv, T, D), pre-RoPE
+        torch.testing.assert_close(apply_rope(keys, cos, sin), cache.layers[layer].keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values, cache.layers[layer].values, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(unapply_rope(cache.layers[layer].keys, cos, sin), keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_reproduces_cached_keys_and_values(family):
+    _check_cache_matches(tiny_model(family))
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("phi3", {"partial_rotary_factor": 0.5}), ("llama", {"rope_parameters": YARN}), ("mistral", {"sliding_window": 64})],
+    ids=["phi3-partial-rotary", "llama-yarn-scaled", "mistral-sliding"],
+)
+def test_adapter_reproduces_cache_with_unusual_rope(family, overrides):
+    _check_cache_matches(tiny_model(family, **overrides))
+
+
+# ----- RoPE math ------------------------------------------------------------------------------
+
+
+def _cos_sin(rotary_dim: int, scale: float = 1.0):
+    """Random-angle cos/sin, each (2, 5, rotary_dim), in the models' cat(freqs, freqs) layout."""
+    angles = torch.rand(2, 5, rotary_dim // 2, generator=torch.Generator().manual_seed(1)) * 50
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos() * scale, angles.sin() * scale
+
+
+@pytest.mark.parametrize("rotary_dim, scale", [(32, 1.0), (16, 1.0), (32, 1.2)])
+def test_rope_round_trip(rotary_dim, scale):
+    x = torch.randn(2, 3, 5, 32, generator=torch.Generator().manual_seed(0))  # (B, H, T, D)
+    cos, sin = _cos_sin(rotary_dim, scale)
+    rotated = apply_rope(x, cos, sin)
+    assert rotated.shape == x.shape
+    torch.testing.assert_close(rotated[..., rotary_dim:], x[..., rotary_dim:], atol=0, rtol=0)
+    torch.testing.assert_close(unapply_rope(rotated, cos, sin), x, atol=1e-6, rtol=1e-6)
+
+
+def test_rotate_half():
+    assert rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [-3.0, -4.0, 1.0, 2.0]
+
+
+# ----- unsupported families -------------------------------------------------------------------
+
+
+def test_unsupported_architecture_names_supported_families():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64))
+    with pytest.raises(ModelError, match="gpt2") as info:
+        adapter_for(gpt2)
+    assert all(family in str(info.value) for family in ADAPTERS)
+
+
+# ----- loading --------------------------------------------------------------------------------
+
+
+needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=f"{STORIES} not present")
+
+
+@needs_stories
+def test_load_model_local_dir():
+    model, tokenizer = load_model(str(STORIES))
+    assert not model.training and model.dtype == torch.float32
+    assert tokenizer.pad_token is not None and tokenizer.padding_side == "left"
+    batch = tokenizer(["Once upon a time", "Hi"], return_tensors="pt", padding=True)
+    assert batch["attention_mask"][1, 0] == 0  # the short row is padded on the left
+    assert adapter_for(model).geometry.num_kv_heads == 4
+
+
+@needs_stories
+def test_fingerprint_same_for_fp32_and_bf16_loads():
+    fp32, _ = load_model(str(STORIES))
+    bf16, _ = load_model(str(STORIES), dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16
+    assert compare_fingerprints(adapter_for(fp32).fingerprint(), adapter_for(bf16).fingerprint()) == []
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(ModelError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelError, match="config.json"):
+        load_model(str(tmp_path))  # a directory without config.json
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match="gpt2.*llama"):
+        load_model(str(tmp_path))
+
+
+@needs_stories
+def test_load_model_bad_options():
+    with pytest.raises(ModelError, match="unknown dtype"):
+        load_model(str(STORIES), dtype="float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match="CUDA is not available"):
+            load_model(str(STORIES), device="cuda")
+
+
+def test_resolve_model_path_default(monkeypatch, tmp_path):
+    monkeypatch.setattr(loading, "DEFAULT_MODEL_DIR", tmp_path / "missing")
+    monkeypatch.delenv("KVTOOL_DEFAULT_MODEL", raising=False)
+    with pytest.raises(ModelError, match="KVTOOL_DEFAULT_MODEL"):
+        resolve_model_path(None)
+    monkeypatch.setenv("KVTOOL_DEFAULT_MODEL", str(tmp_path))
+    assert resolve_model_path(None) == str(tmp_path.resolve())
+    assert resolve_model_path("org/name") == "org/name"  # a hub id passes through
