@@ -44,14 +44,19 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: (..., G * bits) int32 -> (..., G * 32) uint8 codes."""
+    """Inverse of `pack_codes`: (..., G * bits) int32 -> (..., G * 32) uint8 codes.
+
+    Shifts every word by 0..31 to read one bit plane per word, then ORs the planes
+    together in uint8 (the torch reference path; kernels unpack in registers).
+    """
     g = words.shape[-1] // bits
-    planes = words.to(torch.int64).reshape(*words.shape[:-1], g, bits, 1)  # (..., G, bits, 1)
-    shifts = _bit_positions(words.device)
-    bit_values = (planes >> shifts) & 1  # (..., G, bits, 32)
-    weights = (1 << torch.arange(bits, device=words.device, dtype=torch.int64)).view(bits, 1)
-    codes = (bit_values * weights).sum(dim=-2)  # (..., G, 32)
-    return codes.to(torch.uint8).reshape(*words.shape[:-1], g * RUN)
+    planes = words.reshape(*words.shape[:-1], g, bits, 1)  # (..., G, bits, 1) int32
+    shifts = torch.arange(RUN, device=words.device, dtype=torch.int32)
+    bit_values = ((planes >> shifts) & 1).to(torch.uint8)  # (..., G, bits, 32)
+    codes = bit_values[..., 0, :].clone()
+    for j in range(1, bits):
+        codes |= bit_values[..., j, :] << j
+    return codes.reshape(*words.shape[:-1], g * RUN)
 
 
 def packed_words(num_codes: int, bits: int) -> int:

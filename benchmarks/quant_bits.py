@@ -1,0 +1,99 @@
+"""Benchmark: perplexity through the runtime and cache bytes at 16/8/4/2 bits.
+
+    python benchmarks/quant_bits.py                      # both shared models, table + JSON
+    python benchmarks/quant_bits.py --models kvref-5m --samples 2 --seq-len 512
+
+For each model and bit width two recipes run: KIVI-style (4 fp16 sinks + 64 fp16 recent
+tokens, the rest quantized) and "body only" (no sinks, no recent window: every token
+older than the current forward is quantized, the raw damage of the quantizer). The
+baseline is the uncompressed cache (model dtype) through the same code path.
+Writes benchmarks/results/quant_bits.json. Needs ../shared (models and text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.data import DataSpec, token_windows
+from kvtool.eval.perplexity import perplexity
+from kvtool.jsonio import write_json_atomic
+from kvtool.models.loading import load_model
+from kvtool.recipe import Recipe
+from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+MODELS = {
+    "kvref-5m": ("models/kvref-5m", "data/text/wikitext2_test.txt"),
+    "stories260K": ("models/stories260K", "data/text/tinystories_val_head.txt[0.9:1]"),
+}
+
+
+def recipes(head_dim: int) -> list[Recipe]:
+    group = min(32, head_dim)
+    out = []
+    for bits in (16, 8, 4, 2):
+        kivi = Recipe(name=f"kivi-{bits}bit").with_bits(bits)
+        kivi = dataclasses.replace(kivi, name=f"{bits}-bit kivi", values=dataclasses.replace(kivi.values, group_size=group))
+        body = dataclasses.replace(kivi, name=f"{bits}-bit body-only", cache=dataclasses.replace(kivi.cache, sink_tokens=0, recent_tokens=0))
+        out += [kivi] if bits == 16 else [kivi, body]
+    return out
+
+
+def bench_model(name: str, samples: int, seq_len: int, console: Console) -> list[dict]:
+    model_dir, data = MODELS[name]
+    model, tokenizer = load_model(str(SHARED / model_dir))
+    spec = DataSpec.parse(str(SHARED / data))
+    seq_len = min(seq_len, model.config.max_position_embeddings)
+    windows = token_windows(tokenizer, spec, samples=samples, seq_len=seq_len, mode="sequential")
+    prefill = seq_len // 2
+    rows = []
+    base = None
+    for recipe in [uncompressed_recipe()] + recipes(model.config.head_dim if hasattr(model.config, "head_dim") else 64):
+        runtime = CompressedRuntime.from_recipe(model, recipe)
+        start = time.perf_counter()
+        result = perplexity(model, windows, runtime.new_cache, prefill=prefill)
+        base = base or result
+        rows.append({
+            "model": name, "recipe": recipe.name, "ppl": result.ppl, "delta_pct": 100 * (result.ppl / base.ppl - 1),
+            "bits_per_element": result.bits_per_element, "bytes_per_token": result.bytes_per_token,
+            "cache_bytes": result.cache_bytes, "fp16_cache_bytes": result.fp16_cache_bytes,
+            "decode_tokens_per_s": result.decode_tokens_per_s, "seconds": time.perf_counter() - start,
+            "windows": result.windows, "seq_len": seq_len, "prefill": prefill, "scored_tokens": result.scored_tokens,
+        })
+        console.log(f"{name} {recipe.name}: ppl {result.ppl:.3f}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--samples", type=int, default=4, help="evaluation windows per model")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per window (half prefill, half decoded)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/quant_bits.json"))
+    args = parser.parse_args()
+    console = Console()
+    rows = [row for name in args.models for row in bench_model(name, args.samples, args.seq_len, console)]
+    table = Table(title="Perplexity through the runtime vs bits (decode 1 token per step)")
+    for column in ("model", "recipe", "ppl", "delta", "bits/elem", "bytes/token", "decode tok/s"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r["model"], r["recipe"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%", f"{r['bits_per_element']:.2f}",
+                      f"{r['bytes_per_token']:.0f}", f"{r['decode_tokens_per_s']:.1f}")
+    console.print(table)
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "device": "cpu"}
+    write_json_atomic(args.out, {"machine": machine, "rows": rows})
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
