@@ -25,7 +25,7 @@ from rich.table import Table
 
 from kvtool.data import DataSpec, token_windows
 from kvtool.eval.perplexity import perplexity
-from kvtool.jsonio import write_json_atomic
+from kvtool.fileio import write_json_atomic
 from kvtool.models.loading import load_model
 from kvtool.recipe import Recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe

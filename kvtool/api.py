@@ -20,6 +20,7 @@ from kvtool.capture import ChannelStats, Progress, no_progress, stream_batches
 from kvtool.calibration import QuantErrorStats, build_quantizers
 from kvtool.data import DataSpec, token_windows
 from kvtool.errors import ArtifactError, RuntimeConfigError
+from kvtool.fileio import check_output_path
 from kvtool.models.adapter import adapter_for
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from kvtool.recipe import Recipe, load_recipe
@@ -59,6 +60,12 @@ def model_for_artifact(model: str | None, artifact: Artifact) -> str | None:
     return None
 
 
+def _require_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise RuntimeConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def _windows(tokenizer, data: str | DataSpec, samples: int, seq_len: int, seed: int, mode: str) -> torch.Tensor:
     spec = data if isinstance(data, DataSpec) else DataSpec.parse(data)
     return token_windows(tokenizer, spec, samples=samples, seq_len=seq_len, seed=seed, mode=mode)
@@ -85,6 +92,8 @@ def profile(
     progress: Progress = no_progress,
 ) -> Artifact:
     """Per-layer, per-KV-head channel statistics of pre-RoPE keys, keys and values -> profile artifact."""
+    _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size)
+    check_output_path(out)
     hf_model, tokenizer = _load(model, load)
     adapter = adapter_for(hf_model)
     windows = _windows(tokenizer, data, samples, seq_len, seed, "random")
@@ -125,6 +134,8 @@ def calibrate(
 
     samples / seq_len / seed override the recipe's ``calibration`` section.
     """
+    _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size)
+    check_output_path(out)
     resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len), ("seed", seed)) if v is not None}
     resolved = dataclasses.replace(resolved, calibration=dataclasses.replace(resolved.calibration, **overrides))
@@ -169,6 +180,7 @@ def export(
     load: LoadOptions = LoadOptions(),
 ) -> Artifact:
     """Validate a calibration (and optional profile) against the model and write the deployable artifact."""
+    check_output_path(out)
     calibration = load_artifact(calib, expect_kind="calibration")
     hf_model, _ = _load(model_for_artifact(model, calibration), load)
     fingerprint = adapter_for(hf_model).fingerprint()
@@ -258,8 +270,9 @@ def generate(
     """Generate with the compressed cache; batches of prompts are left-padded. Streams text when one prompt."""
     if not prompts or any(not p for p in prompts):
         raise RuntimeConfigError("give at least one non-empty prompt")
-    if max_new_tokens < 1:
-        raise RuntimeConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    _require_positive(max_new_tokens=max_new_tokens)
+    if do_sample and not (temperature > 0 and 0 < top_p <= 1):
+        raise RuntimeConfigError(f"sampling needs --temperature > 0 and 0 < --top-p <= 1; got {temperature} and {top_p}")
     hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, load=load)
     device = next(hf_model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
@@ -309,6 +322,7 @@ def evaluate_perplexity(
     """
     from kvtool.eval.perplexity import perplexity
 
+    _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size, chunk=chunk)
     hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, load=load)
     runtime.check_context(seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 import torch
 
 from kvtool.errors import ArtifactError
+from kvtool.fileio import atomic_write
 
 FORMAT = "kvtool.artifact"
 FORMAT_VERSION = 1
@@ -58,7 +57,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
@@ -69,7 +68,6 @@ def save_artifact(path: str | Path, artifact: Artifact) -> Path:
     from kvtool import __version__
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in artifact.tensors.items()}
     manifest = {
         **artifact.manifest,
@@ -78,16 +76,7 @@ def save_artifact(path: str | Path, artifact: Artifact) -> Path:
         "tensors_sha256": tensors_sha256(tensors),
     }
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "manifest": json.dumps(manifest)}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return path
 
 

@@ -39,7 +39,7 @@ DataOpt = Annotated[
     typer.Option(
         "--data", "-d",
         help="Text: a .txt/.jsonl/.parquet file or folder, or a hub dataset 'name[:config[:split]]'. "
-        "A suffix [a:b] keeps that fraction of the characters, e.g. file.txt[0.9:1].",
+        "A suffix \\[a:b] keeps that fraction of the characters, e.g. file.txt\\[0.9:1].",
     ),
 ]
 TextColumnOpt = Annotated[str, typer.Option(help="Column holding the text (jsonl/parquet/hub data).")]
@@ -61,7 +61,7 @@ def _friendly(fn):
         try:
             return fn(*args, **kwargs)
         except KvtoolError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(code=2) from None
 
     return wrapper
@@ -98,7 +98,7 @@ def _data(data: str, text_column: str):
 def _write_json(path: Optional[Path], payload: dict) -> None:
     if path is None:
         return
-    from kvtool.jsonio import write_json_atomic
+    from kvtool.fileio import write_json_atomic
 
     write_json_atomic(path, payload)
     err_console.print(f"wrote {path}")
@@ -239,6 +239,10 @@ def eval_ppl(
     from kvtool.cli_render import render_perplexity
 
     _quiet_libraries()
+    if json_out is not None:
+        from kvtool.fileio import check_output_path
+
+        check_output_path(json_out)
     report = api.evaluate_perplexity(
         _data(data, text_column), model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
         chunk=chunk, batch_size=batch_size, baseline=baseline, load=_load_options(dtype, device, device_map), progress=_progress,

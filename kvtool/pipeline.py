@@ -14,7 +14,7 @@ from kvtool import api
 from kvtool.capture import Progress, no_progress
 from kvtool.data import DataSpec
 from kvtool.errors import DataError
-from kvtool.jsonio import write_json_atomic
+from kvtool.fileio import check_output_path, write_json_atomic
 
 
 def _split(data: str, fraction: float) -> tuple[DataSpec, DataSpec]:
@@ -46,6 +46,7 @@ def run_pipeline(
 ) -> dict:
     """Run every stage, write files and ``summary.json`` into ``out_dir``; return the summary."""
     out = Path(out_dir)
+    check_output_path(out / "summary.json")  # fail before any work if the folder cannot be written
     calib_data, eval_data = _split(data, calib_fraction)
     paths = {name: out / f"{name}.safetensors" for name in ("profile", "calibration", "model.kvt")}
     log(f"profile on {calib_data.source} [{calib_data.start:.2f}:{calib_data.end:.2f}]")

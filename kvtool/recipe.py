@@ -31,6 +31,11 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (YAML ``true`` is not a token count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _require(condition: bool, path: str, message: str) -> None:
     if not condition:
         raise RecipeError(f"recipe field '{path}': {message}")
@@ -61,13 +66,13 @@ class QuantSpec:
             _require(self.bits == 16, f"{p}.bits", f"method 'none' stores 16-bit floats; got {self.bits} (use bits: 16)")
         else:
             _require(
-                isinstance(self.bits, int) and self.bits in (2, 3, 4, 8),
+                _is_int(self.bits) and self.bits in (2, 3, 4, 8),
                 f"{p}.bits",
                 f"{self.bits} is not supported by '{self.method}'; choose 2, 3, 4 or 8",
             )
         _require(self.axis in AXES, f"{p}.axis", f"'{self.axis}' is not one of {list(AXES)}")
         _require(
-            isinstance(self.group_size, int) and _is_power_of_two(self.group_size),
+            _is_int(self.group_size) and _is_power_of_two(self.group_size),
             f"{p}.group_size",
             f"{self.group_size} must be a positive power of two",
         )
@@ -93,13 +98,13 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         _require(
-            isinstance(self.block_size, int) and _is_power_of_two(self.block_size) and self.block_size >= 32,
+            _is_int(self.block_size) and _is_power_of_two(self.block_size) and self.block_size >= 32,
             "cache.block_size",
             f"{self.block_size} must be a power of two >= 32",
         )
-        _require(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0, "cache.sink_tokens", "must be an integer >= 0")
+        _require(_is_int(self.sink_tokens) and self.sink_tokens >= 0, "cache.sink_tokens", "must be an integer >= 0")
         _require(
-            isinstance(self.recent_tokens, int) and self.recent_tokens >= 0, "cache.recent_tokens", "must be an integer >= 0"
+            _is_int(self.recent_tokens) and self.recent_tokens >= 0, "cache.recent_tokens", "must be an integer >= 0"
         )
         _require(
             self.float_dtype in FLOAT_DTYPES,
@@ -117,9 +122,9 @@ class CalibrationSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.samples, int) and self.samples >= 1, "calibration.samples", "must be an integer >= 1")
-        _require(isinstance(self.seq_len, int) and self.seq_len >= 2, "calibration.seq_len", "must be an integer >= 2")
-        _require(isinstance(self.seed, int), "calibration.seed", "must be an integer")
+        _require(_is_int(self.samples) and self.samples >= 1, "calibration.samples", "must be an integer >= 1")
+        _require(_is_int(self.seq_len) and self.seq_len >= 2, "calibration.seq_len", "must be an integer >= 2")
+        _require(_is_int(self.seed), "calibration.seed", "must be an integer")
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ class UniformQuantizer(BlockQuantizer):
         shape = torch.Size((b, h, n, self.block_size, self.head_dim))
         grouped = self._grouped(codes.reshape(shape).float())
         x = grouped * storage["scale"].float()[..., None] + storage["zero"].float()[..., None]
-        return self._ungrouped(x, shape).to(self.dtype)
+        limit = torch.finfo(self.dtype).max  # fp16 scale rounding can push the top code just past the range
+        return self._ungrouped(x, shape).clamp(-limit, limit).to(self.dtype)
 
     def block_nbytes(self) -> int:
         s, d = self.block_size, self.head_dim

@@ -1,0 +1,240 @@
+"""Recipes: defaults, bundled files, YAML round trips, and errors that name the bad field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtool.errors import RecipeError
+from kvtool.recipe import (
+    CacheSpec,
+    QuantSpec,
+    Recipe,
+    bundled_recipe_dir,
+    dump_recipe,
+    load_recipe,
+    recipe_from_dict,
+)
+
+REPO_RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+def good() -> dict:
+    """A complete valid recipe dict (fresh copy each call)."""
+    return {
+        "name": "t",
+        "description": "test",
+        "keys": {"method": "uniform", "bits": 4, "axis": "channel", "group_size": 32},
+        "values": {"method": "uniform", "bits": 4, "axis": "token", "group_size": 32},
+        "cache": {"block_size": 32, "sink_tokens": 4, "recent_tokens": 64, "float_dtype": "float16"},
+        "calibration": {"samples": 8, "seq_len": 512, "seed": 0},
+    }
+
+
+def with_field(path: str, value) -> dict:
+    raw = good()
+    section, key = path.split(".")
+    raw[section][key] = value
+    return raw
+
+
+# ----- defaults and bundled recipes ------------------------------------------------------
+
+
+def test_defaults_valid():
+    recipe = Recipe()
+    assert recipe == load_recipe(None)
+    assert (recipe.keys.method, recipe.keys.bits, recipe.keys.axis) == ("uniform", 4, "channel")
+    assert (recipe.values.method, recipe.values.bits, recipe.values.axis) == ("uniform", 4, "token")
+    assert recipe.keys.path == "keys" and recipe.values.path == "values"
+    assert recipe.cache == CacheSpec()
+    assert not recipe.is_noop
+    assert recipe_from_dict({}) == recipe  # every section is optional
+
+
+def test_default_round_trips():
+    assert recipe_from_dict(yaml.safe_load(dump_recipe(Recipe()))) == Recipe()
+
+
+def test_bundled_recipes_are_found():
+    assert REPO_RECIPES, "no recipes/*.yaml in the repository"
+    assert {p.stem for p in bundled_recipe_dir().glob("*.yaml")} == {p.stem for p in REPO_RECIPES}
+
+
+@pytest.mark.parametrize("path", REPO_RECIPES, ids=[p.stem for p in REPO_RECIPES])
+def test_bundled_recipe_loads_and_round_trips(path):
+    by_path = load_recipe(path)
+    by_name = load_recipe(path.stem)
+    assert by_path == by_name
+    assert by_path.name == path.stem  # file name and recipe name agree
+    text = dump_recipe(by_path)
+    again = recipe_from_dict(yaml.safe_load(text))
+    assert again == by_path
+    assert again.to_dict() == by_path.to_dict()
+    assert (again.keys.path, again.values.path) == ("keys", "values")
+    assert dump_recipe(again) == text
+
+
+def test_uncompressed_is_noop():
+    recipe = load_recipe("uncompressed")
+    assert recipe.is_noop and recipe.keys.bits == recipe.values.bits == 16
+
+
+def test_round_trip_through_file(tmp_path):
+    recipe = recipe_from_dict(with_field("keys.bits", 2))
+    path = tmp_path / "r.yaml"
+    path.write_text(dump_recipe(recipe))
+    assert load_recipe(path) == recipe
+    assert load_recipe(str(path)) == recipe
+
+
+def test_section_defaults_fill_axis_and_none_bits():
+    recipe = recipe_from_dict({"keys": {"bits": 2}, "values": {"method": "none"}})
+    assert recipe.keys.axis == "channel" and recipe.values.axis == "token"
+    assert recipe.values.bits == 16
+
+
+# ----- bad values name the field ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("keys.bits", 5),
+        ("keys.bits", 16),  # 16 only for method none
+        ("values.bits", 1),
+        ("keys.bits", 4.0),
+        ("keys.method", "kmeans"),
+        ("values.axis", "head"),
+        ("values.group_size", 48),
+        ("values.group_size", 0),
+        ("cache.block_size", 48),
+        ("cache.block_size", 16),
+        ("cache.block_size", 0),
+        ("cache.sink_tokens", -1),
+        ("cache.recent_tokens", -4),
+        ("cache.recent_tokens", 2.5),
+        ("cache.float_dtype", "float64"),
+        ("calibration.samples", 0),
+        ("calibration.seq_len", 1),
+        ("calibration.seed", "x"),
+    ],
+)
+def test_bad_value_names_field(path, value):
+    with pytest.raises(RecipeError, match=rf"recipe field '{path}'"):
+        recipe_from_dict(with_field(path, value))
+
+
+def test_bits_5_for_uniform_message():
+    with pytest.raises(RecipeError, match=r"'keys\.bits': 5 is not supported by 'uniform'; choose 2, 3, 4 or 8"):
+        recipe_from_dict(with_field("keys.bits", 5))
+
+
+def test_method_none_with_bits_4():
+    raw = good()
+    raw["values"] = {"method": "none", "bits": 4}
+    with pytest.raises(RecipeError, match=r"'values\.bits': method 'none' stores 16-bit floats; got 4"):
+        recipe_from_dict(raw)
+
+
+def test_empty_name_rejected():
+    raw = good()
+    raw["name"] = "  "
+    with pytest.raises(RecipeError, match=r"recipe field 'name'"):
+        recipe_from_dict(raw)
+
+
+def test_unknown_top_level_key():
+    raw = good()
+    raw["bogus"] = 1
+    with pytest.raises(RecipeError, match=r"recipe field 'bogus' is unknown"):
+        recipe_from_dict(raw)
+
+
+@pytest.mark.parametrize("section", ["cache", "keys", "calibration"])
+def test_unknown_key_inside_section(section):
+    raw = good()
+    raw[section]["bogus"] = 1
+    with pytest.raises(RecipeError, match=rf"recipe field '{section}\.bogus' is unknown"):
+        recipe_from_dict(raw)
+
+
+def test_section_must_be_mapping():
+    raw = good()
+    raw["cache"] = [32]
+    with pytest.raises(RecipeError, match=r"recipe field 'cache': expected a mapping, got list"):
+        recipe_from_dict(raw)
+
+
+def test_direct_construction_validates():
+    with pytest.raises(RecipeError, match=r"'values\.bits'"):
+        QuantSpec(bits=7, path="values")
+    with pytest.raises(RecipeError, match=r"'cache\.block_size'"):
+        CacheSpec(block_size=48)
+
+
+# ----- files -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("just a string\n", "str"), ("", "NoneType")])
+def test_non_mapping_yaml(tmp_path, text, kind):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError, match=rf"must be a mapping at the top level, got {kind}"):
+        load_recipe(path)
+
+
+def test_invalid_yaml_syntax(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nkeys: {method: uniform, bits: 4\n")
+    with pytest.raises(RecipeError, match=r"broken\.yaml' is not valid YAML"):
+        load_recipe(path)
+
+
+def test_bad_value_in_file_names_field(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(with_field("cache.float_dtype", "float64")))
+    with pytest.raises(RecipeError, match=r"'cache\.float_dtype': 'float64' is not one of"):
+        load_recipe(path)
+
+
+def test_unknown_recipe_name_lists_bundled():
+    with pytest.raises(RecipeError, match=r"recipe 'no-such-recipe' not found") as info:
+        load_recipe("no-such-recipe")
+    for path in REPO_RECIPES:
+        assert path.stem in str(info.value)
+
+
+# ----- with_bits -------------------------------------------------------------------------
+
+
+def test_with_bits_16_gives_none():
+    recipe = Recipe().with_bits(16)
+    assert recipe.keys.method == recipe.values.method == "none"
+    assert recipe.keys.bits == recipe.values.bits == 16
+    assert recipe.is_noop
+    assert recipe.cache == Recipe().cache
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_with_bits_keeps_axes(bits):
+    recipe = load_recipe("kivi-4bit").with_bits(bits)
+    assert (recipe.keys.method, recipe.keys.bits, recipe.keys.axis) == ("uniform", bits, "channel")
+    assert (recipe.values.method, recipe.values.bits, recipe.values.axis) == ("uniform", bits, "token")
+    assert recipe_from_dict(yaml.safe_load(dump_recipe(recipe))) == recipe
+
+
+def test_with_bits_from_none_back_to_uniform():
+    recipe = load_recipe("uncompressed").with_bits(4)
+    assert recipe.keys.method == "uniform" and recipe.keys.bits == 4
+
+
+def test_with_bits_invalid():
+    with pytest.raises(RecipeError, match=r"'keys\.bits': 5"):
+        Recipe().with_bits(5)
+
+
+@pytest.mark.parametrize("field, section", [("sink_tokens", "cache"), ("group_size", "values"), ("samples", "calibration")])
+def test_booleans_are_not_integers(field, section):
+    with pytest.raises(RecipeError, match=f"{section}.{field}"):
+        recipe_from_dict({section: {field: True}})
