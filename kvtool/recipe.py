@@ -22,7 +22,9 @@ from typing import Any
 
 from kvtool.errors import RecipeError
 
-QUANT_METHODS = ("none", "uniform")
+QUANT_METHODS = ("none", "uniform", "nuq")
+CODEBOOKS = ("fisher-kmeans", "kmeans", "uniform", "nf")
+METHOD_BITS = {"uniform": (2, 3, 4, 8), "nuq": (2, 3, 4)}
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
 
@@ -45,18 +47,34 @@ def _require(condition: bool, path: str, message: str) -> None:
 class QuantSpec:
     """How one tensor kind (keys or values) is stored in the cache body.
 
-    method: ``none`` keeps the model's float dtype; ``uniform`` is asymmetric
-        integer quantization (KIVI) with one scale and zero point per group.
-    bits: code width for ``uniform`` (2, 3, 4 or 8); 16 for ``none``.
-    axis: ``channel`` = one scale per channel over a block of tokens (keys,
-        KIVI/KVQuant); ``token`` = one scale per token over ``group_size`` channels.
+    method: ``none`` keeps 16-bit floats; ``uniform`` is asymmetric integer
+        quantization (KIVI) with one scale and zero point per group; ``nuq`` is
+        KVQuant: a per-layer non-uniform codebook fitted offline, optional
+        dense-and-sparse outliers and Q-Norm.
+    bits: code width: 2, 3, 4 or 8 for ``uniform``; 2, 3 or 4 for ``nuq``; 16 for ``none``.
+    axis: ``channel`` = scales per channel (keys; KIVI/KVQuant); ``token`` = scales
+        per token over ``group_size`` channels (values).
     group_size: channels per scale group when ``axis == token`` (clamped to head_dim).
+    pre_rope: keys only: quantize keys before RoPE (KVQuant); the cache rotates them
+        back at their true positions when it reads them.
+    codebook: ``nuq`` only: ``fisher-kmeans`` (k-means weighted by Fisher
+        sensitivity), ``kmeans`` (unweighted), ``uniform`` (evenly spaced) or ``nf``
+        (normal-float quantiles).
+    outlier_fraction: ``nuq`` only: fraction of each block's elements stored sparse in
+        16-bit with their positions (dense-and-sparse); keys' per-channel thresholds are
+        calibrated offline at this percentile. Default 0.01 for ``nuq``, 0 otherwise.
+    qnorm: ``nuq`` only: correct the codebook so dequantized values keep the mean and
+        variance of the calibration distribution (Q-Norm).
     """
 
     method: str = "uniform"
     bits: int = 4
     axis: str = "channel"
     group_size: int = 32
+    pre_rope: bool = False
+    codebook: str = "fisher-kmeans"
+    outlier_fraction: float | None = None
+    qnorm: bool = False
     path: str = field(default="keys", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -65,10 +83,11 @@ class QuantSpec:
         if self.method == "none":
             _require(self.bits == 16, f"{p}.bits", f"method 'none' stores 16-bit floats; got {self.bits} (use bits: 16)")
         else:
+            allowed = METHOD_BITS[self.method]
             _require(
-                _is_int(self.bits) and self.bits in (2, 3, 4, 8),
+                _is_int(self.bits) and self.bits in allowed,
                 f"{p}.bits",
-                f"{self.bits} is not supported by '{self.method}'; choose 2, 3, 4 or 8",
+                f"{self.bits} is not supported by '{self.method}'; choose one of {list(allowed)}",
             )
         _require(self.axis in AXES, f"{p}.axis", f"'{self.axis}' is not one of {list(AXES)}")
         _require(
@@ -76,6 +95,22 @@ class QuantSpec:
             f"{p}.group_size",
             f"{self.group_size} must be a positive power of two",
         )
+        _require(isinstance(self.pre_rope, bool), f"{p}.pre_rope", "must be true or false")
+        _require(not (self.pre_rope and p == "values"), f"{p}.pre_rope", "only keys carry RoPE; remove it from values")
+        _require(self.codebook in CODEBOOKS, f"{p}.codebook", f"'{self.codebook}' is not one of {list(CODEBOOKS)}")
+        _require(isinstance(self.qnorm, bool), f"{p}.qnorm", "must be true or false")
+        fraction = self.outlier_fraction
+        if fraction is None:
+            object.__setattr__(self, "outlier_fraction", 0.01 if self.method == "nuq" else 0.0)
+            fraction = self.outlier_fraction
+        _require(
+            isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction <= 0.1,
+            f"{p}.outlier_fraction",
+            f"{fraction} must be a fraction between 0 and 0.1 (0.01 = 1% outliers)",
+        )
+        if self.method != "nuq":
+            _require(fraction == 0, f"{p}.outlier_fraction", f"outliers need method 'nuq', not '{self.method}'")
+            _require(not self.qnorm, f"{p}.qnorm", f"Q-Norm needs method 'nuq', not '{self.method}'")
 
 
 @dataclass(frozen=True)
@@ -155,10 +190,13 @@ class Recipe:
 
     def with_bits(self, bits: int) -> "Recipe":
         """Same recipe at another code width for keys and values (16 = no compression)."""
-        method = "none" if bits == 16 else "uniform"
-        keys = dataclasses.replace(self.keys, method=method, bits=bits)
-        values = dataclasses.replace(self.values, method=method, bits=bits)
-        return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=keys, values=values)
+
+        def change(spec: QuantSpec) -> QuantSpec:
+            if bits == 16:
+                return dataclasses.replace(spec, method="none", bits=16, outlier_fraction=0.0, qnorm=False)
+            return dataclasses.replace(spec, method="uniform" if spec.method == "none" else spec.method, bits=bits)
+
+        return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=change(self.keys), values=change(self.values))
 
 
 _SECTIONS = {"keys": QuantSpec, "values": QuantSpec, "cache": CacheSpec, "calibration": CalibrationSpec}

@@ -126,7 +126,7 @@ def test_bad_value_names_field(path, value):
 
 
 def test_bits_5_for_uniform_message():
-    with pytest.raises(RecipeError, match=r"'keys\.bits': 5 is not supported by 'uniform'; choose 2, 3, 4 or 8"):
+    with pytest.raises(RecipeError, match=r"'keys\.bits': 5 is not supported by 'uniform'; choose one of \[2, 3, 4, 8\]"):
         recipe_from_dict(with_field("keys.bits", 5))
 
 

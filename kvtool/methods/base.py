@@ -40,9 +40,25 @@ class BlockQuantizer:
         self.dtype = dtype  # dtype of the float tensors the model produces
         self.fitted = dict(fitted or {})
 
+    needs_fit: bool = False  # True: `fit` must run on calibration data before the quantizer is usable
+
     @classmethod
-    def fit(cls, spec: QuantSpec, samples: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Learn per-layer parameters from calibration samples (B, H_kv, T, D). Default: nothing to learn."""
+    def fit(
+        cls,
+        spec: QuantSpec,
+        head_dim: int,
+        block_size: int,
+        samples: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Learn one layer's parameters from calibration samples.
+
+        samples: (N, H_kv, D) float32 token vectors of one layer (pre-RoPE keys when
+        ``spec.pre_rope``), drawn at random from the calibration data; weights: same
+        shape, Fisher sensitivities (squared loss gradients) or None. Returns named
+        tensors the artifact stores as ``layers.{i}.{keys|values}.{name}``.
+        Default: nothing to learn.
+        """
         return {}
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
