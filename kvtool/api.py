@@ -17,7 +17,7 @@ import torch
 
 from kvtool.artifact import Artifact, check_model, load_artifact, save_artifact
 from kvtool.capture import ChannelStats, Progress, no_progress, stream_batches
-from kvtool.calibration import QuantErrorStats, build_quantizers
+from kvtool.calibration import QuantErrorStats, build_quantizers, fit_layers, needs_fisher, needs_fit
 from kvtool.data import DataSpec, token_windows
 from kvtool.errors import ArtifactError, RuntimeConfigError
 from kvtool.fileio import check_output_path
@@ -27,6 +27,7 @@ from kvtool.recipe import Recipe, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 
 DEFAULT_MODEL_SOURCE = "kvtool:default-model"
+FIT_SAMPLE_TOKENS = 4096  # token vectors per layer kept for fitting codebooks (bounded memory)
 
 
 @dataclass(frozen=True)
@@ -140,27 +141,56 @@ def calibrate(
     overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len), ("seed", seed)) if v is not None}
     resolved = dataclasses.replace(resolved, calibration=dataclasses.replace(resolved.calibration, **overrides))
     hf_model, tokenizer = _load(model, load)
-    runtime = CompressedRuntime.from_recipe(hf_model, resolved)  # validates the recipe against the model
-    cal = resolved.calibration
-    runtime.check_context(cal.seq_len)
-    windows = _windows(tokenizer, data, cal.samples, cal.seq_len, cal.seed, "random")
-    errors = QuantErrorStats(resolved, runtime.adapter.geometry.head_dim)
-    tokens = stream_batches(hf_model, runtime.adapter, windows, [errors], batch_size, progress)
-    keys_q, values_q = build_quantizers(resolved, runtime.adapter.geometry.head_dim)
-    artifact = Artifact(
-        kind="calibration",
-        manifest={
-            "model": runtime.adapter.fingerprint(),
-            "model_source": model_source(model),
-            "recipe": resolved.to_dict(),
-            "calibration": _provenance(data, windows, cal.seed, tokens),
-            "expected_bits_per_element": _body_bits(keys_q, values_q),
-            "quality": errors.summary(),
-        },
-        tensors=errors.sqnr_db(),
-    )
+    artifact = calibrate_loaded(hf_model, tokenizer, data, resolved, batch_size=batch_size, progress=progress)
+    artifact.manifest["model_source"] = model_source(model)
     save_artifact(out, artifact)
     return artifact
+
+
+def calibrate_loaded(
+    hf_model,
+    tokenizer,
+    data: str | DataSpec,
+    recipe: Recipe,
+    *,
+    batch_size: int = 4,
+    progress: Progress = no_progress,
+) -> Artifact:
+    """`calibrate` on a model already in memory; returns the calibration artifact without writing it."""
+    adapter = adapter_for(hf_model)
+    geometry = adapter.geometry
+    cal = recipe.calibration
+    CompressedRuntime.from_recipe(hf_model, uncompressed_recipe()).check_context(cal.seq_len)
+    windows = _windows(tokenizer, data, cal.samples, cal.seq_len, cal.seed, "random")
+    fitted = _fit(hf_model, adapter, recipe, windows, batch_size, progress) if needs_fit(recipe) else None
+    keys_q, values_q = build_quantizers(recipe, geometry.head_dim, fitted=fitted[0] if fitted else None)
+    errors = QuantErrorStats(recipe, geometry.head_dim, fitted)
+    tokens = stream_batches(hf_model, adapter, windows, [errors], batch_size, progress)
+    tensors = errors.sqnr_db()
+    for layer, layer_fitted in enumerate(fitted or []):
+        tensors.update({f"layers.{layer}.{name}": t for name, t in layer_fitted.items()})
+    manifest = {
+        "model": adapter.fingerprint(),
+        "model_source": "(in memory)",
+        "recipe": recipe.to_dict(),
+        "calibration": {**_provenance(data, windows, cal.seed, tokens), "fisher": needs_fisher(recipe)},
+        "expected_bits_per_element": _body_bits(keys_q, values_q),
+        "quality": errors.summary(),
+    }
+    return Artifact(kind="calibration", manifest=manifest, tensors=tensors)
+
+
+def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: Progress) -> list[dict]:
+    """Sample token vectors (with Fisher weights if the codebook needs them) and fit every layer's quantizers."""
+    from kvtool.sensitivity import SampleReservoir, stream_with_gradients
+
+    reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed)
+    if needs_fisher(recipe):
+        stream_with_gradients(hf_model, adapter, windows, [reservoir], batch_size=1, progress=progress)
+    else:
+        stream_batches(hf_model, adapter, windows, [reservoir], batch_size, progress)
+    geometry = adapter.geometry
+    return fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir)
 
 
 def _body_bits(keys_q, values_q) -> dict:

@@ -1,9 +1,11 @@
-"""What `kvtool calibrate` measures and fits for a recipe's quantizers.
+"""What `kvtool calibrate` fits and measures for a recipe's quantizers.
 
-For every layer the recipe's key and value quantizers are run, exactly as the
-runtime will run them, over the calibration K/V in blocks of ``block_size``
-tokens; the signal-to-quantization-noise ratio (SQNR, dB) per KV head is
-recorded. Methods that learn parameters (`BlockQuantizer.fit`) fit them here.
+1. Fit (methods with ``needs_fit``, e.g. KVQuant's nuq): a bounded random sample of
+   token vectors per layer, with Fisher sensitivities (squared loss gradients) when
+   the codebook is Fisher-weighted, goes to `BlockQuantizer.fit`.
+2. Measure: every layer's key and value quantizers run, exactly as the runtime runs
+   them (keys before RoPE when ``keys.pre_rope``), over the calibration K/V in blocks
+   of ``block_size`` tokens; the SQNR (dB) per KV head is recorded.
 """
 
 from __future__ import annotations
@@ -17,12 +19,46 @@ from kvtool.recipe import Recipe
 
 
 def build_quantizers(recipe: Recipe, head_dim: int, dtype: torch.dtype = torch.float16, fitted=None):
-    """(key quantizer, value quantizer) for a recipe at a model's head_dim; raises RecipeError if they cannot be built."""
+    """(key quantizer, value quantizer) for a recipe at a model's head_dim; raises RecipeError if they cannot be built.
+
+    fitted: one layer's tensors as ``{"keys.codebook": ..., "values.codebook": ...}`` (artifact naming).
+    """
     fitted = fitted or {}
     block = recipe.cache.block_size
-    keys = quantizer_class(recipe.keys.method)(recipe.keys, head_dim, block, dtype, fitted.get("keys"))
-    values = quantizer_class(recipe.values.method)(recipe.values, head_dim, block, dtype, fitted.get("values"))
-    return keys, values
+    parts = []
+    for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
+        own = {k[len(part) + 1 :]: v for k, v in fitted.items() if k.startswith(f"{part}.")}
+        parts.append(quantizer_class(spec.method)(spec, head_dim, block, dtype, own))
+    return tuple(parts)
+
+
+def needs_fit(recipe: Recipe) -> bool:
+    """True if a quantizer of the recipe learns parameters from calibration data."""
+    return any(quantizer_class(spec.method).needs_fit for spec in (recipe.keys, recipe.values))
+
+
+def needs_fisher(recipe: Recipe) -> bool:
+    """True if a fitted quantizer weights its samples by Fisher sensitivity."""
+    return any(
+        quantizer_class(spec.method).needs_fit and spec.codebook == "fisher-kmeans" for spec in (recipe.keys, recipe.values)
+    )
+
+
+def fit_layers(recipe: Recipe, head_dim: int, num_layers: int, reservoir) -> list[dict[str, torch.Tensor]]:
+    """Fit every layer's quantizers from a `SampleReservoir`; returns per-layer ``{"keys.x": t, "values.y": t}``."""
+    out = []
+    for layer in range(num_layers):
+        fitted: dict[str, torch.Tensor] = {}
+        for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
+            cls = quantizer_class(spec.method)
+            if not cls.needs_fit:
+                continue
+            source = "values" if part == "values" else ("keys_pre_rope" if spec.pre_rope else "keys")
+            samples, weights = reservoir.samples(layer, source)
+            tensors = cls.fit(spec, head_dim, recipe.cache.block_size, samples, weights)
+            fitted.update({f"{part}.{name}": t for name, t in tensors.items()})
+        out.append(fitted)
+    return out
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
@@ -35,13 +71,21 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
 class QuantErrorStats:
     """Observer: per layer and KV head, signal and error energy of the recipe's quantizers."""
 
-    def __init__(self, recipe: Recipe, head_dim: int) -> None:
-        self.recipe = recipe
-        self.quantizers = build_quantizers(recipe, head_dim)
+    def __init__(self, recipe: Recipe, head_dim: int, fitted: list[dict] | None = None) -> None:
+        self.recipe, self.head_dim, self.fitted = recipe, head_dim, fitted
+        self.quantizers: dict[int, tuple] = {}
         self.energy: dict[tuple[int, str], torch.Tensor] = {}
 
+    def _quantizers(self, layer: int) -> tuple:
+        if layer not in self.quantizers:
+            fitted = self.fitted[layer] if self.fitted else None
+            self.quantizers[layer] = build_quantizers(self.recipe, self.head_dim, fitted=fitted)
+        return self.quantizers[layer]
+
     def observe(self, layer, keys_pre_rope, keys, values) -> None:
-        for part, x, quantizer in (("keys", keys, self.quantizers[0]), ("values", values, self.quantizers[1])):
+        key_q, value_q = self._quantizers(layer)
+        stored_keys = keys_pre_rope if self.recipe.keys.pre_rope else keys
+        for part, x, quantizer in (("keys", stored_keys, key_q), ("values", values, value_q)):
             blocks = _blocks(x, self.recipe.cache.block_size)
             if blocks is None:
                 continue

@@ -499,7 +499,7 @@ def test_calibrate_bad_recipe(tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("name: bad\nkeys: {method: uniform, bits: 5, axis: channel}\n")
     result = invoke("calibrate", "-d", "f.txt", "-o", tmp_path / "c.safetensors", "--recipe", recipe)
-    assert_friendly_error(result, "keys.bits", "5", "2, 3, 4 or 8")
+    assert_friendly_error(result, "keys.bits", "5", "[2, 3, 4, 8]")
 
 
 def test_calibrate_unknown_recipe_name(tmp_path):

@@ -167,3 +167,50 @@ def test_beam_search_reorders_the_compressed_cache():
         reference = model.generate(**kwargs)
         ours = model.generate(**kwargs, past_key_values=CompressedRuntime.from_recipe(model, recipe).new_cache())
     assert torch.equal(ours, reference)
+
+
+def pre_rope_recipe(bits: int, **kwargs) -> Recipe:
+    recipe = make_recipe(bits, **kwargs)
+    return dataclasses.replace(recipe, keys=dataclasses.replace(recipe.keys, pre_rope=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pre_rope_storage_rotates_back_at_true_positions_with_left_padding(family):
+    """Keys stored before RoPE (16-bit, so only rotation error remains) give the plain cache's scores and tokens."""
+    model = tiny_model(family)
+    kwargs = dict(do_sample=False, output_scores=True, return_dict_in_generate=True)
+    reference = generate(model, DynamicCache(config=model.config), **kwargs)
+    runtime = CompressedRuntime.from_recipe(model, pre_rope_recipe(16, sinks=0, recent=0, float_dtype="model"))
+    cache = runtime.new_cache()
+    ours = generate(model, cache, **kwargs)
+    assert all(layer.body_blocks() >= 1 for layer in cache.layers)
+    assert torch.equal(ours.sequences, reference.sequences)
+    for step_ours, step_ref in zip(ours.scores, reference.scores):
+        torch.testing.assert_close(step_ours, step_ref, rtol=1e-4, atol=1e-4)
+    # row 1 is left-padded by 3: its real tokens start at position 0, as generate() numbered them
+    positions = cache.tracker.positions
+    assert positions[0, :5].tolist() == [0, 1, 2, 3, 4]
+    assert positions[1, 3:6].tolist() == [0, 1, 2]
+    assert cache.nbytes() == cache.expected_nbytes()
+
+
+def test_pre_rope_quantization_is_really_applied_before_rope():
+    """The body of a pre-RoPE cache decodes (before re-rotation) to the quantized pre-RoPE keys."""
+    from kvtool.models.rope import unapply_rope
+
+    model = tiny_model("llama")
+    runtime = CompressedRuntime.from_recipe(model, pre_rope_recipe(8, sinks=0, recent=0))
+    cache = runtime.new_cache()
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    plain = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, past_key_values=plain, use_cache=True)
+    layer = cache.layers[1]
+    cos, sin = runtime.adapter.rope_cos_sin(torch.arange(64)[None], torch.float32)
+    pre_rope = unapply_rope(plain.layers[1].keys.float(), cos, sin)  # (1, H, 64, D)
+    decoded = layer.key_quantizer.decode(layer.body_k).reshape(1, 2, 64, 32).float()
+    error = (decoded - pre_rope).norm() / pre_rope.norm()
+    assert error < 0.01  # 8-bit of the pre-RoPE keys
+    post_rope_error = (decoded - plain.layers[1].keys.float()).norm() / pre_rope.norm()
+    assert post_rope_error > 0.1  # it is not the post-RoPE keys

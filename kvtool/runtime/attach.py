@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from kvtool.artifact import Artifact, check_model
-from kvtool.calibration import build_quantizers
-from kvtool.errors import RuntimeConfigError
+from kvtool.calibration import build_quantizers, needs_fit
+from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.adapter import ModelAdapter, adapter_for
 from kvtool.recipe import Recipe, recipe_from_dict
 from kvtool.runtime.cache import CompressedCache, LayerPlan
+from kvtool.runtime.positions import PositionProbe, PositionTracker
 
 
 def uncompressed_recipe(float_dtype: str = "model") -> Recipe:
@@ -34,13 +37,19 @@ class CompressedRuntime:
     adapter: ModelAdapter
     recipe: Recipe
     layer_tensors: list[dict]
+    probe: PositionProbe | None = None
 
     @classmethod
     def from_recipe(cls, model, recipe: Recipe, layer_tensors: list[dict] | None = None) -> "CompressedRuntime":
         adapter = adapter_for(model)
         geometry = adapter.geometry
-        build_quantizers(recipe, geometry.head_dim)  # fails early (RecipeError) if the recipe cannot fit the model
+        if layer_tensors is None and needs_fit(recipe):
+            raise RecipeError(
+                f"recipe '{recipe.name}' uses a method that learns from calibration data (nuq); "
+                "run `kvtool calibrate` and `kvtool export`, then pass the artifact (--artifact)"
+            )
         tensors = layer_tensors or [{} for _ in range(geometry.num_layers)]
+        build_quantizers(recipe, geometry.head_dim, fitted=tensors[0])  # fails early if the recipe cannot fit the model
         return cls(model=model, adapter=adapter, recipe=recipe, layer_tensors=tensors)
 
     @classmethod
@@ -54,7 +63,13 @@ class CompressedRuntime:
 
     def new_cache(self) -> CompressedCache:
         """A fresh, empty compressed cache for one generate/forward session."""
-        return CompressedCache([LayerPlan(self.recipe, fitted) for fitted in self.layer_tensors])
+        plans = [LayerPlan(self.recipe, fitted) for fitted in self.layer_tensors]
+        tracker = None
+        if self.recipe.keys.pre_rope:
+            if self.probe is None:  # one hook per runtime, installed on first need
+                self.probe = PositionProbe(self.adapter.rotary_emb)
+            tracker = PositionTracker(self.probe, lambda pos: self.adapter.rope_cos_sin(pos, torch.float32))
+        return CompressedCache(plans, tracker)
 
     def check_context(self, tokens: int) -> None:
         """Refuse contexts beyond the model's position limit."""

@@ -30,7 +30,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.methods.registry import quantizer_class
+from kvtool.models.rope import apply_rope, unapply_rope
 from kvtool.recipe import Recipe
+from kvtool.runtime.positions import PositionTracker
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,11 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = False
     is_compileable = False
 
-    def __init__(self, plan: LayerPlan) -> None:
+    def __init__(self, plan: LayerPlan, tracker: PositionTracker | None = None, commits_positions: bool = False) -> None:
         super().__init__()
         self.plan = plan
+        self.tracker = tracker  # set when keys are stored before RoPE (shared by all layers)
+        self.commits_positions = commits_positions  # layer 0 records each forward's positions
         self.length = 0  # logical tokens held (= physical: this layer evicts nothing)
 
     # --- transformers' CacheLayerMixin contract -------------------------------------------
@@ -95,6 +99,8 @@ class CompressedLayer(CacheLayerMixin):
         """Store new K/V (B, H, t, D); return (B, H, T_old + t, D) float K/V for attention."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.tracker is not None and self.commits_positions:
+            self.tracker.commit(key_states.shape[0], key_states.shape[2], key_states.device)
         old_k, old_v = self.materialize()
         self._append(key_states, value_states)
         return torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
@@ -143,7 +149,8 @@ class CompressedLayer(CacheLayerMixin):
             return
         cut = n_blocks * block
         b, h, _, d = self.recent_k.shape
-        k_blocks = self.recent_k[:, :, :cut].reshape(b, h, n_blocks, block, d)  # (B, H, N, S, D)
+        start = self.sink_k.shape[2] + self.body_blocks() * block  # slot of the first flushed token
+        k_blocks = self._to_stored_keys(self.recent_k[:, :, :cut], start).reshape(b, h, n_blocks, block, d)  # (B, H, N, S, D)
         v_blocks = self.recent_v[:, :, :cut].reshape(b, h, n_blocks, block, d)
         self.body_k = _cat_storage(self.body_k, self.key_quantizer.encode(k_blocks))
         self.body_v = _cat_storage(self.body_v, self.value_quantizer.encode(v_blocks))
@@ -158,11 +165,26 @@ class CompressedLayer(CacheLayerMixin):
         if self.body_k is not None:
             b, h = self.sink_k.shape[:2]
             d = self.sink_k.shape[-1]
-            parts_k.append(self.key_quantizer.decode(self.body_k).reshape(b, h, -1, d))
+            body_k = self.key_quantizer.decode(self.body_k).reshape(b, h, -1, d)  # (B, H, N*S, D)
+            parts_k.append(self._from_stored_keys(body_k, self.sink_k.shape[2]))
             parts_v.append(self.value_quantizer.decode(self.body_v).reshape(b, h, -1, d))
         parts_k.append(self.recent_k)
         parts_v.append(self.recent_v)
         return torch.cat(parts_k, dim=2).to(self.dtype), torch.cat(parts_v, dim=2).to(self.dtype)
+
+    def _to_stored_keys(self, keys: torch.Tensor, start: int) -> torch.Tensor:
+        """Post-RoPE keys (B, H, t, D) of slots [start, start+t) -> the domain the body stores (pre-RoPE if asked)."""
+        if not self.plan.recipe.keys.pre_rope:
+            return keys
+        cos, sin = self.tracker.cos_sin(start, start + keys.shape[2])  # (B, t, R)
+        return unapply_rope(keys.float(), cos, sin)
+
+    def _from_stored_keys(self, keys: torch.Tensor, start: int) -> torch.Tensor:
+        """Inverse of `_to_stored_keys`: rotate decoded pre-RoPE keys at their true positions."""
+        if not self.plan.recipe.keys.pre_rope:
+            return keys
+        cos, sin = self.tracker.cos_sin(start, start + keys.shape[2])
+        return apply_rope(keys.float(), cos, sin).to(keys.dtype)
 
     def _select_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -210,19 +232,46 @@ class CompressedLayer(CacheLayerMixin):
 
 
 class CompressedCache(Cache):
-    """A `transformers.Cache` of `CompressedLayer`s; pass it as ``past_key_values`` to forward or generate."""
+    """A `transformers.Cache` of `CompressedLayer`s; pass it as ``past_key_values`` to forward or generate.
 
-    def __init__(self, plans: list[LayerPlan]) -> None:
-        super().__init__(layers=[CompressedLayer(plan) for plan in plans])
-        self.recipe = plans[0].recipe
+    ``tracker`` (required when the recipe stores keys before RoPE) keeps every slot's
+    original position; `CompressedRuntime.new_cache` provides one wired to the model.
+    """
+
+    def __init__(self, plans: list[LayerPlan], tracker: PositionTracker | None = None) -> None:
+        if plans[0].recipe.keys.pre_rope and tracker is None:
+            raise ValueError("a recipe with keys.pre_rope needs a PositionTracker; use CompressedRuntime.new_cache()")
+        super().__init__(layers=[CompressedLayer(plan, tracker, i == 0) for i, plan in enumerate(plans)])
+        self.recipe, self.tracker = plans[0].recipe, tracker
+
+    def _position_bytes(self) -> int:
+        return 0 if self.tracker is None else self.tracker.nbytes()
 
     def nbytes(self) -> int:
-        """Bytes of compressed storage held across all layers."""
-        return sum(layer.nbytes() for layer in self.layers)
+        """Bytes of compressed storage held across all layers (and the positions, when tracked)."""
+        return sum(layer.nbytes() for layer in self.layers) + self._position_bytes()
 
     def expected_nbytes(self) -> int:
-        """Analytic bytes for the tokens held (what the artifact promises)."""
-        return sum(layer.expected_nbytes() for layer in self.layers)
+        """Analytic bytes for the tokens held (what the artifact promises); positions are int32 per token."""
+        layers = sum(layer.expected_nbytes() for layer in self.layers)
+        if self.tracker is None or not self.layers[0].is_initialized:
+            return layers
+        return layers + 4 * self.layers[0].sink_k.shape[0] * self.get_seq_length()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.tracker is not None:
+            self.tracker.select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.tracker is not None:
+            self.tracker.select(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.tracker is not None:
+            self.tracker.select(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def fp16_nbytes(self) -> int:
         """Bytes a 16-bit cache would hold for the same tokens."""
