@@ -108,6 +108,8 @@ class QuantSpec:
             f"{p}.outlier_fraction",
             f"{fraction} must be a fraction between 0 and 0.1 (0.01 = 1% outliers)",
         )
+        if self.method == "nuq" and p == "keys":
+            _require(self.pre_rope, f"{p}.pre_rope", "nuq keys are calibrated before RoPE (KVQuant): set keys.pre_rope: true")
         if self.method != "nuq":
             _require(fraction == 0, f"{p}.outlier_fraction", f"outliers need method 'nuq', not '{self.method}'")
             _require(not self.qnorm, f"{p}.qnorm", f"Q-Norm needs method 'nuq', not '{self.method}'")

@@ -9,21 +9,28 @@ Kinds (``QuantSpec.codebook``):
 * ``uniform``: evenly spaced levels from -1 to 1;
 * ``nf``: normal-float: quantiles of N(0, 1) at evenly spaced probabilities, scaled
   so the extreme levels are -1 and 1;
-* ``kmeans``: 1-D k-means (scikit-learn) of the normalised calibration samples;
+* ``kmeans``: 1-D k-means (scikit-learn) of the normalised calibration samples,
+  run on a fine weighted histogram of them (8192 bins over [-1, 1]) so the fit costs
+  milliseconds whatever the sample count, and is deterministic (``random_state=0``);
 * ``fisher-kmeans``: the same, each sample weighted by its Fisher sensitivity.
 
 Q-Norm (`qnorm_correct`) then shifts and scales the levels so that dequantized
-calibration samples keep the samples' (weighted) mean and standard deviation.
+calibration samples (each at its nearest *corrected* level, as the encoder does) keep
+the samples' (weighted) mean and standard deviation.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 
 HISTOGRAM_BINS = 8192  # k-means runs on a weighted histogram of [-1, 1]: bin width 2.4e-4, any sample count
 KMEANS_INITS = 10
+MAX_QNORM_SAMPLES = 100_000  # Q-Norm's search quantizes this many samples (deterministic subsample)
+QNORM_FIXED_POINT = 8  # one-step moment matches before the pattern search
+QNORM_STEPS = 40  # pattern-search iterations (4 quantizations each)
 
 
 def uniform_codebook(bits: int) -> torch.Tensor:
@@ -64,6 +71,7 @@ def kmeans_codebook(values: torch.Tensor, bits: int, weights: torch.Tensor | Non
     """Sorted (weighted) k-means centroids of 1-D ``values`` in [-1, 1]; uniform if there is too little data."""
     from sklearn.cluster import KMeans
     from sklearn.exceptions import ConvergenceWarning
+    from threadpoolctl import threadpool_limits
 
     n = 2**bits
     values = values.detach().float().flatten().cpu().clamp(-1, 1)
@@ -75,7 +83,7 @@ def kmeans_codebook(values: torch.Tensor, bits: int, weights: torch.Tensor | Non
     if points.numel() < n:
         return uniform_codebook(bits)
     model = KMeans(n_clusters=n, n_init=KMEANS_INITS, random_state=0)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), threadpool_limits(1):  # a few thousand points: threads only cost
         warnings.simplefilter("ignore", ConvergenceWarning)
         model.fit(points.numpy().reshape(-1, 1), sample_weight=(mass / mass.mean()).numpy())
     centroids = torch.from_numpy(model.cluster_centers_.reshape(-1)).to(torch.float32)
@@ -83,24 +91,59 @@ def kmeans_codebook(values: torch.Tensor, bits: int, weights: torch.Tensor | Non
 
 
 def qnorm_correct(codebook: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Affine correction ``a * codebook + b`` so quantize-dequantize of ``values`` keeps their (weighted) mean and std."""
-    values = values.detach().float().flatten().cpu()
-    if values.numel() < 2:
-        return codebook
-    w = torch.ones_like(values) if weights is None else weights.detach().float().flatten().cpu()
+    """Affine correction ``a * codebook + b`` so quantize-dequantize of ``values`` keeps their (weighted) mean and std.
+
+    The encoder assigns each value to the nearest level of the *corrected* codebook, so the
+    one-step moment match (made with the old codebook's assignments) is only the start: a
+    pattern search over (log a, b) then minimises the relative moment mismatch under
+    nearest-level assignment (it is piecewise constant, so no gradients). Exact on smooth
+    data; on lumpy data (mass on a few values) the best reachable match.
+    """
+    x = values.detach().float().flatten().cpu()
+    w = torch.ones_like(x) if weights is None else weights.detach().float().flatten().cpu()
     if not torch.isfinite(w).all() or w.sum() <= 0:
-        w = torch.ones_like(values)
+        w = torch.ones_like(x)
+    if x.numel() > MAX_QNORM_SAMPLES:
+        keep = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))[:MAX_QNORM_SAMPLES]
+        x, w = x[keep], w[keep]
     w = (w / w.sum()).double()
-    x = values.double()
-    q = codebook.double()[nearest_codes(values, codebook)]
-    mean_x, mean_q = (w * x).sum(), (w * q).sum()
-    std_x = (w * (x - mean_x).square()).sum().sqrt()
-    std_q = (w * (q - mean_q).square()).sum().sqrt()
-    if std_q <= 1e-12 or std_x <= 1e-12:
+    mean_x = (w * x.double()).sum().item()
+    std_x = (w * (x.double() - mean_x).square()).sum().sqrt().item()
+    base = codebook.double()
+    if x.numel() < 2 or std_x <= 1e-9 or (base[-1] - base[0]).item() <= 1e-9:
         return codebook
-    a = std_x / std_q
-    b = mean_x - a * mean_q
-    return (a * codebook.double() + b).to(torch.float32)
+
+    def moments(log_a: float, b: float) -> tuple[float, float]:
+        levels = (math.exp(log_a) * base + b).float()
+        q = levels[nearest_codes(x, levels)].double()
+        mean = (w * q).sum()
+        return mean.item(), (w * (q - mean).square()).sum().sqrt().item()
+
+    def mismatch(point: tuple[float, float]) -> float:
+        mean, std = moments(*point)
+        return ((mean - mean_x) / std_x) ** 2 + ((std - std_x) / std_x) ** 2
+
+    # Fixed-point iterations of the one-step match (re-assigning each time), then a pattern search.
+    candidates, point = [(0.0, 0.0)], (0.0, 0.0)
+    for _ in range(QNORM_FIXED_POINT):
+        mean_q, std_q = moments(*point)
+        if std_q <= 1e-12:
+            break
+        a = std_x / std_q  # q -> a * (q - mean_q) + mean_x matches both moments for these assignments
+        point = (point[0] + math.log(a), a * (point[1] - mean_q) + mean_x)
+        candidates.append(point)
+    best = min(candidates, key=mismatch)
+    best_cost, step_a, step_b = mismatch(best), 0.25, 0.25 * std_x
+    for _ in range(QNORM_STEPS):
+        if best_cost < 1e-10:
+            break
+        moves = [(best[0] + da, best[1] + db) for da, db in ((step_a, 0), (-step_a, 0), (0, step_b), (0, -step_b))]
+        cost, point = min((mismatch(p), p) for p in moves)
+        if cost < best_cost:
+            best_cost, best = cost, point
+        else:
+            step_a, step_b = step_a / 2, step_b / 2
+    return (math.exp(best[0]) * base + best[1]).to(torch.float32)
 
 
 def fit_codebook(

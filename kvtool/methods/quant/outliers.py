@@ -43,9 +43,9 @@ def top_outliers(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 def token_zscore(grouped: torch.Tensor) -> torch.Tensor:
     """|x - mean| / (std + eps) within the last dim (a token's group of channels)."""
-    mean = grouped.mean(dim=-1, keepdim=True)
-    std = grouped.std(dim=-1, unbiased=False, keepdim=True)
-    return (grouped - mean).abs() / (std + _EPS)
+    deviation = grouped - grouped.mean(dim=-1, keepdim=True)
+    std = deviation.square().mean(dim=-1, keepdim=True).sqrt()  # population std (no warning on empty blocks)
+    return deviation.abs() / (std + _EPS)
 
 
 def dense_range(grouped: torch.Tensor, outlier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
