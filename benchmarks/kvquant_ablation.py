@@ -91,7 +91,8 @@ def bench_model(name: str, samples: int, seq_len: int, calib_samples: int, conso
             "model": name, "recipe": r.name, "ppl": result.ppl, "delta_pct": 100 * (result.ppl / base.ppl - 1),
             "bits_per_element": result.bits_per_element, "body_bits": artifact.manifest["expected_bits_per_element"],
             "bytes_per_token": result.bytes_per_token, "keys_sqnr_db": quality.get("keys_sqnr_db"),
-            "values_sqnr_db": quality.get("values_sqnr_db"), "decode_tokens_per_s": result.decode_tokens_per_s,
+            "values_sqnr_db": quality.get("values_sqnr_db"), "rate_distortion_db": 6.02 * r.keys.bits,
+            "decode_tokens_per_s": result.decode_tokens_per_s,
             "seconds": time.perf_counter() - start, "windows": samples, "seq_len": seq_len,
         })
         console.log(f"{name} {r.name}: ppl {result.ppl:.3f} ({rows[-1]['delta_pct']:+.2f}%)")
@@ -109,12 +110,12 @@ def main() -> None:
     console = Console()
     rows = [r for name in args.models for r in bench_model(name, args.samples, args.seq_len, args.calib_samples, console)]
     table = Table(title="KVQuant ablation through the runtime (1 fp16 sink, no recent window)")
-    for column in ("model", "recipe", "ppl", "delta", "bits/elem", "bytes/token", "K SQNR dB", "V SQNR dB"):
+    for column in ("model", "recipe", "ppl", "delta", "bits/elem", "bytes/token", "K SQNR dB", "V SQNR dB", "6.02*b dB"):
         table.add_column(column, justify="right")
     fmt = lambda x: "" if x is None else f"{x:.1f}"  # noqa: E731
     for r in rows:
         table.add_row(r["model"], r["recipe"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%", f"{r['bits_per_element']:.2f}",
-                      f"{r['bytes_per_token']:.0f}", fmt(r["keys_sqnr_db"]), fmt(r["values_sqnr_db"]))
+                      f"{r['bytes_per_token']:.0f}", fmt(r["keys_sqnr_db"]), fmt(r["values_sqnr_db"]), fmt(r.get("rate_distortion_db")))
     console.print(table)
     machine = {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__, "device": "cpu"}
     write_json_atomic(args.out, {"machine": machine, "rows": rows})

@@ -16,8 +16,16 @@ from typing import Callable
 import torch
 
 from kvtool.artifact import Artifact, check_model, load_artifact, save_artifact
-from kvtool.capture import ChannelStats, Progress, no_progress, stream_batches
-from kvtool.calibration import QuantErrorStats, build_quantizers, fit_layers, needs_fisher, needs_fit
+from kvtool.capture import ChannelStats, InputSecondMoments, Progress, no_progress, stream_batches
+from kvtool.calibration import (
+    QuantErrorStats,
+    build_quantizers,
+    fit_layers,
+    fit_palu_layers,
+    needs_fisher,
+    needs_fit,
+    uses_palu,
+)
 from kvtool.data import DataSpec, token_windows
 from kvtool.errors import ArtifactError, RuntimeConfigError
 from kvtool.fileio import check_output_path
@@ -163,7 +171,6 @@ def calibrate_loaded(
     CompressedRuntime.from_recipe(hf_model, uncompressed_recipe()).check_context(cal.seq_len)
     windows = _windows(tokenizer, data, cal.samples, cal.seq_len, cal.seed, "random")
     fitted = _fit(hf_model, adapter, recipe, windows, batch_size, progress) if needs_fit(recipe) else None
-    keys_q, values_q = build_quantizers(recipe, geometry.head_dim, fitted=fitted[0] if fitted else None)
     errors = QuantErrorStats(recipe, geometry.head_dim, fitted)
     tokens = stream_batches(hf_model, adapter, windows, [errors], batch_size, progress)
     tensors = errors.sqnr_db()
@@ -174,27 +181,38 @@ def calibrate_loaded(
         "model_source": "(in memory)",
         "recipe": recipe.to_dict(),
         "calibration": {**_provenance(data, windows, cal.seed, tokens), "fisher": needs_fisher(recipe)},
-        "expected_bits_per_element": _body_bits(keys_q, values_q),
+        "expected_bits_per_element": _body_bits(recipe, geometry.head_dim, fitted or [None] * geometry.num_layers),
         "quality": errors.summary(),
     }
     return Artifact(kind="calibration", manifest=manifest, tensors=tensors)
 
 
 def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: Progress) -> list[dict]:
-    """Sample token vectors (with Fisher weights if the codebook needs them) and fit every layer's quantizers."""
+    """Sample token vectors (with Fisher weights when needed) and fit every layer's learned quantizers."""
+    from contextlib import nullcontext
+
     from kvtool.sensitivity import SampleReservoir, stream_with_gradients
 
     reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed)
-    if needs_fisher(recipe):
-        stream_with_gradients(hf_model, adapter, windows, [reservoir], batch_size=1, progress=progress)
-    else:
-        stream_batches(hf_model, adapter, windows, [reservoir], batch_size, progress)
+    moments = InputSecondMoments(adapter) if uses_palu(recipe) else nullcontext()
+    with moments:
+        if needs_fisher(recipe):
+            stream_with_gradients(hf_model, adapter, windows, [reservoir], batch_size=1, progress=progress)
+        else:
+            stream_batches(hf_model, adapter, windows, [reservoir], batch_size, progress)
     geometry = adapter.geometry
-    return fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir)
+    fitted = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir)
+    if uses_palu(recipe):
+        for layer, palu in enumerate(fit_palu_layers(recipe, adapter, reservoir, moments)):
+            fitted[layer].update(palu)
+    return fitted
 
 
-def _body_bits(keys_q, values_q) -> dict:
-    k, v = keys_q.bits_per_element(), values_q.bits_per_element()
+def _body_bits(recipe: Recipe, head_dim: int, fitted: list) -> dict:
+    """Stored bits per body element (codes, scales, outliers, latents), averaged over layers."""
+    per_layer = [build_quantizers(recipe, head_dim, fitted=layer) for layer in fitted]
+    k = sum(q[0].bits_per_element() for q in per_layer) / len(per_layer)
+    v = sum(q[1].bits_per_element() for q in per_layer) / len(per_layer)
     return {"keys": k, "values": v, "body": (k + v) / 2}
 
 

@@ -38,10 +38,40 @@ def needs_fit(recipe: Recipe) -> bool:
 
 
 def needs_fisher(recipe: Recipe) -> bool:
-    """True if a fitted quantizer weights its samples by Fisher sensitivity."""
+    """True if fitting weights samples by Fisher sensitivity (nuq codebooks, Palu rank search)."""
     return any(
-        quantizer_class(spec.method).needs_fit and spec.codebook == "fisher-kmeans" for spec in (recipe.keys, recipe.values)
+        (spec.method == "nuq" and spec.codebook == "fisher-kmeans") or (spec.method == "palu" and spec.rank_allocation == "fisher")
+        for spec in (recipe.keys, recipe.values)
     )
+
+
+def uses_palu(recipe: Recipe) -> bool:
+    return "palu" in (recipe.keys.method, recipe.values.method)
+
+
+def fit_palu_layers(recipe: Recipe, adapter, reservoir, moments) -> list[dict[str, torch.Tensor]]:
+    """Palu: per-layer K/V samples, projection weights and input second moments -> bases with searched ranks."""
+    from kvtool.methods.lowrank.palu import fit_palu
+
+    layers = []
+    for layer in range(adapter.geometry.num_layers):
+        weights = dict(zip(("keys", "values"), adapter.kv_projection_weights(layer)))
+        biases = dict(zip(("keys", "values"), adapter.kv_projection_biases(layer)))
+        entry = {}
+        for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
+            if spec.method != "palu":
+                continue
+            samples, fisher = reservoir.samples(layer, "keys_pre_rope" if part == "keys" else "values")
+            linear = part == "values" or adapter.keys_linear_in_input
+            entry[part] = {
+                "samples": samples,
+                "weights": fisher,
+                "weight": weights[part].detach().float().cpu() if linear else None,
+                "bias": None if biases[part] is None or not linear else biases[part].detach().float().cpu(),
+                "input_second_moment": moments.moment(layer) if linear else None,
+            }
+        layers.append(entry)
+    return fit_palu(recipe, layers)
 
 
 def fit_layers(recipe: Recipe, head_dim: int, num_layers: int, reservoir) -> list[dict[str, torch.Tensor]]:
@@ -51,7 +81,7 @@ def fit_layers(recipe: Recipe, head_dim: int, num_layers: int, reservoir) -> lis
         fitted: dict[str, torch.Tensor] = {}
         for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
             cls = quantizer_class(spec.method)
-            if not cls.needs_fit:
+            if not cls.needs_fit or spec.method == "palu":  # palu ranks are searched across layers: fit_palu_layers
                 continue
             source = "values" if part == "values" else ("keys_pre_rope" if spec.pre_rope else "keys")
             samples, weights = reservoir.samples(layer, source)

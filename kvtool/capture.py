@@ -136,3 +136,43 @@ class ChannelStats:
             out[f"{prefix}.absmax"] = acc["absmax"]
             out[f"{prefix}.token_norm"] = acc["norm_sum"] / acc["count"]
         return out
+
+
+class InputSecondMoments:
+    """Second moment E[x x^T] (d_in, d_in) of the hidden states fed into each layer's K/V projections.
+
+    Used by Palu's whitened decomposition (SVD-LLM whitening). Forward hooks on
+    `ModelAdapter.kv_projection_inputs_module` accumulate x^T x in float64 while a
+    `with` block runs, one (d_in, d_in) matrix per layer, so memory does not grow
+    with the amount of calibration text.
+    """
+
+    def __init__(self, adapter: ModelAdapter) -> None:
+        self.adapter = adapter
+        self.sums: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, int] = {}
+        self.handles: list = []
+
+    def _hook(self, layer: int):
+        def record(module, args, output) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)  # (tokens, d_in)
+            gram = x.T @ x
+            self.sums[layer] = self.sums[layer] + gram if layer in self.sums else gram
+            self.counts[layer] = self.counts.get(layer, 0) + x.shape[0]
+
+        return record
+
+    def __enter__(self) -> "InputSecondMoments":
+        for layer in range(self.adapter.geometry.num_layers):
+            module = self.adapter.kv_projection_inputs_module(layer)
+            self.handles.append(module.register_forward_hook(self._hook(layer)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def moment(self, layer: int) -> torch.Tensor:
+        """E[x x^T] of one layer, float32 (d_in, d_in)."""
+        return (self.sums[layer] / self.counts[layer]).float()

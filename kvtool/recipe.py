@@ -22,9 +22,10 @@ from typing import Any
 
 from kvtool.errors import RecipeError
 
-QUANT_METHODS = ("none", "uniform", "nuq")
+QUANT_METHODS = ("none", "uniform", "nuq", "palu")
 CODEBOOKS = ("fisher-kmeans", "kmeans", "uniform", "nf")
-METHOD_BITS = {"uniform": (2, 3, 4, 8), "nuq": (2, 3, 4)}
+METHOD_BITS = {"uniform": (2, 3, 4, 8), "nuq": (2, 3, 4), "palu": (2, 3, 4, 8, 16)}
+RANK_ALLOCATIONS = ("fisher", "uniform")
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
 
@@ -65,6 +66,17 @@ class QuantSpec:
         calibrated offline at this percentile. Default 0.01 for ``nuq``, 0 otherwise.
     qnorm: ``nuq`` only: correct the codebook so dequantized values keep the mean and
         variance of the calibration distribution (Q-Norm).
+    rank_fraction: ``palu`` only: fraction of the K (or V) dimensions kept as a low-rank
+        latent, averaged over layers (0.7 = "Palu-30%": 30% rank reduction).
+    group_heads: ``palu`` only: KV heads per decomposition group (1 = per head, 0 = all
+        heads of a layer jointly); must divide the model's KV heads.
+    whiten: ``palu`` only: decompose the projection whitened by the calibration inputs'
+        covariance (SVD-LLM) instead of plain SVD.
+    rank_allocation: ``palu`` only: ``fisher`` (ranks across layers and K/V from Fisher
+        information) or ``uniform`` (the same fraction everywhere).
+    hadamard: ``palu`` only: Walsh-Hadamard transform of the latents before quantizing them.
+    For ``palu``, ``bits`` is the latent code width (16 = float latents; otherwise uniform
+    per-token quantization of the latents).
     """
 
     method: str = "uniform"
@@ -75,6 +87,11 @@ class QuantSpec:
     codebook: str = "fisher-kmeans"
     outlier_fraction: float | None = None
     qnorm: bool = False
+    rank_fraction: float = 0.5
+    group_heads: int = 1
+    whiten: bool = True
+    rank_allocation: str = "fisher"
+    hadamard: bool = False
     path: str = field(default="keys", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -108,8 +125,20 @@ class QuantSpec:
             f"{p}.outlier_fraction",
             f"{fraction} must be a fraction between 0 and 0.1 (0.01 = 1% outliers)",
         )
-        if self.method == "nuq" and p == "keys":
-            _require(self.pre_rope, f"{p}.pre_rope", "nuq keys are calibrated before RoPE (KVQuant): set keys.pre_rope: true")
+        _require(
+            isinstance(self.rank_fraction, (int, float)) and not isinstance(self.rank_fraction, bool)
+            and 0 < self.rank_fraction <= 1,
+            f"{p}.rank_fraction", f"{self.rank_fraction} must be a fraction in (0, 1] (0.7 keeps 70% of the dimensions)",
+        )
+        _require(_is_int(self.group_heads) and self.group_heads >= 0, f"{p}.group_heads", "must be an integer >= 0 (0 = all heads)")
+        _require(isinstance(self.whiten, bool), f"{p}.whiten", "must be true or false")
+        _require(isinstance(self.hadamard, bool), f"{p}.hadamard", "must be true or false")
+        _require(
+            self.rank_allocation in RANK_ALLOCATIONS, f"{p}.rank_allocation",
+            f"'{self.rank_allocation}' is not one of {list(RANK_ALLOCATIONS)}",
+        )
+        if self.method in ("nuq", "palu") and p == "keys":
+            _require(self.pre_rope, f"{p}.pre_rope", f"{self.method} keys are calibrated before RoPE: set keys.pre_rope: true")
         if self.method != "nuq":
             _require(fraction == 0, f"{p}.outlier_fraction", f"outliers need method 'nuq', not '{self.method}'")
             _require(not self.qnorm, f"{p}.qnorm", f"Q-Norm needs method 'nuq', not '{self.method}'")

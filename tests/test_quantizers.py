@@ -70,6 +70,31 @@ def nuq(bits: int, axis: str, min_sqnr_db: float, outlier_fraction: float = 0.01
     return Case("nuq", bits, axis, min_sqnr_db=min_sqnr_db, extra=extra, **kwargs)
 
 
+@dataclass(frozen=True)
+class PaluCase(Case):
+    """A Palu row: `fit` cannot search ranks across layers, so the row is fitted with `fit_palu` on one layer."""
+
+    def quantizer(self):
+        if self.id not in _FITTED:
+            from kvtool.methods.lowrank.palu import fit_palu
+            from kvtool.recipe import Recipe
+
+            spec = self.spec()
+            part = spec.path
+            samples = gaussian_with_outliers((512, H, self.head_dim), seed=1)
+            fitted = fit_palu(Recipe(**{part: spec}), [{part: {"samples": samples, "weights": None}}])[0]
+            _FITTED[self.id] = {name[len(part) + 1 :]: t for name, t in fitted.items()}
+        return super().quantizer()
+
+
+def palu(bits: int, axis: str, min_sqnr_db: float, rank_fraction: float, **kwargs) -> Case:
+    """A Palu row (keys must be pre-RoPE; whitened by the samples' second moment, as for non-linear keys)."""
+    extra = {"rank_fraction": rank_fraction, **kwargs.pop("extra", {})}
+    if axis == "channel":
+        extra["pre_rope"] = True
+    return PaluCase("palu", bits, axis, min_sqnr_db=min_sqnr_db, extra=extra, **kwargs)
+
+
 # Floors are a few dB below what the uniform quantizer measures on `gaussian_with_outliers` (seed 0):
 #   keys / channel:       2b 9.3, 3b 16.7, 4b 23.3, 8b 48.1 dB
 #   values / token g32:   2b 4.7, 3b 12.5, 4b 19.3, 8b 44.0 dB (outlier channels hurt per-token scales)
@@ -114,6 +139,16 @@ CASES = [
     nuq(3, "channel", 14.0, head_dim=32, dtype=torch.bfloat16),  # 16.8
     nuq(4, "token", 23.0, group_size=16, block_size=64, dtype=torch.float32),  # 26.0
     nuq(4, "channel", 22.0, outlier_fraction=0.05, block_size=64, dtype=torch.float32),  # 24.8
+    # palu (per-head groups; bits_per_element >= bits needs a high rank: the latent is r/D of the numbers)
+    # measured on `gaussian_with_outliers` (isotropic but for 3 channels: rank 0.75 caps SQNR near 13 dB)
+    palu(16, "channel", 65.0, 1.0),  # 73.9 (fp16 latents)
+    palu(16, "token", 65.0, 1.0, dtype=torch.float32),  # 74.0
+    palu(3, "channel", 8.0, 0.75),  # 9.9
+    palu(3, "channel", 10.5, 0.75, extra={"hadamard": True}),  # 12.5
+    palu(3, "token", 10.5, 0.75, extra={"hadamard": True}),  # 12.5
+    palu(4, "token", 24.0, 1.0, group_size=16, extra={"hadamard": True}),  # 26.9
+    palu(8, "channel", 15.0, 0.875, head_dim=32, dtype=torch.bfloat16),  # 17.4 (rank 28 of 32)
+    palu(2, "token", 9.0, 1.0, block_size=64, dtype=torch.float32, extra={"hadamard": True}),  # 11.4
 ]
 IDS = [case.id for case in CASES]
 

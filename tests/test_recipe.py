@@ -238,3 +238,16 @@ def test_with_bits_invalid():
 def test_booleans_are_not_integers(field, section):
     with pytest.raises(RecipeError, match=f"{section}.{field}"):
         recipe_from_dict({section: {field: True}})
+
+
+def test_kvquant_bad_values_are_refused():
+    with pytest.raises(RecipeError, match="keys.bits"):
+        recipe_from_dict({"keys": {"method": "nuq", "bits": 5, "pre_rope": True}})
+    with pytest.raises(RecipeError, match="values.outlier_fraction"):
+        recipe_from_dict({"values": {"method": "nuq", "bits": 3, "outlier_fraction": 1.5}})
+    with pytest.raises(RecipeError, match="keys.pre_rope"):
+        recipe_from_dict({"keys": {"method": "nuq", "bits": 3}})
+    with pytest.raises(RecipeError, match="values.pre_rope"):
+        recipe_from_dict({"values": {"method": "uniform", "bits": 3, "pre_rope": True}})
+    with pytest.raises(RecipeError, match="keys.outlier_fraction"):
+        recipe_from_dict({"keys": {"method": "uniform", "bits": 3, "outlier_fraction": 0.01}})

@@ -56,6 +56,7 @@ class ModelAdapter:
     """
 
     family: str = "llama"
+    keys_linear_in_input = True  # pre-RoPE keys = hidden @ K weight^T (+ bias); False where a norm follows
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -195,6 +196,7 @@ class Qwen3Adapter(ModelAdapter):
     """
 
     family = "qwen3"
+    keys_linear_in_input = False
 
     def project_kv(self, layer: int, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """As the base, then keys go through the layer's k_norm (over D). Each (B, H_kv, T, D)."""

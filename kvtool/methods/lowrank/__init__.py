@@ -1,0 +1,1 @@
+"""Low-rank KV compression (Palu): per-group projection bases, rank search, Hadamard transform."""

@@ -1,0 +1,264 @@
+"""Palu (Chang et al. 2024): low-rank latents of K/V per group of heads, optionally quantized.
+
+The KV heads of a layer form G groups of g heads (``group_heads``; 0 = all). For a group,
+the cache stores the latent ``h = (K_g - b_g) @ U_r`` (r numbers per token), where ``U_r``
+(g*D, r) is the first r columns of the group's orthonormal basis (`decompose.py`: the
+left singular vectors of the whitened projection, so ``h`` is exactly Palu's ``X A``), and
+reconstructs ``K_g ~ h @ U_r^T + b_g``. Ranks are searched across layers and K/V by
+`fit_palu` (`rank_search.py`).
+
+Encode, x (B, H, N, S, D) -> groups (B, G, N, S, g*D) -> minus bias -> latent (B, G, N, S, r):
+
+* ``bits == 16``: ``latent`` float16 (B, G, N, S, r);
+* otherwise: with ``hadamard`` the latent is zero-padded to L = next power of two >= r and
+  Walsh-Hadamard transformed (else L = r); then uniform asymmetric per-token quantization,
+  one fp16 ``scale`` and ``zero`` per token and group of q = min(group_size, L) coordinates
+  (a last partial group is allowed): ``codes`` int32 (B, G, N, S*L*bits/32) bit-plane packed,
+  token-major (token s, coordinate j at s*L + j); ``scale``, ``zero`` float16 (B, G, N, S, ceil(L/q)).
+
+Storage has leading (B, G, N) dims (G = H_kv when group_heads == 1).
+
+``block_nbytes`` is per block of one (sequence, KV head) stream, i.e. a group block's bytes / g:
+``S*r*2 / g`` at 16 bits, ``(S*L*bits/8 + 4*S*ceil(L/q)) / g`` quantized (an int when exact,
+else the exact float), so ``bits_per_element`` is relative to the S*D elements of a head:
+rank r = g*D/2 at 16 bits gives 8 bits per element.
+
+Fitted tensors per layer and part: ``basis`` (G, g*D, r) float32 orthonormal columns,
+``bias`` (G, g*D) float32 (zeros if the projection has none); `fit_palu` also reports
+``relative_error`` (scalar float32, reconstruction error on the calibration samples).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtool.errors import ArtifactError, DataError, RecipeError
+from kvtool.methods.base import BlockQuantizer
+from kvtool.methods.lowrank.decompose import group_bases, group_count, reconstruction_error, to_groups
+from kvtool.methods.lowrank.hadamard import fwht, next_power_of_two
+from kvtool.methods.lowrank.rank_search import allocate_ranks, error_curve
+from kvtool.methods.quant.packing import pack_codes, packed_words, unpack_codes
+from kvtool.methods.registry import register
+from kvtool.recipe import Recipe
+
+_FP16_MAX = 65504.0
+
+
+@register("palu")
+class PaluQuantizer(BlockQuantizer):
+    """Low-rank latents per head group (fp16, or uniform per-token codes, optionally after a Hadamard transform)."""
+
+    needs_fit = True
+
+    def __init__(self, spec, head_dim, block_size, dtype=torch.float16, fitted=None) -> None:
+        super().__init__(spec, head_dim, block_size, dtype, fitted)
+        if "basis" not in self.fitted:
+            raise ArtifactError(
+                f"the palu method needs calibrated tensors (basis, bias) for '{spec.path}' but none were given: "
+                f"run kvtool calibrate with this recipe and use the artifact it writes"
+            )
+        basis = self.fitted["basis"].detach().float().cpu()
+        if basis.dim() != 3 or basis.shape[1] % head_dim or not 1 <= basis.shape[2] <= basis.shape[1]:
+            raise ArtifactError(
+                f"palu basis for '{spec.path}' has shape {tuple(basis.shape)}, expected (G, g*{head_dim}, r) with "
+                f"1 <= r <= g*{head_dim}: the artifact is for another model; run kvtool calibrate again"
+            )
+        self.groups, self.width, self.rank = basis.shape
+        self.heads_per_group = self.width // head_dim
+        bias = self.fitted.get("bias")
+        bias = torch.zeros(self.groups, self.width) if bias is None else bias.detach().float().cpu()
+        if bias.shape != (self.groups, self.width):
+            raise ArtifactError(
+                f"palu bias for '{spec.path}' has shape {tuple(bias.shape)}, expected {(self.groups, self.width)}: "
+                f"the artifact is for another model; run kvtool calibrate again"
+            )
+        self.basis, self.bias = basis, bias
+        self.length = next_power_of_two(self.rank) if spec.hadamard else self.rank  # L coordinates coded per token
+        self.qgroup = min(spec.group_size, self.length)
+        self.qgroups = math.ceil(self.length / self.qgroup)
+        self.levels = 2**spec.bits - 1
+        self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def fit(cls, spec, head_dim, block_size, samples, weights=None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(
+            "palu ranks are searched jointly across layers and K/V: use "
+            "kvtool.methods.lowrank.palu.fit_palu(recipe, layers) (kvtool.calibration.fit_palu_layers), not fit()"
+        )
+
+    # ----- geometry ------------------------------------------------------------------------
+
+    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(basis (G, gD, r), bias (G, 1, 1, gD)) float32 on ``device``."""
+        if device not in self._device_cache:
+            self._device_cache[device] = (self.basis.to(device), self.bias.to(device)[:, None, None, :])
+        return self._device_cache[device]
+
+    def _to_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, N, S, D) -> (B, G, N, S, g*D)."""
+        b, h, n, s, d = x.shape
+        if h != self.groups * self.heads_per_group or d != self.head_dim:
+            raise ArtifactError(
+                f"palu basis for '{self.spec.path}' covers {self.groups} x {self.heads_per_group} KV heads of "
+                f"head_dim {self.head_dim}; the model gives {h} heads of {d}: the artifact is for another model"
+            )
+        g = self.heads_per_group
+        return x.reshape(b, self.groups, g, n, s, d).permute(0, 1, 3, 4, 2, 5).reshape(b, self.groups, n, s, g * d)
+
+    def _to_heads(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, G, N, S, g*D) -> (B, H, N, S, D)."""
+        b, groups, n, s, _ = y.shape
+        g, d = self.heads_per_group, self.head_dim
+        return y.reshape(b, groups, n, s, g, d).permute(0, 1, 4, 2, 3, 5).reshape(b, groups * g, n, s, d)
+
+    def _padded(self, v: torch.Tensor) -> torch.Tensor:
+        """(..., L) -> (..., qgroups, q): a last partial group is filled with copies of its last coordinate."""
+        extra = self.qgroups * self.qgroup - self.length
+        if extra:
+            v = torch.cat([v, v[..., -1:].expand(*v.shape[:-1], extra)], dim=-1)
+        return v.reshape(*v.shape[:-1], self.qgroups, self.qgroup)
+
+    # ----- encode / decode -----------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        basis, bias = self._tensors(x.device)
+        groups = self._to_groups(x.float()) - bias  # (B, G, N, S, gD)
+        b, g, n, s, _ = groups.shape
+        # (B, G, N, S, gD) @ (G, 1, gD, r): one (S, gD) @ (gD, r) product per block, so a block's latent
+        # does not depend on how many blocks are encoded together
+        latent = torch.matmul(groups, basis[:, None])
+        if self.spec.bits == 16:
+            return {"latent": latent.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)}
+        if self.spec.hadamard:
+            latent = fwht(torch.nn.functional.pad(latent, (0, self.length - self.rank)))
+        grouped = self._padded(latent)  # (B, G, N, S, qgroups, q)
+        lo = grouped.amin(dim=-1).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+        hi = grouped.amax(dim=-1).clamp(-_FP16_MAX, _FP16_MAX)
+        scale = ((hi - lo.float()) / self.levels).clamp(min=1e-6, max=_FP16_MAX).to(torch.float16)
+        # codes against the fp16-rounded scale and zero the decoder will see
+        codes = torch.round((grouped - lo.float()[..., None]) / scale.float()[..., None]).clamp_(0, self.levels)
+        codes = codes.reshape(b, g, n, s, -1)[..., : self.length].reshape(b, g, n, s * self.length)
+        return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "zero": lo}
+
+    def decode(self, storage: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.spec.bits == 16:
+            latent = storage["latent"].float()
+        else:
+            codes = unpack_codes(storage["codes"], self.spec.bits)  # (B, G, N, S*L)
+            b, g, n = codes.shape[:3]
+            grouped = self._padded(codes.reshape(b, g, n, self.block_size, self.length).float())
+            values = grouped * storage["scale"].float()[..., None] + storage["zero"].float()[..., None]
+            latent = values.reshape(b, g, n, self.block_size, -1)[..., : self.length]
+            if self.spec.hadamard:
+                latent = fwht(latent)[..., : self.rank]
+        basis, bias = self._tensors(latent.device)
+        groups = torch.matmul(latent, basis.transpose(1, 2)[:, None])  # (B, G, N, S, gD)
+        limit = torch.finfo(self.dtype).max
+        return self._to_heads(groups + bias).clamp(-limit, limit).to(self.dtype)
+
+    def block_nbytes(self) -> int | float:
+        s = self.block_size
+        if self.spec.bits == 16:
+            group_bytes = s * self.rank * 2
+        else:
+            group_bytes = packed_words(s * self.length, self.spec.bits) * 4 + 2 * 2 * s * self.qgroups
+        per_head, rest = divmod(group_bytes, self.heads_per_group)
+        return per_head if rest == 0 else group_bytes / self.heads_per_group
+
+
+# ----- calibration: bases per layer, ranks searched across layers and K/V ------------------------
+
+
+def _second_moment(samples: torch.Tensor, bias: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """Per-group second moment (G, gD, gD) float64 of (samples - bias), samples (N, H, D)."""
+    x = to_groups(samples.detach().double().cpu(), groups)
+    if bias is not None:
+        x = x - bias.detach().double().cpu().reshape(x.shape[1:])
+    return torch.einsum("ngi,ngj->gij", x, x) / x.shape[0]
+
+
+def _check_part(name: str, entry: dict, layer: int) -> tuple[torch.Tensor, ...]:
+    samples = entry.get("samples")
+    if samples is None or samples.dim() != 3 or samples.shape[0] == 0:
+        got = None if samples is None else tuple(samples.shape)
+        raise DataError(f"palu calibration of layer {layer} {name} needs samples (N>0, H_kv, D); got {got}")
+    h, d = samples.shape[1:]
+    weights, weight, bias = entry.get("weights"), entry.get("weight"), entry.get("bias")
+    if weights is not None and weights.shape != samples.shape:
+        raise DataError(f"layer {layer} {name}: Fisher weights {tuple(weights.shape)} do not match samples {tuple(samples.shape)}")
+    if weight is not None and (weight.dim() != 2 or weight.shape[0] != h * d):
+        raise DataError(f"layer {layer} {name}: projection weight {tuple(weight.shape)} should be ({h * d}, d_in)")
+    if bias is not None and bias.numel() != h * d:
+        raise DataError(f"layer {layer} {name}: bias {tuple(bias.shape)} should have {h * d} elements")
+    return samples, weights, weight, bias
+
+
+def fit_palu(recipe: Recipe, layers: list[dict]) -> list[dict[str, torch.Tensor]]:
+    """Bases and jointly searched ranks of every layer's palu parts.
+
+    layers[i]: ``{"keys": {...}, "values": {...}}`` with, for each part whose method is palu:
+    ``samples`` (N, H_kv, D) float (pre-RoPE keys / values), ``weights`` (N, H_kv, D) Fisher
+    sensitivities or None, ``weight`` (H_kv*D, d_in) projection or None (None where the output is
+    not linear in the input, e.g. qwen3 keys after k_norm), ``bias`` (H_kv*D,) or None,
+    ``input_second_moment`` (d_in, d_in) ``E[x x^T]`` of the projection input or None.
+
+    Basis: whitened with weight + input moment when both are given, else from the sample second
+    moment of (samples - bias); plain SVD needs weight. Ranks: every (layer, part) gets an
+    error curve (Fisher-weighted when weights are given and the mode is fisher); ranks are
+    allocated jointly across layers and K/V (`allocate_ranks`) for a budget of
+    ``sum rank_fraction_part * H*D`` kept numbers per token and layer (= the mean fraction when
+    both parts are palu); mode from the specs (keys and values must agree).
+    Returns per layer ``{"keys.basis" (G, gD, r), "keys.bias" (G, gD), "keys.relative_error" ()}``
+    and the same for values (only palu parts).
+    """
+    parts = [(name, spec) for name, spec in (("keys", recipe.keys), ("values", recipe.values)) if spec.method == "palu"]
+    if not parts:
+        return [{} for _ in layers]
+    modes = {spec.rank_allocation for _, spec in parts}
+    if len(modes) > 1:
+        raise RecipeError(
+            f"recipe field 'values.rank_allocation': '{recipe.values.rank_allocation}' differs from keys "
+            f"('{recipe.keys.rank_allocation}'); palu ranks of K and V are allocated jointly: use the same mode"
+        )
+    mode = modes.pop()
+    fitted: dict[tuple[int, str], dict] = {}
+    curves, fractions, costs = {}, {}, {}
+    for i, layer in enumerate(layers):
+        for name, spec in parts:
+            if name not in layer or layer[name] is None:
+                raise DataError(f"palu calibration of layer {i} has no '{name}' entry (recipe {name}.method is palu)")
+            samples, weights, weight, bias = _check_part(name, layer[name], i)
+            h, d = samples.shape[1:]
+            groups, _ = group_count(h, spec.group_heads, f"{name}.group_heads")
+            moment = layer[name].get("input_second_moment")
+            linear_whiten = spec.whiten and weight is not None and moment is not None
+            sample_moment = _second_moment(samples, bias, groups) if spec.whiten and not linear_whiten else None
+            try:
+                bases, _ = group_bases(
+                    num_kv_heads=h, head_dim=d, group_heads=spec.group_heads, whiten=spec.whiten, weight=weight,
+                    input_second_moment=moment, sample_second_moment=sample_moment, field=f"{name}.group_heads",
+                )
+            except ValueError as exc:
+                raise RecipeError(f"recipe field '{name}.whiten': layer {i}: {exc}") from exc
+            width = bases.shape[1]
+            grouped_bias = torch.zeros(groups, width)
+            if bias is not None:
+                grouped_bias = bias.detach().float().cpu().reshape(groups, width)
+            key = (i, name)
+            fitted[key] = {"bases": bases, "bias": grouped_bias, "samples": samples}
+            fractions[key], costs[key] = spec.rank_fraction, groups
+            if mode == "fisher":
+                curves[key] = error_curve(bases, samples, weights, grouped_bias)
+            else:
+                curves[key] = torch.zeros(width + 1)  # only its length matters
+    ranks = allocate_ranks(curves, fractions, mode, costs)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in layers]
+    for (i, name), item in fitted.items():
+        r = ranks[(i, name)]
+        error = reconstruction_error(item["bases"], r, item["samples"], bias=item["bias"])
+        out[i][f"{name}.basis"] = item["bases"][:, :, :r].contiguous()
+        out[i][f"{name}.bias"] = item["bias"].contiguous()
+        out[i][f"{name}.relative_error"] = torch.tensor(error, dtype=torch.float32)
+    return out
