@@ -50,3 +50,14 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((a + b, a - b), dim=2).reshape(-1, n)
         h *= 2
     return (y * (1.0 / math.sqrt(n))).reshape(shape)
+
+
+def block_fwht(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Block-diagonal Walsh-Hadamard transform: `fwht` on each run of ``block`` coordinates.
+
+    x: (..., L) with L a multiple of ``block`` (a power of two). Orthonormal and self-inverse.
+    """
+    if block <= 1:
+        return x
+    shape = x.shape
+    return fwht(x.reshape(*shape[:-1], shape[-1] // block, block)).reshape(shape)

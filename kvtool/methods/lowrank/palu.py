@@ -10,8 +10,9 @@ reconstructs ``K_g ~ h @ U_r^T + b_g``. Ranks are searched across layers and K/V
 Encode, x (B, H, N, S, D) -> groups (B, G, N, S, g*D) -> minus bias -> latent (B, G, N, S, r):
 
 * ``bits == 16``: ``latent`` float16 (B, G, N, S, r);
-* otherwise: with ``hadamard`` the latent is zero-padded to L = next power of two >= r and
-  Walsh-Hadamard transformed (else L = r); then uniform asymmetric per-token quantization,
+* otherwise: with ``hadamard`` the latent goes through a block-diagonal Walsh-Hadamard
+  transform (blocks of the largest power of two dividing r, at most 64; `fit_palu` rounds
+  Hadamard ranks to multiples of 16 so the blocks mix); L = r; then uniform asymmetric per-token quantization,
   one fp16 ``scale`` and ``zero`` per token and group of q = min(group_size, L) coordinates
   (a last partial group is allowed): ``codes`` int32 (B, G, N, S*L*bits/32) bit-plane packed,
   token-major (token s, coordinate j at s*L + j); ``scale``, ``zero`` float16 (B, G, N, S, ceil(L/q)).
@@ -37,7 +38,7 @@ import torch
 from kvtool.errors import ArtifactError, DataError, RecipeError
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.lowrank.decompose import group_bases, group_count, reconstruction_error, to_groups
-from kvtool.methods.lowrank.hadamard import fwht, next_power_of_two
+from kvtool.methods.lowrank.hadamard import block_fwht
 from kvtool.methods.lowrank.rank_search import allocate_ranks, error_curve
 from kvtool.methods.quant.packing import pack_codes, packed_words, unpack_codes
 from kvtool.methods.registry import register
@@ -75,7 +76,8 @@ class PaluQuantizer(BlockQuantizer):
                 f"the artifact is for another model; run kvtool calibrate again"
             )
         self.basis, self.bias = basis, bias
-        self.length = next_power_of_two(self.rank) if spec.hadamard else self.rank  # L coordinates coded per token
+        self.length = self.rank  # L coordinates coded per token
+        self.hadamard_block = min(self.rank & -self.rank, 64) if spec.hadamard else 1  # power of two dividing r
         self.qgroup = min(spec.group_size, self.length)
         self.qgroups = math.ceil(self.length / self.qgroup)
         self.levels = 2**spec.bits - 1
@@ -132,7 +134,7 @@ class PaluQuantizer(BlockQuantizer):
         if self.spec.bits == 16:
             return {"latent": latent.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)}
         if self.spec.hadamard:
-            latent = fwht(torch.nn.functional.pad(latent, (0, self.length - self.rank)))
+            latent = block_fwht(latent, self.hadamard_block)
         grouped = self._padded(latent)  # (B, G, N, S, qgroups, q)
         lo = grouped.amin(dim=-1).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
         hi = grouped.amax(dim=-1).clamp(-_FP16_MAX, _FP16_MAX)
@@ -152,7 +154,7 @@ class PaluQuantizer(BlockQuantizer):
             values = grouped * storage["scale"].float()[..., None] + storage["zero"].float()[..., None]
             latent = values.reshape(b, g, n, self.block_size, -1)[..., : self.length]
             if self.spec.hadamard:
-                latent = fwht(latent)[..., : self.rank]
+                latent = block_fwht(latent, self.hadamard_block)
         basis, bias = self._tensors(latent.device)
         groups = torch.matmul(latent, basis.transpose(1, 2)[:, None])  # (B, G, N, S, gD)
         limit = torch.finfo(self.dtype).max
@@ -193,6 +195,15 @@ def _check_part(name: str, entry: dict, layer: int) -> tuple[torch.Tensor, ...]:
     if bias is not None and bias.numel() != h * d:
         raise DataError(f"layer {layer} {name}: bias {tuple(bias.shape)} should have {h * d} elements")
     return samples, weights, weight, bias
+
+
+HADAMARD_RANK_MULTIPLE = 16  # Hadamard-mixed latents: ranks in multiples of 16 so every block mixes 16+ coordinates
+
+
+def _round_rank(rank: int, multiple: int, full: int) -> int:
+    """Nearest multiple of ``multiple`` within [multiple, full] (full itself when full < multiple)."""
+    step = min(multiple, full)
+    return max(step, min(full, int(round(rank / step)) * step))
 
 
 def fit_palu(recipe: Recipe, layers: list[dict]) -> list[dict[str, torch.Tensor]]:
@@ -254,6 +265,8 @@ def fit_palu(recipe: Recipe, layers: list[dict]) -> list[dict[str, torch.Tensor]
             else:
                 curves[key] = torch.zeros(width + 1)  # only its length matters
     ranks = allocate_ranks(curves, fractions, mode, costs)
+    multiple = HADAMARD_RANK_MULTIPLE if any(spec.hadamard and spec.bits != 16 for _, spec in parts) else 1
+    ranks = {key: _round_rank(r, multiple, curves[key].numel() - 1) for key, r in ranks.items()}
     out: list[dict[str, torch.Tensor]] = [{} for _ in layers]
     for (i, name), item in fitted.items():
         r = ranks[(i, name)]
