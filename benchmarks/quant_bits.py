@@ -1,7 +1,7 @@
 """Benchmark: perplexity through the runtime and cache bytes at 16/8/4/2 bits.
 
-    python benchmarks/quant_bits.py                      # both shared models, table + JSON
-    python benchmarks/quant_bits.py --models kvref-5m --samples 2 --seq-len 512
+    python -m benchmarks.quant_bits                      # both shared models, table + JSON
+    python -m benchmarks.quant_bits --models kvref-5m --samples 2 --seq-len 512
 
 For each model and bit width two recipes run: KIVI-style (4 fp16 sinks + 64 fp16 recent
 tokens, the rest quantized) and "body only" (no sinks, no recent window: every token
@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.common import MODELS, SHARED
 from kvtool.data import DataSpec, token_windows
 from kvtool.eval.perplexity import perplexity
 from kvtool.fileio import write_json_atomic
@@ -30,11 +31,6 @@ from kvtool.models.loading import load_model
 from kvtool.recipe import Recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-MODELS = {
-    "kvref-5m": ("models/kvref-5m", "data/text/wikitext2_test.txt"),
-    "stories260K": ("models/stories260K", "data/text/tinystories_val_head.txt[0.9:1]"),
-}
 
 
 def recipes(head_dim: int) -> list[Recipe]:
@@ -49,7 +45,7 @@ def recipes(head_dim: int) -> list[Recipe]:
 
 
 def bench_model(name: str, samples: int, seq_len: int, console: Console) -> list[dict]:
-    model_dir, data = MODELS[name]
+    model_dir, _, data = MODELS[name]
     model, tokenizer = load_model(str(SHARED / model_dir))
     spec = DataSpec.parse(str(SHARED / data))
     seq_len = min(seq_len, model.config.max_position_embeddings)

@@ -1,0 +1,67 @@
+"""Benchmark: Palu low-rank latents through the runtime.
+
+    python -m benchmarks.palu                      # both shared models
+    python -m benchmarks.palu --models kvref-5m --samples 2 --seq-len 512
+
+Rows: 30/50/70% rank reduction (whitened SVD per KV head, Fisher ranks, 16-bit latents);
+whitened vs plain SVD and Fisher vs uniform ranks at 50%; 30% reduction with latents at 3 and
+2 bits, with and without the Walsh-Hadamard transform. Perplexity through the runtime, delta
+against the uncompressed cache, bits per element held, body compression vs 16-bit, bytes per token.
+Writes benchmarks/results/palu.json. Needs ../shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from benchmarks.common import MODELS, Bench, print_and_save
+from kvtool.recipe import CacheSpec, CalibrationSpec, QuantSpec, Recipe
+
+
+def palu(name: str, fraction: float, samples: int, bits: int = 16, **options) -> Recipe:
+    common = dict(method="palu", bits=bits, rank_fraction=fraction, **options)
+    return Recipe(
+        name=name,
+        keys=QuantSpec(path="keys", pre_rope=True, **common),
+        values=QuantSpec(path="values", axis="token", **common),
+        cache=CacheSpec(block_size=32, sink_tokens=1, recent_tokens=0),
+        calibration=CalibrationSpec(samples=samples, seq_len=512, seed=0),
+    )
+
+
+def recipes(samples: int) -> list[Recipe]:
+    rows = [palu(f"{int(round(100 * (1 - f)))}% rank reduction", f, samples) for f in (0.7, 0.5, 0.3)]
+    rows += [
+        palu("50%, plain SVD", 0.5, samples, whiten=False),
+        palu("50%, uniform ranks", 0.5, samples, rank_allocation="uniform"),
+    ]
+    for bits in (3, 2):
+        for hadamard in (False, True):
+            label = f"30% + {bits}-bit latents" + (" + Hadamard" if hadamard else "")
+            rows.append(palu(label, 0.7, samples, bits=bits, hadamard=hadamard, group_heads=0, group_size=128))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--samples", type=int, default=4, help="evaluation windows per model")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per evaluation window")
+    parser.add_argument("--calib-samples", type=int, default=16, help="calibration windows of 512 tokens")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/palu.json"))
+    args = parser.parse_args()
+    console = Console()
+    rows = []
+    for name in args.models:
+        bench = Bench(name, args.samples, args.seq_len)
+        for r in recipes(args.calib_samples):
+            rows.append(bench.score(r))
+            console.log(f"{name} {r.name}: {rows[-1]['delta_pct']:+.2f}%")
+    print_and_save(rows, "Palu low-rank latents through the runtime (1 fp16 sink, no recent window)", args.out, console)
+
+
+if __name__ == "__main__":
+    main()
