@@ -76,3 +76,24 @@ def print_and_save(rows: list[dict], title: str, out: Path, console: Console) ->
     machine = {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__, "device": "cpu"}
     write_json_atomic(out, {"machine": machine, "rows": rows})
     console.print(f"wrote {out}")
+
+
+def run(description: str, default_out: str, recipes_for, title: str, extra=lambda recipe: {}) -> None:
+    """Command line shared by the calibrate-then-score benchmarks: --models/--samples/--seq-len/--calib-samples/--out."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--samples", type=int, default=4, help="evaluation windows per model")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per evaluation window")
+    parser.add_argument("--calib-samples", type=int, default=16, help="calibration windows of 512 tokens")
+    parser.add_argument("--out", type=Path, default=Path(default_out))
+    args = parser.parse_args()
+    console = Console()
+    rows = []
+    for name in args.models:
+        bench = Bench(name, args.samples, args.seq_len)
+        for recipe in recipes_for(bench.head_dim, args.calib_samples):
+            rows.append({**bench.score(recipe), **extra(recipe)})
+            console.log(f"{name} {recipe.name}: {rows[-1]['delta_pct']:+.2f}%")
+    print_and_save(rows, title, args.out, console)

@@ -12,12 +12,7 @@ Writes benchmarks/results/palu.json. Needs ../shared.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from rich.console import Console
-
-from benchmarks.common import MODELS, Bench, print_and_save
+from benchmarks.common import run
 from kvtool.recipe import CacheSpec, CalibrationSpec, QuantSpec, Recipe
 
 
@@ -46,21 +41,8 @@ def recipes(samples: int) -> list[Recipe]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--samples", type=int, default=4, help="evaluation windows per model")
-    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per evaluation window")
-    parser.add_argument("--calib-samples", type=int, default=16, help="calibration windows of 512 tokens")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/palu.json"))
-    args = parser.parse_args()
-    console = Console()
-    rows = []
-    for name in args.models:
-        bench = Bench(name, args.samples, args.seq_len)
-        for r in recipes(args.calib_samples):
-            rows.append(bench.score(r))
-            console.log(f"{name} {r.name}: {rows[-1]['delta_pct']:+.2f}%")
-    print_and_save(rows, "Palu low-rank latents through the runtime (1 fp16 sink, no recent window)", args.out, console)
+    run(__doc__, "benchmarks/results/palu.json", lambda head_dim, samples: recipes(samples),
+        "Palu low-rank latents through the runtime (1 fp16 sink, no recent window)")
 
 
 if __name__ == "__main__":

@@ -193,7 +193,8 @@ def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: 
 
     from kvtool.sensitivity import SampleReservoir, stream_with_gradients
 
-    reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed)
+    # sink tokens stay in float in the cache: fitting on them (huge keys, huge gradients) would skew codebooks and ranks
+    reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=recipe.cache.sink_tokens)
     moments = InputSecondMoments(adapter) if uses_palu(recipe) else nullcontext()
     with moments:
         if needs_fisher(recipe):

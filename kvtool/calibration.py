@@ -115,8 +115,9 @@ class QuantErrorStats:
     def observe(self, layer, keys_pre_rope, keys, values) -> None:
         key_q, value_q = self._quantizers(layer)
         stored_keys = keys_pre_rope if self.recipe.keys.pre_rope else keys
+        sinks = self.recipe.cache.sink_tokens  # kept in float by the cache: not part of the quantized body
         for part, x, quantizer in (("keys", stored_keys, key_q), ("values", values, value_q)):
-            blocks = _blocks(x, self.recipe.cache.block_size)
+            blocks = _blocks(x[:, :, sinks:], self.recipe.cache.block_size)
             if blocks is None:
                 continue
             error = (quantizer.roundtrip(blocks).float() - blocks).square().sum(dim=(0, 2, 3, 4))  # (H,)

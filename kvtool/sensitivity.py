@@ -167,10 +167,12 @@ class SampleReservoir:
     CPU as float32. Memory: at most max_tokens rows per layer and part, plus one batch.
     """
 
-    def __init__(self, max_tokens: int = 4096, seed: int = 0):
+    def __init__(self, max_tokens: int = 4096, seed: int = 0, skip_first: int = 0):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         self.max_tokens, self.seed = max_tokens, seed
+        # the first positions of every window are the cache's float sinks: never compressed, so never sampled
+        self.skip_first = skip_first
         self._generators: dict[int, torch.Generator] = {}
         self._tags: dict[int, torch.Tensor] = {}  # layer -> (n,) float64 tags of the kept rows
         self._rows: dict[tuple[int, str], torch.Tensor] = {}  # (layer, part) -> (n, H_kv, D)
@@ -194,8 +196,9 @@ class SampleReservoir:
             self._with_fisher = with_fisher
         elif self._with_fisher != with_fisher:
             raise ValueError("a SampleReservoir is fed either with gradients (observe_gradients) or without (observe), not both")
-        new_rows = [_token_rows(x) for x in parts]  # (B*T, H_kv, D) each, on the data's device
-        new_fisher = [_token_rows(f) for f in fishers] if with_fisher else [None, None]
+        skip = self.skip_first
+        new_rows = [_token_rows(x[:, :, skip:]) for x in parts]  # (B*T', H_kv, D) each, on the data's device
+        new_fisher = [_token_rows(f[:, :, skip:]) for f in fishers] if with_fisher else [None, None]
         count = new_rows[0].shape[0]
         generator = self._generators.setdefault(layer, torch.Generator().manual_seed(self.seed))
         new_tags = torch.rand(count, generator=generator, dtype=torch.float64)

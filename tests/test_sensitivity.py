@@ -307,3 +307,13 @@ def test_reservoir_fed_by_plain_capture_and_from_the_gradient_pass():
         graded.samples(5, "values")
     with pytest.raises(ValueError):
         graded.samples(0, "keys")
+
+
+def test_reservoir_skips_the_sink_positions():
+    from kvtool.sensitivity import SampleReservoir
+
+    x = torch.arange(2 * 1 * 6 * 1, dtype=torch.float32).reshape(2, 1, 6, 1)  # (B, H, T, D): value = position + 6*row
+    reservoir = SampleReservoir(max_tokens=100, skip_first=2)
+    reservoir.observe(0, x, x, x)
+    kept, _ = reservoir.samples(0, "values")
+    assert sorted(kept.reshape(-1).tolist()) == [2, 3, 4, 5, 8, 9, 10, 11]

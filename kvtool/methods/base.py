@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtool.errors import RecipeError
 from kvtool.recipe import QuantSpec
 
 
@@ -72,6 +73,16 @@ class BlockQuantizer:
     def block_nbytes(self) -> int:
         """Analytic bytes one block of one (sequence, KV head) stream occupies."""
         raise NotImplementedError
+
+    def token_group(self) -> int:
+        """Channels per scale group for ``axis: token`` (group_size clamped to head_dim); must divide head_dim."""
+        group = min(self.spec.group_size, self.head_dim)
+        if self.spec.axis == "token" and self.head_dim % group:
+            raise RecipeError(
+                f"recipe field '{self.spec.path}.group_size': {self.spec.group_size} does not divide the model's "
+                f"head_dim {self.head_dim}; choose a power of two that divides {self.head_dim}"
+            )
+        return group
 
     def bits_per_element(self) -> float:
         """Average stored bits per element of the body, scales and zero points included."""

@@ -12,7 +12,7 @@ Encode, x (B, H, N, S, D) -> groups (B, G, N, S, g*D) -> minus bias -> latent (B
 * ``bits == 16``: ``latent`` float16 (B, G, N, S, r);
 * otherwise: with ``hadamard`` the latent goes through a block-diagonal Walsh-Hadamard
   transform (blocks of the largest power of two dividing r, at most 64; `fit_palu` rounds
-  Hadamard ranks to multiples of 16 so the blocks mix); L = r; then uniform asymmetric per-token quantization,
+  Hadamard ranks down to multiples of 8 so the blocks mix); L = r; then uniform asymmetric per-token quantization,
   one fp16 ``scale`` and ``zero`` per token and group of q = min(group_size, L) coordinates
   (a last partial group is allowed): ``codes`` int32 (B, G, N, S*L*bits/32) bit-plane packed,
   token-major (token s, coordinate j at s*L + j); ``scale``, ``zero`` float16 (B, G, N, S, ceil(L/q)).
@@ -197,13 +197,13 @@ def _check_part(name: str, entry: dict, layer: int) -> tuple[torch.Tensor, ...]:
     return samples, weights, weight, bias
 
 
-HADAMARD_RANK_MULTIPLE = 16  # Hadamard-mixed latents: ranks in multiples of 16 so every block mixes 16+ coordinates
+HADAMARD_RANK_MULTIPLE = 8  # Hadamard-mixed latents: ranks in multiples of 8 so every block mixes 8+ coordinates
 
 
 def _round_rank(rank: int, multiple: int, full: int) -> int:
-    """Nearest multiple of ``multiple`` within [multiple, full] (full itself when full < multiple)."""
+    """Round down to a multiple of ``multiple`` (never above the rank budget), at least one multiple."""
     step = min(multiple, full)
-    return max(step, min(full, int(round(rank / step)) * step))
+    return max(step, min(full, rank // step * step))
 
 
 def fit_palu(recipe: Recipe, layers: list[dict]) -> list[dict[str, torch.Tensor]]:

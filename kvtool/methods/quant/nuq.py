@@ -92,12 +92,7 @@ class NuqQuantizer(BlockQuantizer):
 
     def __init__(self, spec, head_dim, block_size, dtype=torch.float16, fitted=None) -> None:
         super().__init__(spec, head_dim, block_size, dtype, fitted)
-        self.group = min(spec.group_size, head_dim)
-        if spec.axis == "token" and head_dim % self.group:
-            raise RecipeError(
-                f"recipe field '{spec.path}.group_size': {spec.group_size} does not divide the model's head_dim "
-                f"{head_dim}; choose a power of two that divides {head_dim}"
-            )
+        self.group = self.token_group()
         numel = block_size * head_dim
         if numel > MAX_BLOCK_ELEMENTS:
             raise RecipeError(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.errors import RecipeError
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.quant.packing import pack_codes, packed_words, unpack_codes
 from kvtool.methods.registry import register
@@ -32,12 +31,7 @@ class UniformQuantizer(BlockQuantizer):
 
     def __init__(self, spec, head_dim, block_size, dtype=torch.float16, fitted=None) -> None:
         super().__init__(spec, head_dim, block_size, dtype, fitted)
-        self.group = min(spec.group_size, head_dim)
-        if spec.axis == "token" and head_dim % self.group:
-            raise RecipeError(
-                f"recipe field '{spec.path}.group_size': {spec.group_size} does not divide the model's head_dim "
-                f"{head_dim}; choose a power of two that divides {head_dim}"
-            )
+        self.group = self.token_group()
         self.levels = 2**spec.bits - 1
 
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
