@@ -205,14 +205,25 @@ def generate(
 
     _quiet_libraries()
     prompts = read_prompts(prompt, prompt_file)
-    stream = (lambda text: console.print(text, end="", highlight=False, markup=False)) if len(prompts) == 1 else None
-    if stream:
-        console.print(prompts[0], end="", style="dim", highlight=False, markup=False)
+    stream = _prompt_then_text(prompts[0]) if len(prompts) == 1 else None
     result = api.generate(
         prompts, model, artifact, recipe, max_new_tokens=max_new_tokens, do_sample=sample,
         temperature=temperature, top_p=top_p, seed=seed, on_text=stream, load=_load_options(dtype, device, device_map),
     )
     render_generation(console, prompts, result, streamed=stream is not None)
+
+
+def _prompt_then_text(prompt: str):
+    """Streaming callback: the prompt (dim) before the first generated text, so errors print no prompt."""
+    started = []
+
+    def show(text: str) -> None:
+        if not started:
+            console.print(prompt, end="", style="dim", highlight=False, markup=False)
+            started.append(True)
+        console.print(text, end="", highlight=False, markup=False)
+
+    return show
 
 
 @eval_app.command("ppl")
