@@ -41,6 +41,7 @@ class PositionTracker:
     def __init__(self, probe: PositionProbe | None, cos_sin: Callable[[torch.Tensor], tuple]) -> None:
         self.probe, self.rope_cos_sin = probe, cos_sin
         self.positions: torch.Tensor | None = None  # (B, T) int32
+        self._cos_sin: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # per forward: layers share it
 
     def commit(self, batch: int, new_tokens: int, device: torch.device) -> None:
         seen = 0 if self.positions is None else self.positions.shape[1]
@@ -50,14 +51,18 @@ class PositionTracker:
         else:
             new = torch.arange(seen, seen + new_tokens, device=device, dtype=torch.int32).expand(batch, -1)
         self.positions = new.clone() if self.positions is None else torch.cat([self.positions, new], dim=1)
+        self._cos_sin.clear()
 
     def cos_sin(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, end-start, R) for the slots [start, end)."""
-        return self.rope_cos_sin(self.positions[:, start:end].long())
+        """cos, sin (B, end-start, R) for the slots [start, end); computed once per forward, shared by the layers."""
+        if (start, end) not in self._cos_sin:
+            self._cos_sin[(start, end)] = self.rope_cos_sin(self.positions[:, start:end].long())
+        return self._cos_sin[(start, end)]
 
     def select(self, fn) -> None:
         if self.positions is not None:
             self.positions = fn(self.positions)
+        self._cos_sin.clear()
 
     def nbytes(self) -> int:
         return 0 if self.positions is None else self.positions.numel() * self.positions.element_size()
