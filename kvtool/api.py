@@ -32,7 +32,7 @@ from kvtool.fileio import check_output_path
 from kvtool.models.adapter import adapter_for
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from kvtool.recipe import Recipe, load_recipe
-from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+from kvtool.runtime.attach import CompressedRuntime, check_context, uncompressed_recipe
 
 DEFAULT_MODEL_SOURCE = "kvtool:default-model"
 FIT_SAMPLE_TOKENS = 4096  # token vectors per layer kept for fitting codebooks (bounded memory)
@@ -106,7 +106,7 @@ def profile(
     hf_model, tokenizer = _load(model, load)
     adapter = adapter_for(hf_model)
     windows = _windows(tokenizer, data, samples, seq_len, seed, "random")
-    CompressedRuntime.from_recipe(hf_model, Recipe()).check_context(seq_len)
+    check_context(adapter, seq_len)
     stats = ChannelStats()
     tokens = stream_batches(hf_model, adapter, windows, [stats], batch_size, progress)
     artifact = Artifact(
@@ -168,7 +168,7 @@ def calibrate_loaded(
     adapter = adapter_for(hf_model)
     geometry = adapter.geometry
     cal = recipe.calibration
-    CompressedRuntime.from_recipe(hf_model, uncompressed_recipe()).check_context(cal.seq_len)
+    check_context(adapter, cal.seq_len)
     windows = _windows(tokenizer, data, cal.samples, cal.seq_len, cal.seed, "random")
     fitted = _fit(hf_model, adapter, recipe, windows, batch_size, progress) if needs_fit(recipe) else None
     errors = QuantErrorStats(recipe, geometry.head_dim, fitted)

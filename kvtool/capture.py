@@ -75,6 +75,13 @@ class CaptureCache(Cache):
             observer.observe(layer, keys_pre, keys, values)
 
 
+def window_rope(adapter: ModelAdapter, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (b, T, R) float32 for unpadded windows (b, T) at positions 0..T-1."""
+    positions = torch.arange(batch.shape[1], device=batch.device).expand(batch.shape[0], -1)
+    with torch.no_grad():
+        return adapter.rope_cos_sin(positions, torch.float32)
+
+
 @torch.no_grad()
 def stream_batches(
     model,
@@ -90,8 +97,7 @@ def stream_batches(
     seen = 0
     for batch in progress(batches, "capturing K/V statistics", len(batches)):
         batch = batch.to(device)  # (b, T)
-        positions = torch.arange(batch.shape[1], device=device).expand(batch.shape[0], -1)
-        cos, sin = adapter.rope_cos_sin(positions, torch.float32)  # (b, T, R)
+        cos, sin = window_rope(adapter, batch)  # (b, T, R)
         cache = CaptureCache(adapter, observers, cos, sin)
         model(input_ids=batch, past_key_values=cache, use_cache=True)
         seen += batch.numel()

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from kvtool.capture import Progress, _CaptureLayer, no_progress
+from kvtool.capture import Progress, _CaptureLayer, no_progress, window_rope
 from kvtool.models.adapter import ModelAdapter
 from kvtool.models.rope import apply_rope, unapply_rope
 
@@ -130,9 +130,7 @@ def stream_with_gradients(
 
 def _gradient_batch(model, adapter: ModelAdapter, batch: torch.Tensor, observers: list[GradientObserver]) -> None:
     """One batch (b, T): forward, backward, hand activations and Fisher weights to the observers."""
-    positions = torch.arange(batch.shape[1], device=batch.device).expand(batch.shape[0], -1)
-    with torch.no_grad():
-        cos, sin = adapter.rope_cos_sin(positions, torch.float32)  # (b, T, R)
+    cos, sin = window_rope(adapter, batch)  # (b, T, R)
     cache = GradientCaptureCache(adapter, cos, sin)
     with torch.enable_grad():
         logits = model(input_ids=batch, past_key_values=cache, use_cache=True).logits  # (b, T, V)

@@ -73,9 +73,14 @@ class CompressedRuntime:
 
     def check_context(self, tokens: int) -> None:
         """Refuse contexts beyond the model's position limit."""
-        limit = self.adapter.geometry.max_positions
-        if tokens > limit:
-            raise RuntimeConfigError(
-                f"{tokens} tokens exceed the model's context limit of {limit} positions; "
-                "shorten the prompt or lower --max-new-tokens / --seq-len"
-            )
+        check_context(self.adapter, tokens)
+
+
+def check_context(adapter: ModelAdapter, tokens: int) -> None:
+    """Refuse contexts beyond the model's position limit, with the fix."""
+    limit = adapter.geometry.max_positions
+    if tokens > limit:
+        raise RuntimeConfigError(
+            f"{tokens} tokens exceed the model's context limit of {limit} positions; "
+            "shorten the prompt or lower --max-new-tokens / --seq-len"
+        )
