@@ -28,6 +28,8 @@ METHOD_BITS = {"uniform": (2, 3, 4, 8), "nuq": (2, 3, 4), "palu": (2, 3, 4, 8, 1
 RANK_ALLOCATIONS = ("fisher", "uniform")
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
+EVICTION_POLICIES = ("none", "streamingllm", "h2o", "snapkv", "vatp", "knorm", "fastgen")
+LAYER_BUDGETS = ("uniform", "pyramid", "profile")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -179,6 +181,82 @@ class CacheSpec:
         )
 
 
+def _is_fraction(value: Any, low_open: bool = True) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return ok and (0 < value <= 1 if low_open else 0 <= value <= 1)
+
+
+@dataclass(frozen=True)
+class EvictionSpec:
+    """Which tokens each (sequence, KV head) stream keeps; the rest are freed.
+
+    policy: ``none`` keeps every token; ``streamingllm`` (sinks + recent window),
+        ``h2o`` (heavy hitters by accumulated attention + window), ``snapkv`` (prompt
+        tokens scored by the attention of the last ``window`` queries, pooled; then
+        accumulated attention while decoding), ``vatp`` (accumulated attention x value
+        L1 norm), ``knorm`` (lowest key L2 norm), ``fastgen`` (per-KV-head policies from
+        a profile: special / +punctuation / +local / +frequent / full).
+    budget: fraction of each sequence's tokens a stream keeps (of the tokens seen so
+        far; ignored by ``fastgen``, whose per-head policies imply their own sizes).
+    budget_tokens: absolute tokens per stream instead of ``budget`` (memory stays flat
+        while decoding); null = use ``budget``.
+    sink_tokens: first tokens of a sequence always kept (attention sinks; FastGen's
+        special tokens include them).
+    window: most recent tokens always kept (SnapKV's observation window).
+    pooling: SnapKV's 1-D max-pooling kernel over token scores (odd; 1 = none).
+    layer_budgets: ``uniform`` (every layer the same budget), ``pyramid`` (PyramidKV:
+        linear from (1+pyramid_slope) x mean at the bottom to (1-pyramid_slope) x mean at
+        the top) or ``profile`` (per-layer weights fitted by `kvtool profile`); the mean
+        budget is the same in all three.
+    threshold, local_ratio, frequent_ratio: FastGen's attention-mass threshold T and
+        the local-window and heavy-hitter ratios r_l, r_f (fractions of the length).
+    """
+
+    policy: str = "none"
+    budget: float = 0.5
+    budget_tokens: int | None = None
+    sink_tokens: int = 4
+    window: int = 32
+    pooling: int = 7
+    layer_budgets: str = "uniform"
+    pyramid_slope: float = 0.5
+    threshold: float = 0.95
+    local_ratio: float = 0.3
+    frequent_ratio: float = 0.3
+
+    def __post_init__(self) -> None:
+        p = "eviction"
+        _require(self.policy in EVICTION_POLICIES, f"{p}.policy", f"'{self.policy}' is not one of {list(EVICTION_POLICIES)}")
+        _require(_is_fraction(self.budget), f"{p}.budget", f"{self.budget} must be a fraction in (0, 1] (0.5 keeps half)")
+        _require(
+            self.budget_tokens is None or (_is_int(self.budget_tokens) and self.budget_tokens >= 1),
+            f"{p}.budget_tokens", f"{self.budget_tokens} must be a token count >= 1 (or null to use eviction.budget)",
+        )
+        _require(_is_int(self.sink_tokens) and self.sink_tokens >= 0, f"{p}.sink_tokens", "must be an integer >= 0")
+        _require(_is_int(self.window) and self.window >= 1, f"{p}.window", "must be an integer >= 1")
+        _require(_is_int(self.pooling) and self.pooling >= 1 and self.pooling % 2 == 1, f"{p}.pooling",
+                 f"{self.pooling} must be an odd integer >= 1 (SnapKV uses 5-7)")
+        _require(self.layer_budgets in LAYER_BUDGETS, f"{p}.layer_budgets",
+                 f"'{self.layer_budgets}' is not one of {list(LAYER_BUDGETS)}")
+        _require(_is_fraction(self.pyramid_slope, low_open=False) and self.pyramid_slope < 1, f"{p}.pyramid_slope",
+                 f"{self.pyramid_slope} must be in [0, 1) (0 = uniform)")
+        _require(_is_fraction(self.threshold), f"{p}.threshold", f"{self.threshold} must be a fraction in (0, 1]")
+        for name in ("local_ratio", "frequent_ratio"):
+            _require(_is_fraction(getattr(self, name), low_open=False), f"{p}.{name}", "must be a fraction in [0, 1]")
+        if self.budget_tokens is not None:
+            _require(self.budget_tokens > self.sink_tokens, f"{p}.budget_tokens",
+                     f"{self.budget_tokens} leaves no room beside the {self.sink_tokens} sink tokens")
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "none"
+
+    @property
+    def needs_profile(self) -> bool:
+        """FastGen policies and fitted layer budgets come from `kvtool profile`."""
+        return self.enabled and (self.policy == "fastgen" or self.layer_budgets == "profile")
+
+
 @dataclass(frozen=True)
 class CalibrationSpec:
     """How much calibration text to use (windows of ``seq_len`` tokens)."""
@@ -202,6 +280,7 @@ class Recipe:
     keys: QuantSpec = field(default_factory=lambda: QuantSpec(axis="channel", path="keys"))
     values: QuantSpec = field(default_factory=lambda: QuantSpec(axis="token", path="values"))
     cache: CacheSpec = field(default_factory=CacheSpec)
+    eviction: EvictionSpec = field(default_factory=EvictionSpec)
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
 
     def __post_init__(self) -> None:
@@ -210,7 +289,17 @@ class Recipe:
     @property
     def is_noop(self) -> bool:
         """True when nothing is compressed (both tensors stored as floats)."""
-        return self.keys.method == "none" and self.values.method == "none"
+        return self.keys.method == "none" and self.values.method == "none" and not self.eviction.enabled
+
+    @property
+    def quantizes(self) -> bool:
+        """True when keys or values are stored in a compressed body (any method but ``none``)."""
+        return self.keys.method != "none" or self.values.method != "none"
+
+    @property
+    def evicts(self) -> bool:
+        """True when tokens are dropped (an eviction policy other than ``none``)."""
+        return self.eviction.enabled
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-able dict (the form stored in artifact manifests)."""
@@ -230,7 +319,9 @@ class Recipe:
         return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=change(self.keys), values=change(self.values))
 
 
-_SECTIONS = {"keys": QuantSpec, "values": QuantSpec, "cache": CacheSpec, "calibration": CalibrationSpec}
+_SECTIONS = {
+    "keys": QuantSpec, "values": QuantSpec, "cache": CacheSpec, "eviction": EvictionSpec, "calibration": CalibrationSpec,
+}
 _TOP_LEVEL = {"name", "description", *_SECTIONS}
 
 
