@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from kvtool.artifact import Artifact, check_model, load_artifact, save_artifact
+from kvtool.attention_profile import profile_attention
 from kvtool.capture import ChannelStats, InputSecondMoments, Progress, no_progress, stream_batches
 from kvtool.calibration import (
     QuantErrorStats,
@@ -29,9 +30,10 @@ from kvtool.calibration import (
 from kvtool.data import DataSpec, token_windows
 from kvtool.errors import ArtifactError, RuntimeConfigError
 from kvtool.fileio import check_output_path
+from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, token_classes
 from kvtool.models.adapter import adapter_for
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
-from kvtool.recipe import Recipe, load_recipe
+from kvtool.recipe import EvictionSpec, Recipe, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, check_context, uncompressed_recipe
 
 DEFAULT_MODEL_SOURCE = "kvtool:default-model"
@@ -93,6 +95,10 @@ def profile(
     out: str | Path,
     model: str | None = None,
     *,
+    recipe: str | Path | Recipe | None = None,
+    threshold: float | None = None,
+    local_ratio: float | None = None,
+    frequent_ratio: float | None = None,
     samples: int = 8,
     seq_len: int = 512,
     seed: int = 0,
@@ -100,15 +106,24 @@ def profile(
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
 ) -> Artifact:
-    """Per-layer, per-KV-head channel statistics of pre-RoPE keys, keys and values -> profile artifact."""
+    """Profile a model on calibration text -> profile artifact.
+
+    Holds per-layer, per-KV-head channel statistics of pre-RoPE keys, keys and values,
+    and the attention profile (`kvtool.attention_profile`): FastGen's per-KV-head policies
+    (``heads.*``) and PyramidKV-style fitted layer budgets (``layers.budget_weight``).
+    threshold / local_ratio / frequent_ratio override the recipe's ``eviction`` values
+    (default recipe: T = 0.95, r_l = r_f = 0.3, FastGen's paper settings).
+    """
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size)
     check_output_path(out)
+    spec = _eviction_spec(recipe, threshold=threshold, local_ratio=local_ratio, frequent_ratio=frequent_ratio)
     hf_model, tokenizer = _load(model, load)
     adapter = adapter_for(hf_model)
     windows = _windows(tokenizer, data, samples, seq_len, seed, "random")
     check_context(adapter, seq_len)
     stats = ChannelStats()
     tokens = stream_batches(hf_model, adapter, windows, [stats], batch_size, progress)
+    attention = profile_attention(hf_model, adapter, windows, *token_classes(tokenizer), spec, batch_size, progress)
     artifact = Artifact(
         kind="profile",
         manifest={
@@ -116,11 +131,26 @@ def profile(
             "model_source": model_source(model),
             "calibration": _provenance(data, windows, seed, tokens),
             "statistics": list(ChannelStats.KINDS),
+            "fastgen": {
+                "threshold": spec.threshold, "local_ratio": spec.local_ratio, "frequent_ratio": spec.frequent_ratio,
+                "sink_tokens": spec.sink_tokens, "policies": list(FASTGEN_POLICIES),
+                "expected_cache_fraction": attention.expected_cache_fraction,
+            },
+            "pyramid": {
+                "attention_need": attention.tensors["layers.attention_need"].tolist(),
+                "budget_weight": attention.tensors["layers.budget_weight"].tolist(),
+            },
         },
-        tensors=stats.tensors(),
+        tensors={**stats.tensors(), **attention.tensors},
     )
     save_artifact(out, artifact)
     return artifact
+
+
+def _eviction_spec(recipe: str | Path | Recipe | None, **overrides: float | None) -> EvictionSpec:
+    """The recipe's eviction section with the given (non-None) values replaced and validated."""
+    resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    return dataclasses.replace(resolved.eviction, **{k: v for k, v in overrides.items() if v is not None})
 
 
 # --- calibrate --------------------------------------------------------------------------------

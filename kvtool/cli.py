@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvtool.errors import KvtoolError
@@ -51,6 +52,7 @@ DtypeOpt = Annotated[str, typer.Option(help="Model dtype: auto (float32 on CPU, 
 DeviceOpt = Annotated[str, typer.Option(help="Device: cpu, cuda, cuda:N.")]
 DeviceMapOpt = Annotated[Optional[str], typer.Option("--device-map", help="transformers device_map (e.g. auto) for models that do not fit one device.")]
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe YAML path or bundled recipe name (see `kvtool recipes`). Default: kivi-4bit.")]
+PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also write the FastGen policy map as a PNG heatmap here (needs the plots extra).")]
 
 
 def _friendly(fn):
@@ -61,7 +63,7 @@ def _friendly(fn):
         try:
             return fn(*args, **kwargs)
         except KvtoolError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(code=2) from None
 
     return wrapper
@@ -115,22 +117,45 @@ def profile(
     seq_len: SeqLenOpt = 512,
     seed: SeedOpt = 0,
     batch_size: BatchOpt = 4,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe whose eviction section sets T, r_l, r_f and the sink tokens. Default: FastGen's paper settings.")] = None,
+    threshold: Annotated[Optional[float], typer.Option(help="FastGen attention-mass threshold T in (0, 1]. Default: the recipe's eviction.threshold (0.95).")] = None,
+    local_ratio: Annotated[Optional[float], typer.Option("--local-ratio", help="FastGen local window as a fraction of the length. Default: the recipe's (0.3).")] = None,
+    frequent_ratio: Annotated[Optional[float], typer.Option("--frequent-ratio", help="FastGen heavy hitters as a fraction of the length. Default: the recipe's (0.3).")] = None,
+    plot: PlotOpt = None,
     text_column: TextColumnOpt = "text",
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
 ):
-    """Per-layer, per-KV-head statistics of pre-RoPE keys, keys and values on calibration text."""
+    """Per-layer, per-KV-head K/V statistics and FastGen attention policies on calibration text."""
     from kvtool import api
+    from kvtool.attention_profile import policy_map
     from kvtool.cli_render import render_profile
 
     _quiet_libraries()
+    if plot is not None:
+        from kvtool.plots_profile import check_plot_path
+
+        check_plot_path(plot)
     artifact = api.profile(
-        _data(data, text_column), out, model, samples=samples, seq_len=seq_len, seed=seed,
+        _data(data, text_column), out, model, recipe=recipe, threshold=threshold, local_ratio=local_ratio,
+        frequent_ratio=frequent_ratio, samples=samples, seq_len=seq_len, seed=seed,
         batch_size=batch_size, load=_load_options(dtype, device, device_map), progress=_progress,
     )
     render_profile(console, artifact)
     console.print(f"wrote profile [bold]{out}[/]")
+    _write_plot(plot, policy_map(artifact.tensors))
+
+
+def _write_plot(path: Optional[Path], policies) -> None:
+    if path is None:
+        return
+    from kvtool.plots_profile import write_policy_heatmap
+
+    if policies is None:
+        raise KvtoolError("the artifact holds no FastGen policy map (heads.policy): make one with `kvtool profile`")
+    write_policy_heatmap(policies, path)
+    err_console.print(f"wrote {path}")
 
 
 @app.command()
@@ -267,16 +292,27 @@ def eval_ppl(
 def inspect(
     artifact: Annotated[Path, typer.Argument(help="Any kvtool artifact (profile, calibration or deployable).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest and tensor list as JSON.")] = False,
+    plot: PlotOpt = None,
 ):
-    """Show an artifact's manifest, model, recipe, quality and tensors."""
+    """Show an artifact's manifest, model, recipe, quality, tensors and FastGen policy map."""
     from kvtool import api
-    from kvtool.cli_render import render_inspect
+    from kvtool.attention_profile import load_policy_map
+    from kvtool.cli_render import render_inspect, render_policy_map
 
+    if plot is not None:
+        from kvtool.plots_profile import check_plot_path
+
+        check_plot_path(plot)
     info = api.inspect(artifact)
+    has_map = any(name.endswith("heads.policy") for name in info["tensors"])
+    policies = load_policy_map(artifact) if has_map else None
+    _write_plot(plot, policies)
     if as_json:
         console.print_json(json.dumps(info))
     else:
         render_inspect(console, info)
+        if policies is not None:
+            render_policy_map(console, policies, info["manifest"].get("fastgen", {}).get("threshold"))
 
 
 @app.command()

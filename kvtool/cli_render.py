@@ -99,6 +99,38 @@ def render_profile(console: Console, artifact) -> None:
                       fmt(t[f"layers.{layer}.values.token_norm"]))
         layer += 1
     console.print(table)
+    from kvtool.attention_profile import policy_map
+
+    policies = policy_map(artifact.tensors)
+    if policies is not None:
+        render_policy_map(console, policies, artifact.manifest.get("fastgen", {}).get("threshold"))
+
+
+POLICY_STYLES = {"special": "magenta", "punctuation": "yellow", "local": "green", "frequent": "cyan", "full": "red"}
+
+
+def render_policy_map(console: Console, policies, threshold: float | None = None) -> None:
+    """Layer x KV-head table of FastGen policies (coloured), with the layer need and budget weight."""
+    from kvtool.methods.evict.fastgen import FASTGEN_POLICIES
+
+    layers, heads = policies.policy.shape
+    at = "" if threshold is None else f" at T = {threshold:g}"
+    table = Table(title=f"FastGen policy per layer x KV head{at}")
+    table.add_column("layer", justify="right")
+    for head in range(heads):
+        table.add_column(f"head {head}")
+    extras = [(name, t) for name, t in (("need", policies.attention_need), ("budget weight", policies.budget_weight))
+              if t is not None]
+    for name, _ in extras:
+        table.add_column(name, justify="right")
+    for layer in range(layers):
+        names = [FASTGEN_POLICIES[int(p)] for p in policies.policy[layer]]
+        cells = [f"[{POLICY_STYLES[n]}]{n}[/]" for n in names]
+        table.add_row(str(layer), *cells, *(f"{float(t[layer]):.2f}" for _, t in extras))
+    console.print(table)
+    expected = policies.expected_cache_fraction
+    if expected is not None:
+        console.print(f"expected cache fraction {expected:.3f} (tokens kept / tokens seen, mean over layers and KV heads)")
 
 
 def render_calibration(console: Console, artifact) -> None:
@@ -121,7 +153,7 @@ def render_inspect(console: Console, info: dict) -> None:
         f"{model.get('num_heads')} q heads / {model.get('num_kv_heads')} KV heads, head_dim {model.get('head_dim')}, "
         f"K/V weights sha256 {str(model.get('kv_weights_sha256'))[:16]}...)"
     )
-    for key in ("recipe", "calibration", "expected_bits_per_element", "quality", "profile"):
+    for key in ("recipe", "calibration", "expected_bits_per_element", "quality", "profile", "fastgen", "pyramid"):
         if key in manifest:
             console.print(f"[bold]{key}[/]: {manifest[key]}", highlight=False)
     table = Table("tensor", "shape", "dtype", title=f"{len(info['tensors'])} tensors")

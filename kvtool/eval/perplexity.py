@@ -44,6 +44,7 @@ class PerplexityResult:
     bits_per_element: float
     bytes_per_token: float  # cache bytes per token held (all layers, K and V)
     decode_tokens_per_s: float
+    kept_fraction: float = 1.0  # tokens held / tokens seen at the end (eviction), averaged over windows
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,7 +86,7 @@ def perplexity(
     """Perplexity of windows (N, T) with caches from ``new_cache()`` (one per batch of windows)."""
     _check_args(windows, prefill, chunk)
     device = next(model.parameters()).device
-    nll = seconds = 0.0
+    nll = seconds = kept = 0.0
     count = held = expected = fp16 = 0
     batches = windows.split(batch_size)
     for batch in progress(batches, "scoring through the cache", len(batches)):
@@ -93,6 +94,7 @@ def perplexity(
         batch_nll, batch_count, batch_seconds = _score_batch(model, batch.to(device), cache, prefill, chunk)
         nll, count, seconds = nll + batch_nll, count + batch_count, seconds + batch_seconds
         held, expected, fp16 = held + cache.nbytes(), expected + cache.expected_nbytes(), fp16 + cache.fp16_nbytes()
+        kept += (cache.kept_fraction() if hasattr(cache, "kept_fraction") else 1.0) * batch.shape[0]
     mean = nll / count
     tokens_held = windows.shape[0] * (windows.shape[1] - 1)
     return PerplexityResult(
@@ -110,4 +112,5 @@ def perplexity(
         bits_per_element=16 * held / fp16,
         bytes_per_token=held / tokens_held,
         decode_tokens_per_s=count / seconds if seconds else 0.0,
+        kept_fraction=kept / windows.shape[0],
     )

@@ -20,7 +20,11 @@ from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.adapter import ModelAdapter, adapter_for
 from kvtool.recipe import Recipe, recipe_from_dict
 from kvtool.runtime.cache import CompressedCache, LayerPlan
-from kvtool.runtime.positions import PositionProbe, PositionTracker
+from kvtool.methods.budget.pyramid import layer_budgets
+from kvtool.methods.evict.base import EvictionPolicy, policy_class
+from kvtool.models.attention_hook import install
+from kvtool.runtime.evicting import BudgetRule, EvictingCache, ForwardInfo
+from kvtool.runtime.positions import PositionProbe, PositionTracker, TokenProbe
 
 
 def uncompressed_recipe(float_dtype: str = "model") -> Recipe:
@@ -37,10 +41,14 @@ class CompressedRuntime:
     adapter: ModelAdapter
     recipe: Recipe
     layer_tensors: list[dict]
+    profile: dict[str, torch.Tensor] | None = None  # `kvtool profile` tensors (FastGen policies, layer budgets)
     probe: PositionProbe | None = None
+    token_probe: TokenProbe | None = None
 
     @classmethod
-    def from_recipe(cls, model, recipe: Recipe, layer_tensors: list[dict] | None = None) -> "CompressedRuntime":
+    def from_recipe(
+        cls, model, recipe: Recipe, layer_tensors: list[dict] | None = None, profile: dict[str, torch.Tensor] | None = None
+    ) -> "CompressedRuntime":
         adapter = adapter_for(model)
         geometry = adapter.geometry
         if layer_tensors is None and needs_fit(recipe):
@@ -50,7 +58,10 @@ class CompressedRuntime:
             )
         tensors = layer_tensors or [{} for _ in range(geometry.num_layers)]
         build_quantizers(recipe, geometry.head_dim, fitted=tensors[0])  # fails early if the recipe cannot fit the model
-        return cls(model=model, adapter=adapter, recipe=recipe, layer_tensors=tensors)
+        runtime = cls(model=model, adapter=adapter, recipe=recipe, layer_tensors=tensors, profile=profile)
+        if recipe.evicts:
+            runtime._eviction_parts()  # fails early on a missing or mismatched profile
+        return runtime
 
     @classmethod
     def from_artifact(cls, model, artifact: Artifact) -> "CompressedRuntime":
@@ -59,11 +70,14 @@ class CompressedRuntime:
         check_model(artifact, adapter.fingerprint())
         recipe = recipe_from_dict(artifact.manifest["recipe"])
         tensors = [artifact.layer_tensors(i) for i in range(adapter.geometry.num_layers)]
-        return cls.from_recipe(model, recipe, tensors)
+        profile = {k[len("profile.") :]: v for k, v in artifact.tensors.items() if k.startswith("profile.")}
+        return cls.from_recipe(model, recipe, tensors, profile or None)
 
-    def new_cache(self) -> CompressedCache:
+    def new_cache(self) -> CompressedCache | EvictingCache:
         """A fresh, empty compressed cache for one generate/forward session."""
         plans = [LayerPlan(self.recipe, fitted) for fitted in self.layer_tensors]
+        if self.recipe.evicts:
+            return self._new_evicting_cache(plans)
         tracker = None
         if self.recipe.keys.pre_rope:
             if self.probe is None:  # one hook per runtime, installed on first need
@@ -74,6 +88,42 @@ class CompressedRuntime:
     def check_context(self, tokens: int) -> None:
         """Refuse contexts beyond the model's position limit."""
         check_context(self.adapter, tokens)
+
+    # --- eviction -----------------------------------------------------------------------------
+    def _eviction_parts(self) -> tuple[EvictionPolicy, BudgetRule]:
+        spec, profile = self.recipe.eviction, self.profile or {}
+        geometry = self.adapter.geometry
+        if spec.needs_profile and not profile:
+            raise RecipeError(
+                f"recipe '{self.recipe.name}' (eviction.policy {spec.policy}, layer_budgets {spec.layer_budgets}) "
+                "needs a profile: run `kvtool profile` and pass it (--profile), or export it into the artifact"
+            )
+        policies = profile.get("heads.policy")
+        if spec.policy == "fastgen" and (policies is None or tuple(policies.shape) != (geometry.num_layers, geometry.num_kv_heads)):
+            raise RecipeError(
+                f"the profile's heads.policy has shape {None if policies is None else tuple(policies.shape)}, "
+                f"expected ({geometry.num_layers}, {geometry.num_kv_heads}) for this model; profile this model again"
+            )
+        weights = layer_budgets(spec, geometry.num_layers, profile.get("layers.budget_weight"))
+        policy = policy_class(spec.policy)(spec, profile)
+        return policy, BudgetRule(spec.budget, spec.budget_tokens, weights)
+
+    def _new_evicting_cache(self, plans: list[LayerPlan]) -> EvictingCache:
+        install(self.model)  # kvtool attention: plain SDPA unless an evicting cache claims the call
+        if self.probe is None:
+            self.probe = PositionProbe(self.adapter.rotary_emb)
+        if self.token_probe is None:
+            self.token_probe = TokenProbe(self.model.get_input_embeddings())
+        policy, budget = self._eviction_parts()
+        profile = self.profile or {}
+        info = ForwardInfo(
+            position_probe=self.probe,
+            token_probe=self.token_probe,
+            rope_cos_sin=lambda pos: self.adapter.rope_cos_sin(pos, torch.float32),
+            special_ids=profile.get("tokens.special"),
+            punct_ids=profile.get("tokens.punctuation"),
+        )
+        return EvictingCache(plans, policy, budget, info)
 
 
 def check_context(adapter: ModelAdapter, tokens: int) -> None:

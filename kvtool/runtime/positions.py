@@ -66,3 +66,22 @@ class PositionTracker:
 
     def nbytes(self) -> int:
         return 0 if self.positions is None else self.positions.numel() * self.positions.element_size()
+
+
+class TokenProbe:
+    """Forward pre-hook on the input embedding: remembers the input_ids (B, t) of the latest forward.
+
+    FastGen keeps special and punctuation tokens, so the evicting cache needs the ids
+    of the tokens whose K/V it receives. None when the model was fed embeddings.
+    """
+
+    def __init__(self, embedding: torch.nn.Module) -> None:
+        self.last: torch.Tensor | None = None
+        self.handle = embedding.register_forward_pre_hook(self._record)
+
+    def _record(self, module, args) -> None:
+        ids = args[0] if args else None
+        self.last = ids.detach() if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
+
+    def remove(self) -> None:
+        self.handle.remove()

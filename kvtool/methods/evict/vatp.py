@@ -1,0 +1,9 @@
+"""VATP (Guo et al., 2024, "Attention Score is not All You Need"): accumulated attention x value L1 norm."""
+
+from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_policy
+
+
+@register_policy("vatp")
+class VATP(EvictionPolicy):
+    def token_scores(self, view: StreamView):
+        return view.attention * view.values.float().abs().sum(dim=-1)  # (n,)

@@ -1,0 +1,241 @@
+"""The evicting cache on tiny random models: real freeing, ragged streams, batches, RoPE after eviction.
+
+* keeping everything (budget 1.0) reproduces the model's own logits for every policy and family;
+* a batch of two sequences keeps different tokens per sequence and generates what each does alone;
+* the bytes held equal the analytic size of the kept tokens, and fall with the budget;
+* decoding past an absolute budget keeps memory flat;
+* after eviction, attention equals full attention restricted (by a mask, in the test only) to the kept
+  tokens at their original positions: RoPE stays right;
+* kept tokens are quantized when the recipe quantizes (composition).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvtool.errors import RecipeError
+from kvtool.methods.evict.base import registered_policies
+from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
+from kvtool.runtime import ragged_attention as ragged
+from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer_free_inputs
+
+BUDGET_POLICIES = [p for p in registered_policies() if p != "fastgen"]
+TINY_PROFILE = {  # a FastGen profile for the tiny 2-layer, 2-KV-head models: one head per policy kind
+    "heads.policy": torch.tensor([[0, 2], [3, 4]]),
+    "tokens.special": torch.tensor([1]),
+    "tokens.punctuation": torch.tensor([5, 6, 7]),
+}
+
+
+def evicting(policy: str, *, bits: int = 16, float_dtype: str = "model", **eviction) -> Recipe:
+    base = uncompressed_recipe(float_dtype)
+    if bits != 16:
+        base = Recipe(
+            name="q",
+            keys=QuantSpec(method="uniform", bits=bits, axis="channel", path="keys"),
+            values=QuantSpec(method="uniform", bits=bits, axis="token", path="values"),
+            cache=CacheSpec(sink_tokens=2, recent_tokens=8, float_dtype=float_dtype),
+        )
+    spec = EvictionSpec(policy=policy, **{"sink_tokens": 2, "window": 4, **eviction})
+    return dataclasses.replace(base, name=f"{policy}-test", eviction=spec)
+
+
+def runtime(model, recipe):
+    profile = TINY_PROFILE if recipe.eviction.policy == "fastgen" else None
+    return CompressedRuntime.from_recipe(model, recipe, profile=profile)
+
+
+def run_tokens(model, cache, ids, prefill):
+    """Prefill, then feed the rest one token at a time; logits (B, T, V) of every position."""
+    with torch.no_grad():
+        out = [model(ids[:, :prefill], past_key_values=cache).logits]
+        for i in range(prefill, ids.shape[1]):
+            out.append(model(ids[:, i : i + 1], past_key_values=cache).logits)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", BUDGET_POLICIES)
+def test_keeping_everything_reproduces_the_model(family, policy):
+    model = tiny_model(family)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(ids).logits
+    cache = runtime(model, evicting(policy, budget=1.0)).new_cache()
+    logits = run_tokens(model, cache, ids, prefill=16)
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-4)
+    assert cache.kept_fraction() == 1.0
+
+
+def _generate(model, cache, ids, mask, new_tokens=30):
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("policy", registered_policies())
+def test_batch_equals_each_sequence_alone(policy, bits):
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(2)
+    long, short = torch.randint(3, 128, (1, 48), generator=gen), torch.randint(3, 128, (1, 33), generator=gen)
+    ids = torch.zeros(2, 48, dtype=torch.long)
+    ids[0], ids[1, 15:] = long[0], short[0]
+    mask = torch.ones_like(ids)
+    mask[1, :15] = 0
+    rt = runtime(model, evicting(policy, bits=bits, budget=0.5))
+    batch_cache = rt.new_cache()
+    together = _generate(model, batch_cache, ids, mask)
+    alone = [_generate(model, rt.new_cache(), x, torch.ones_like(x)) for x in (long, short)]
+    assert torch.equal(together[0, 48:], alone[0][0, 48:])
+    assert torch.equal(together[1, 48:], alone[1][0, 33:])
+    # the two sequences keep different numbers of tokens: storage is ragged, nothing is padded
+    layer = batch_cache.layers[0]
+    assert layer.lengths == [48 + 29, 33 + 29]
+    report = batch_cache.memory_report()
+    assert report["cache_bytes"] == report["expected_cache_bytes"]
+    if policy != "fastgen":
+        assert 0.4 < report["kept_fraction"] <= 0.55
+
+
+@pytest.mark.parametrize("policy", registered_policies())
+def test_bytes_held_match_the_kept_tokens(policy):
+    model = tiny_model("llama")
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=40)
+    sizes = {}
+    for budget in (1.0, 0.5, 0.25):
+        cache = runtime(model, evicting(policy, budget=budget, float_dtype="float16")).new_cache()
+        _generate(model, cache, ids, mask, new_tokens=10)
+        held = cache.nbytes()
+        assert held == cache.expected_nbytes()
+        kept = cache.kept_tokens()
+        per_token = 2 * 32 * 2 + 4 + (4 if cache.policy.uses_attention else 0) + (1 if policy == "fastgen" else 0)
+        assert held == kept * per_token  # K + V fp16 and per-token metadata, nothing else
+        # every stream is exactly its own size: no padding to the longest stream
+        for layer in cache.layers:
+            for row in layer.streams:
+                for stream in row:
+                    assert stream.tail_k.shape[0] == stream.n == stream.positions.shape[0]
+        sizes[budget] = held
+    if policy != "fastgen":  # fastgen ignores the budget: its profile sets the sizes
+        assert sizes[0.25] < sizes[0.5] < sizes[1.0]
+
+
+@pytest.mark.parametrize("policy", BUDGET_POLICIES)
+def test_decoding_past_an_absolute_budget_keeps_memory_flat(policy):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    cache = runtime(model, evicting(policy, budget_tokens=16)).new_cache()
+    held = []
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        token = ids[:, -1:]
+        for _ in range(40):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            held.append(cache.nbytes())
+    assert len(set(held)) == 1, "memory grew while decoding past the budget"
+    assert all(stream.n == 16 for layer in cache.layers for stream in layer.streams[0])
+    assert cache.get_seq_length() == 60  # logical length keeps counting for positions
+
+
+def test_attention_after_eviction_equals_masked_full_attention_at_original_positions():
+    """StreamingLLM keeps sinks + recent tokens; the next token must see exactly them, at their old positions."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 41), generator=torch.Generator().manual_seed(4))
+    cache = runtime(model, evicting("streamingllm", budget_tokens=12, sink_tokens=3)).new_cache()
+    with torch.no_grad():
+        model(ids[:, :40], past_key_values=cache)
+        kept = cache.layers[0].streams[0][0].positions.tolist()
+        assert kept == [0, 1, 2] + list(range(31, 40))
+        logits = model(ids[:, 40:], past_key_values=cache).logits[:, -1]
+        visible = torch.ones(41, 41, dtype=torch.bool).tril()
+        visible[40] = False
+        visible[40, kept + [40]] = True
+        reference = model(ids, attention_mask=visible[None, None]).logits[:, -1]  # bool 4-D mask: True = attend
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_kept_tokens_are_quantized_when_the_recipe_quantizes():
+    model = tiny_model("llama")
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=120)
+    float_cache = runtime(model, evicting("h2o", budget=0.5, float_dtype="float16")).new_cache()
+    quant_cache = runtime(model, evicting("h2o", bits=4, budget=0.5, float_dtype="float16")).new_cache()
+    _generate(model, float_cache, ids, mask, new_tokens=20)
+    out = _generate(model, quant_cache, ids, mask, new_tokens=20)
+    assert out.shape == (2, 140)
+    blocks = [s.body_blocks() for layer in quant_cache.layers for row in layer.streams for s in row]
+    assert min(blocks) >= 1, "kept tokens were not encoded into 4-bit blocks"
+    assert quant_cache.nbytes() == quant_cache.expected_nbytes()
+    assert quant_cache.nbytes() < 0.7 * float_cache.nbytes()
+    assert abs(quant_cache.kept_fraction() - float_cache.kept_fraction()) < 0.15
+
+
+def test_pre_rope_quantized_keys_compose_with_eviction():
+    model = tiny_model("llama")
+    recipe = evicting("snapkv", bits=8, budget=0.5)
+    recipe = dataclasses.replace(recipe, keys=dataclasses.replace(recipe.keys, pre_rope=True))
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=70)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits[:, -1]
+        cache = CompressedRuntime.from_recipe(model, dataclasses.replace(recipe, eviction=EvictionSpec(budget=1.0))).new_cache()
+        kept_all = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(kept_all, full, atol=1e-4, rtol=1e-3)
+    out = _generate(model, runtime(model, recipe).new_cache(), ids, mask, new_tokens=10)
+    assert out.shape == (2, 80)
+
+
+def test_beam_search_runs_with_eviction():
+    model = tiny_model("llama")
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=20)
+    cache = runtime(model, evicting("h2o", budget=0.5)).new_cache()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+                             num_beams=2, do_sample=False, pad_token_id=0)
+    assert out.shape[0] == 2
+    assert cache.kept_fraction() < 0.7
+
+
+def test_fastgen_heads_keep_what_their_policy_says():
+    model = tiny_model("llama")
+    ids = torch.randint(8, 128, (1, 50), generator=torch.Generator().manual_seed(5))
+    ids[0, 0], ids[0, 10], ids[0, 20] = 1, 5, 6  # BOS and two punctuation tokens
+    cache = runtime(model, evicting("fastgen", sink_tokens=1)).new_cache()
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    special, local = cache.layers[0].streams[0]
+    assert special.positions.tolist() == [0]  # special only: BOS
+    assert local.positions.tolist() == [0, 10, 20] + list(range(35, 50))  # + punctuation + last ceil(0.3*50)
+    frequent, full = cache.layers[1].streams[0]
+    assert full.n == 50 and 18 < frequent.n <= 33
+
+
+def test_fastgen_without_a_profile_is_refused():
+    with pytest.raises(RecipeError, match="needs a profile"):
+        CompressedRuntime.from_recipe(tiny_model("llama"), evicting("fastgen"))
+    with pytest.raises(RecipeError, match="heads.policy"):
+        CompressedRuntime.from_recipe(tiny_model("llama"), evicting("fastgen"), profile={"heads.policy": torch.zeros(3, 2)})
+
+
+def test_row_chunking_does_not_change_ragged_attention(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 9, 16, generator=gen)
+    k, v = torch.randn(2, 2, 14, 16, generator=gen), torch.randn(2, 2, 14, 16, generator=gen)
+    old_valid = torch.rand(2, 2, 5, generator=gen) > 0.3
+    new_mask = torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 9, 9)
+    whole = ragged.ragged_attention(q, k, v, old_valid, new_mask, 0.25, window=3)
+    monkeypatch.setattr(ragged, "ROW_CHUNK", 2)
+    chunked = ragged.ragged_attention(q, k, v, old_valid, new_mask, 0.25, window=3)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b)
+    # the output equals plain attention over the valid keys, query heads sharing their KV head
+    out, received, _ = whole
+    mask = torch.cat([old_valid[:, :, None].expand(2, 2, 9, 5), new_mask[:, None].expand(2, 2, 9, 9)], -1)
+    mask = mask.repeat_interleave(2, dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(out, ref.transpose(1, 2))
+    torch.testing.assert_close(received.sum(-1), torch.full((2, 2), 2.0 * 9))  # each row sums to 1, G=2 rows per query
