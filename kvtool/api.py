@@ -34,7 +34,7 @@ from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, token_classes
 from kvtool.models.adapter import adapter_for
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from kvtool.recipe import EvictionSpec, Recipe, load_recipe
-from kvtool.runtime.attach import CompressedRuntime, check_context, uncompressed_recipe
+from kvtool.runtime.attach import CompressedRuntime, check_context, fastgen_settings, uncompressed_recipe
 
 DEFAULT_MODEL_SOURCE = "kvtool:default-model"
 FIT_SAMPLE_TOKENS = 4096  # token vectors per layer kept for fitting codebooks (bounded memory)
@@ -141,7 +141,7 @@ def profile(
                 "budget_weight": attention.tensors["layers.budget_weight"].tolist(),
             },
         },
-        tensors={**stats.tensors(), **attention.tensors},
+        tensors={**stats.tensors(), **attention.tensors, "fastgen.settings": fastgen_settings(spec)},
     )
     save_artifact(out, artifact)
     return artifact
@@ -285,17 +285,29 @@ def load_runtime(
     artifact: str | Path | None = None,
     recipe: str | Path | Recipe | None = None,
     *,
+    profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
 ):
-    """(model, tokenizer, runtime) from a deployable artifact, or from a recipe (no calibration), or uncompressed."""
+    """(model, tokenizer, runtime) from a deployable artifact, or from a recipe (no calibration), or uncompressed.
+
+    ``profile`` (from `kvtool profile`) supplies FastGen head policies and fitted layer budgets to a
+    recipe that evicts; a deployable artifact carries its own (``kvtool export --profile``).
+    """
     if artifact is not None and recipe is not None:
         raise ArtifactError("give either an artifact or a recipe, not both")
+    if artifact is not None and profile is not None:
+        raise ArtifactError("a deployable artifact carries its profile: export it with --profile instead of passing both")
     loaded = load_artifact(artifact, expect_kind="deployable") if artifact is not None else None
+    prof = load_artifact(profile, expect_kind="profile") if profile is not None else None
     hf_model, tokenizer = _load(model_for_artifact(model, loaded) if loaded else model, load)
     if loaded is not None:
         return hf_model, tokenizer, CompressedRuntime.from_artifact(hf_model, loaded)
     resolved = recipe if isinstance(recipe, Recipe) else (load_recipe(recipe) if recipe else uncompressed_recipe())
-    return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved)
+    profile_tensors = None
+    if prof is not None:
+        check_model(prof, adapter_for(hf_model).fingerprint(), source=f"profile '{profile}'")
+        profile_tensors = prof.tensors
+    return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved, profile=profile_tensors)
 
 
 @dataclass(frozen=True)
@@ -344,6 +356,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     on_text: Callable[[str], None] | None = None,
+    profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
 ) -> GenerateResult:
     """Generate with the compressed cache; batches of prompts are left-padded. Streams text when one prompt."""
@@ -352,7 +365,7 @@ def generate(
     _require_positive(max_new_tokens=max_new_tokens)
     if do_sample and not (temperature > 0 and 0 < top_p <= 1):
         raise RuntimeConfigError(f"sampling needs --temperature > 0 and 0 < --top-p <= 1; got {temperature} and {top_p}")
-    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, load=load)
+    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load)
     device = next(hf_model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     runtime.check_context(enc.input_ids.shape[1] + max_new_tokens)
@@ -391,6 +404,7 @@ def evaluate_perplexity(
     chunk: int = 1,
     batch_size: int = 4,
     baseline: bool = True,
+    profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
 ) -> dict:
@@ -402,7 +416,7 @@ def evaluate_perplexity(
     from kvtool.eval.perplexity import perplexity
 
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size, chunk=chunk)
-    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, load=load)
+    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load)
     runtime.check_context(seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")
     prefill = seq_len // 2 if prefill is None else prefill

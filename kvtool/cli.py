@@ -52,6 +52,7 @@ DtypeOpt = Annotated[str, typer.Option(help="Model dtype: auto (float32 on CPU, 
 DeviceOpt = Annotated[str, typer.Option(help="Device: cpu, cuda, cuda:N.")]
 DeviceMapOpt = Annotated[Optional[str], typer.Option("--device-map", help="transformers device_map (e.g. auto) for models that do not fit one device.")]
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe YAML path or bundled recipe name (see `kvtool recipes`). Default: kivi-4bit.")]
+ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", "-p", help="Profile from `kvtool profile` (FastGen head policies, fitted layer budgets) for a --recipe that evicts.")]
 PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also write the FastGen policy map as a PNG heatmap here (needs the plots extra).")]
 
 
@@ -215,6 +216,7 @@ def generate(
     model: ModelOpt = None,
     artifact: Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact from `kvtool export`.")] = None,
     recipe: RecipeOpt = None,
+    profile: ProfileOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate per prompt.")] = 64,
     sample: Annotated[bool, typer.Option("--sample/--greedy", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (with --sample).")] = 1.0,
@@ -233,7 +235,8 @@ def generate(
     stream = _prompt_then_text(prompts[0]) if len(prompts) == 1 else None
     result = api.generate(
         prompts, model, artifact, recipe, max_new_tokens=max_new_tokens, do_sample=sample,
-        temperature=temperature, top_p=top_p, seed=seed, on_text=stream, load=_load_options(dtype, device, device_map),
+        temperature=temperature, top_p=top_p, seed=seed, on_text=stream, profile=profile,
+        load=_load_options(dtype, device, device_map),
     )
     render_generation(console, prompts, result, streamed=stream is not None)
 
@@ -258,6 +261,7 @@ def eval_ppl(
     model: ModelOpt = None,
     artifact: Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")] = None,
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")] = None,
+    profile: ProfileOpt = None,
     samples: SamplesOpt = 4,
     seq_len: SeqLenOpt = 1024,
     prefill: Annotated[Optional[int], typer.Option(help="Tokens written to the cache before scoring. Default: seq_len / 2.")] = None,
@@ -281,7 +285,8 @@ def eval_ppl(
         check_output_path(json_out)
     report = api.evaluate_perplexity(
         _data(data, text_column), model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
-        chunk=chunk, batch_size=batch_size, baseline=baseline, load=_load_options(dtype, device, device_map), progress=_progress,
+        chunk=chunk, batch_size=batch_size, baseline=baseline, profile=profile,
+        load=_load_options(dtype, device, device_map), progress=_progress,
     )
     render_perplexity(console, report)
     _write_json(json_out, report)

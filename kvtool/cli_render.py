@@ -57,14 +57,18 @@ def render_generation(console: Console, prompts: list[str], result, streamed: bo
 
 def render_perplexity(console: Console, report: dict) -> None:
     table = Table(title=f"Perplexity through the runtime ({report['scored_tokens']} scored tokens)")
-    for column in ("cache", "ppl", "delta", "bits/elem", "bytes/token", "decode tok/s"):
+    evicts = report.get("kept_fraction", 1.0) < 1.0
+    columns = ("cache", "ppl", "delta", *(("kept",) if evicts else ()), "bits/elem", "bytes/token", "decode tok/s")
+    for column in columns:
         table.add_column(column, justify="right")
+    kept = lambda fraction: (f"{100 * fraction:.1f}%",) if evicts else ()  # noqa: E731
     if "baseline_ppl" in report:
-        table.add_row("uncompressed", f"{report['baseline_ppl']:.3f}", "", f"{16 * report['baseline_cache_bytes'] / report['fp16_cache_bytes']:.1f}",
+        table.add_row("uncompressed", f"{report['baseline_ppl']:.3f}", "", *kept(1.0),
+                      f"{16 * report['baseline_cache_bytes'] / report['fp16_cache_bytes']:.1f}",
                       f"{report['baseline_bytes_per_token']:.0f}", f"{report['baseline_decode_tokens_per_s']:.1f}")
     delta = f"{report['delta_pct']:+.2f}%" if "delta_pct" in report else ""
-    table.add_row(report["recipe"], f"{report['ppl']:.3f}", delta, f"{report['bits_per_element']:.2f}",
-                  f"{report['bytes_per_token']:.0f}", f"{report['decode_tokens_per_s']:.1f}")
+    table.add_row(report["recipe"], f"{report['ppl']:.3f}", delta, *kept(report.get("kept_fraction", 1.0)),
+                  f"{report['bits_per_element']:.2f}", f"{report['bytes_per_token']:.0f}", f"{report['decode_tokens_per_s']:.1f}")
     console.print(table)
     mode = "true decoding (1 token per step)" if report["exact_decoding"] else f"APPROXIMATE: chunks of {report['chunk']} tokens see each other uncompressed"
     console.print(f"{report['windows']} windows x {report['seq_len']} tokens, prefill {report['prefill']}; {mode}")

@@ -349,6 +349,20 @@ def test_eval_ppl_translates_options_and_writes_json(rec, tmp_path):
     assert shows(result.stdout, "10.500", "+5.00%", "uncompressed", "true decoding")
 
 
+def test_eval_ppl_and_generate_pass_the_profile_and_show_the_kept_fraction(rec, tmp_path):
+    profile = tmp_path / "p.safetensors"
+    rec.patch("evaluate_perplexity", {**fake_report(), "recipe": "h2o", "kept_fraction": 0.25})
+    result = invoke("eval", "ppl", "--data", "file.txt", "--recipe", "fastgen-t95", "--profile", profile)
+    ok(result)
+    _, kwargs = rec.one("evaluate_perplexity")
+    assert kwargs["profile"] == profile
+    assert shows(result.stdout, "kept", "25.0%", "100.0%")
+    rec.patch("generate", fake_generation(["x"]))
+    ok(invoke("generate", "--prompt", "hi", "--recipe", "h2o", "-p", profile))
+    _, kwargs = rec.one("generate")
+    assert kwargs["profile"] == profile
+
+
 def test_eval_ppl_defaults(rec):
     rec.patch("evaluate_perplexity", fake_report())
     result = invoke("eval", "ppl", "-d", "f.txt", "-r", "int8")

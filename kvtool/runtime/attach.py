@@ -18,10 +18,11 @@ from kvtool.artifact import Artifact, check_model
 from kvtool.calibration import build_quantizers, needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.adapter import ModelAdapter, adapter_for
-from kvtool.recipe import Recipe, recipe_from_dict
+from kvtool.recipe import EvictionSpec, Recipe, recipe_from_dict
 from kvtool.runtime.cache import CompressedCache, LayerPlan
 from kvtool.methods.budget.pyramid import layer_budgets
 from kvtool.methods.evict.base import EvictionPolicy, policy_class
+from kvtool.methods.evict.fastgen import choose_policies
 from kvtool.models.attention_hook import install
 from kvtool.runtime.evicting import BudgetRule, EvictingCache, ForwardInfo
 from kvtool.runtime.positions import PositionProbe, PositionTracker, TokenProbe
@@ -104,6 +105,8 @@ class CompressedRuntime:
                 f"the profile's heads.policy has shape {None if policies is None else tuple(policies.shape)}, "
                 f"expected ({geometry.num_layers}, {geometry.num_kv_heads}) for this model; profile this model again"
             )
+        if spec.policy == "fastgen":
+            profile = {**profile, "heads.policy": fastgen_head_policies(spec, profile)}
         weights = layer_budgets(spec, geometry.num_layers, profile.get("layers.budget_weight"))
         policy = policy_class(spec.policy)(spec, profile)
         return policy, BudgetRule(spec.budget, spec.budget_tokens, weights)
@@ -124,6 +127,31 @@ class CompressedRuntime:
             punct_ids=profile.get("tokens.punctuation"),
         )
         return EvictingCache(plans, policy, budget, info)
+
+
+def fastgen_settings(spec: EvictionSpec) -> torch.Tensor:
+    """The FastGen settings a profile was measured with: [threshold, local_ratio, frequent_ratio, sink_tokens]."""
+    return torch.tensor([spec.threshold, spec.local_ratio, spec.frequent_ratio, spec.sink_tokens], dtype=torch.float64)
+
+
+def fastgen_head_policies(spec: EvictionSpec, profile: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-(layer, KV head) policies for the recipe's threshold, re-chosen from the profiled attention mass.
+
+    The mass was measured with the profile's local/frequent ratios and sink tokens; a recipe with
+    other values would apply policies the profile never measured, so it is refused.
+    """
+    settings = profile.get("fastgen.settings")
+    if settings is not None:
+        measured = {"local_ratio": float(settings[1]), "frequent_ratio": float(settings[2]), "sink_tokens": int(settings[3])}
+        for name, value in measured.items():
+            if abs(getattr(spec, name) - value) > 1e-9:
+                raise RecipeError(
+                    f"recipe field 'eviction.{name}' is {getattr(spec, name)} but the profile was measured with {value}; "
+                    f"profile again with this recipe (`kvtool profile --recipe ...`) or set eviction.{name}: {value}"
+                )
+    if "heads.mass" in profile:
+        return choose_policies(profile["heads.mass"], spec.threshold)
+    return profile["heads.policy"]
 
 
 def check_context(adapter: ModelAdapter, tokens: int) -> None:

@@ -30,7 +30,7 @@ class StreamView:
     attention (n,) float32: attention received, summed over the group's query heads
     and every query so far; window_attention (n,) or None: at prefill only, attention
     from the last ``window`` prompt queries (SnapKV); keys/values (n, D): float K/V
-    (keys after RoPE); is_special / is_punct (n,) bool: FastGen token classes;
+    (keys after RoPE; None unless the policy sets ``uses_keys`` / ``uses_values``); is_special / is_punct (n,) bool: FastGen token classes;
     units (n,) int64: unit id per token (0..U-1, non-decreasing); layer, head: where.
     """
 
@@ -38,8 +38,8 @@ class StreamView:
     length: int
     attention: torch.Tensor
     window_attention: torch.Tensor | None
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
     is_special: torch.Tensor
     is_punct: torch.Tensor
     units: torch.Tensor
@@ -56,6 +56,8 @@ class EvictionPolicy:
 
     name = "base"
     uses_attention = True  # False: the runtime need not accumulate attention for this policy
+    uses_keys = False  # True: the view carries the float keys (n, D)
+    uses_values = False  # True: the view carries the float values (n, D)
 
     def __init__(self, spec: EvictionSpec, profile: dict[str, torch.Tensor] | None = None) -> None:
         self.spec = spec

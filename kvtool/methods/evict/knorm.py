@@ -8,6 +8,7 @@ from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_polic
 
 @register_policy("knorm")
 class KNorm(EvictionPolicy):
+    uses_keys = True
     uses_attention = False
 
     def token_scores(self, view: StreamView):

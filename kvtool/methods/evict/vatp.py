@@ -5,5 +5,6 @@ from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_polic
 
 @register_policy("vatp")
 class VATP(EvictionPolicy):
+    uses_values = True
     def token_scores(self, view: StreamView):
         return view.attention * view.values.float().abs().sum(dim=-1)  # (n,)

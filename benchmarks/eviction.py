@@ -1,0 +1,124 @@
+"""Benchmark: token eviction through the runtime on kvref-5m (context 2048, held-out WikiText-2 test).
+
+    python -m benchmarks.eviction                          # full grid (~20 min on 2 CPU cores)
+    python -m benchmarks.eviction --fractions 0.5 --policies h2o snapkv --samples 1
+
+For every policy (StreamingLLM, H2O, SnapKV, VATP, KNorm, SnapKV with PyramidKV budgets,
+SnapKV with budgets fitted by `kvtool profile`) and fraction of the cache kept (50 / 25 /
+12.5%): perplexity through the runtime (prefill ``--prefill`` tokens, then true decoding
+one token per step with the budget enforced at every step), its delta against the full
+cache from the same code path, the fraction of tokens actually kept, the bytes actually
+held at the end, and decode tokens/s against the uncompressed cache. FastGen rows use one
+attention profile (calibration text: WikiText-2 valid, first 90%) at thresholds T; each is
+paired with H2O at the same kept fraction. Writes benchmarks/results/eviction.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.common import MODELS, SHARED
+from kvtool.attention_profile import profile_attention
+from kvtool.data import DataSpec, token_windows
+from kvtool.eval.perplexity import perplexity
+from kvtool.fileio import write_json_atomic
+from kvtool.methods.evict.fastgen import choose_policies, token_classes
+from kvtool.models.adapter import adapter_for
+from kvtool.models.loading import load_model
+from kvtool.recipe import EvictionSpec, load_recipe
+from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+
+POLICIES = ("streamingllm", "h2o", "snapkv", "vatp", "knorm", "pyramid-snapkv", "fitted-snapkv")
+
+
+def eviction_recipe(policy: str, fraction: float, bits: int = 16):
+    """An uncompressed (or 4-bit KIVI) cache that evicts with ``policy`` down to ``fraction``."""
+    base = uncompressed_recipe("float16") if bits == 16 else load_recipe("kivi-4bit")
+    layer_budgets = {"pyramid-snapkv": "pyramid", "fitted-snapkv": "profile"}.get(policy, "uniform")
+    name = {"pyramid-snapkv": "snapkv", "fitted-snapkv": "snapkv"}.get(policy, policy)
+    spec = EvictionSpec(policy=name, budget=fraction, layer_budgets=layer_budgets, sink_tokens=4, window=32)
+    return dataclasses.replace(base, name=f"{policy}@{fraction:g}" + ("" if bits == 16 else "+4bit"), eviction=spec)
+
+
+def attention_profile(model, tokenizer, samples: int, seq_len: int) -> dict[str, torch.Tensor]:
+    calib = DataSpec.parse(str(SHARED / MODELS["kvref-5m"][1]))
+    windows = token_windows(tokenizer, calib, samples=samples, seq_len=seq_len, seed=0, mode="random")
+    special, punct = token_classes(tokenizer)
+    return profile_attention(model, adapter_for(model), windows, special, punct, EvictionSpec(), batch_size=2,
+                             progress=lambda items, *_: items).tensors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=2, help="held-out windows (scored as one batch)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--prefill", type=int, default=1536, help="tokens prefilled before decoding is scored")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.95, 0.9, 0.85, 0.8], help="FastGen T")
+    parser.add_argument("--profile-samples", type=int, default=4, help="calibration windows of 1024 tokens")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eviction.json"))
+    args = parser.parse_args()
+    console = Console()
+    model, tokenizer = load_model(str(SHARED / MODELS["kvref-5m"][0]))
+    eval_text = DataSpec.parse(str(SHARED / MODELS["kvref-5m"][2]))
+    windows = token_windows(tokenizer, eval_text, samples=args.samples, seq_len=args.seq_len, mode="sequential")
+    profile = attention_profile(model, tokenizer, args.profile_samples, 1024)
+
+    def score(recipe, label: str, prof: dict | None = None) -> dict:
+        start = time.perf_counter()
+        runtime = CompressedRuntime.from_recipe(model, recipe, profile=prof)
+        result = perplexity(model, windows, runtime.new_cache, prefill=args.prefill, batch_size=args.samples)
+        row = {"recipe": label, "policy": recipe.eviction.policy, "budget": recipe.eviction.budget, **result.to_dict(),
+               "seconds": time.perf_counter() - start}
+        if rows:
+            row["delta_pct"] = 100 * (result.ppl / rows[0]["ppl"] - 1)
+            row["speed_vs_full"] = result.decode_tokens_per_s / rows[0]["decode_tokens_per_s"]
+        rows.append(row)
+        console.log(f"{label}: ppl {result.ppl:.3f} ({row.get('delta_pct', 0):+.2f}%), kept {result.kept_fraction:.3f}, "
+                    f"{result.cache_bytes} B, {result.decode_tokens_per_s:.1f} tok/s")
+        return row
+
+    rows: list[dict] = []
+    score(uncompressed_recipe("float16"), "full cache (fp16)")
+    for fraction in args.fractions:
+        for policy in args.policies:
+            score(eviction_recipe(policy, fraction), f"{policy} {fraction:.1%}", profile)
+    for threshold in args.thresholds:
+        fastgen_profile = {**profile, "heads.policy": choose_policies(profile["heads.mass"], threshold)}
+        spec = EvictionSpec(policy="fastgen", threshold=threshold)
+        recipe = dataclasses.replace(uncompressed_recipe("float16"), name=f"fastgen T={threshold}", eviction=spec)
+        kept = score(recipe, f"fastgen T={threshold}", fastgen_profile)["kept_fraction"]
+        if kept < 0.999:
+            score(eviction_recipe("h2o", round(kept, 3)), f"h2o at fastgen T={threshold} ({kept:.1%})")
+    score(eviction_recipe("h2o", 0.5, bits=4), "h2o 50% + 4-bit KIVI")
+    print_table(rows, console)
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "device": "cpu"}
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    write_json_atomic(args.out, {"machine": machine, "settings": settings, "rows": rows})
+    console.print(f"wrote {args.out}")
+
+
+def print_table(rows: list[dict], console: Console) -> None:
+    table = Table(title="kvref-5m: perplexity through the evicting runtime vs fraction of the cache kept")
+    for column in ("recipe", "ppl", "delta", "kept", "bytes held", "vs full bytes", "decode tok/s", "vs full speed"):
+        table.add_column(column, justify="right")
+    full_bytes = rows[0]["cache_bytes"]
+    for r in rows:
+        table.add_row(r["recipe"], f"{r['ppl']:.3f}", f"{r.get('delta_pct', 0):+.2f}%", f"{100 * r['kept_fraction']:.1f}%",
+                      f"{r['cache_bytes']:,}", f"{r['cache_bytes'] / full_bytes:.3f}", f"{r['decode_tokens_per_s']:.1f}",
+                      f"{r.get('speed_vs_full', 1.0):.2f}x")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
