@@ -49,8 +49,8 @@ class LoadOptions:
     device_map: str | None = None
 
 
-def _load(model: str | None, options: LoadOptions):
-    return load_model(model, dtype=options.dtype, device=options.device, device_map=options.device_map)
+def _load(model: str | None, options: LoadOptions, tokenizer: bool = True):
+    return load_model(model, dtype=options.dtype, device=options.device, device_map=options.device_map, tokenizer=tokenizer)
 
 
 def model_source(model: str | None) -> str:
@@ -287,11 +287,13 @@ def load_runtime(
     *,
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
+    tokenizer: bool = True,
 ):
     """(model, tokenizer, runtime) from a deployable artifact, or from a recipe (no calibration), or uncompressed.
 
     ``profile`` (from `kvtool profile`) supplies FastGen head policies and fitted layer budgets to a
     recipe that evicts; a deployable artifact carries its own (``kvtool export --profile``).
+    ``tokenizer=False``: no tokenizer is loaded (None), for token-id models without one.
     """
     if artifact is not None and recipe is not None:
         raise ArtifactError("give either an artifact or a recipe, not both")
@@ -299,7 +301,7 @@ def load_runtime(
         raise ArtifactError("a deployable artifact carries its profile: export it with --profile instead of passing both")
     loaded = load_artifact(artifact, expect_kind="deployable") if artifact is not None else None
     prof = load_artifact(profile, expect_kind="profile") if profile is not None else None
-    hf_model, tokenizer = _load(model_for_artifact(model, loaded) if loaded else model, load)
+    hf_model, tokenizer = _load(model_for_artifact(model, loaded) if loaded else model, load, tokenizer)
     if loaded is not None:
         return hf_model, tokenizer, CompressedRuntime.from_artifact(hf_model, loaded)
     resolved = recipe if isinstance(recipe, Recipe) else (load_recipe(recipe) if recipe else uncompressed_recipe())
@@ -441,3 +443,92 @@ def inspect(path: str | Path) -> dict:
     artifact = load_artifact(path)
     tensors = {name: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")} for name, t in artifact.tensors.items()}
     return {"path": str(path), "kind": artifact.kind, "manifest": artifact.manifest, "tensors": tensors}
+
+
+# --- retrieval --------------------------------------------------------------------------------
+
+
+def evaluate_retrieval(
+    model: str | None = None,
+    artifact: str | Path | None = None,
+    recipe: str | Path | Recipe | None = None,
+    *,
+    task: str = "passkey",
+    data: str | DataSpec | None = None,
+    lengths: tuple[int, ...] | list[int] = (256, 512),
+    depths: tuple[float, ...] | list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    seeds: int = 3,
+    facts: int = 1,
+    baseline: bool = True,
+    plot: str | Path | None = None,
+    profile: str | Path | None = None,
+    load: LoadOptions = LoadOptions(),
+    progress: Progress = no_progress,
+) -> dict:
+    """Fact retrieval through the runtime over lengths x depths x seeds, with the uncompressed baseline.
+
+    task "passkey": pass key sentence(s) (``facts``) hidden in held-out text from ``data``; needs
+    the model's tokenizer. task "copy": a needle of random token ids, for token-id models such as
+    `kvtool.eval.copy_model` (their folders need no tokenizer). Returns a JSON-able dict:
+    accuracy, baseline_accuracy, kept_fraction, cache_bytes, baseline_cache_bytes (bytes per
+    sequence at the end of generation; all means over cells), grid (one row per (n, depth)) and
+    the settings. ``plot``: also write a depth x length heatmap PNG there.
+    """
+    from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid
+
+    grid = RetrievalGrid(tuple(lengths), tuple(depths), seeds)
+    _check_retrieval_request(task, data, facts, plot)
+    hf_model, _, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, tokenizer=False)
+    tokenizer = _passkey_tokenizer(hf_model) if task == "passkey" else None
+    spec = None if data is None else (data if isinstance(data, DataSpec) else DataSpec.parse(data))
+    prompts = _retrieval_task(task, hf_model, tokenizer, spec, facts)
+    base = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe()) if baseline else None
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else hf_model.config.pad_token_id
+    result = evaluate_grid(hf_model, runtime, prompts, grid, baseline_runtime=base, pad_id=pad_id, progress=progress)
+    report = {
+        "task": task, "recipe": runtime.recipe.name, "lengths": list(grid.lengths), "depths": list(grid.depths),
+        "seeds": grid.seeds, **prompts.describe(), **({"data": spec.describe()} if spec is not None else {}), **result,
+    }
+    if plot is not None:
+        from kvtool.eval.plots import plot_retrieval
+
+        report["plot"] = str(plot_retrieval(report, plot))
+    return report
+
+
+def _check_retrieval_request(task: str, data, facts: int, plot) -> None:
+    from kvtool.errors import DataError
+    from kvtool.eval.retrieval import TASKS
+
+    if task not in TASKS:
+        raise RuntimeConfigError(f"--task '{task}' is unknown: use one of {', '.join(TASKS)}")
+    if task == "passkey" and data is None:
+        raise DataError("the passkey task hides the key in text: give held-out text with --data "
+                        "(e.g. 'book.txt[0.9:1]'); for models without a tokenizer use --task copy")
+    if task == "copy" and facts != 1:
+        raise RuntimeConfigError(f"--facts {facts} applies to the passkey task; the copy task hides one needle (leave out --facts)")
+    if plot is not None:
+        from kvtool.plots_profile import check_plot_path
+
+        check_plot_path(plot)
+
+
+def _passkey_tokenizer(hf_model):
+    """The tokenizer from the folder the model came from, with a hint toward --task copy when it has none."""
+    from kvtool.errors import ModelError
+    from kvtool.models.loading import load_tokenizer
+
+    try:
+        return load_tokenizer(hf_model.name_or_path)
+    except ModelError as exc:
+        raise ModelError(f"{exc}. The passkey task needs the model's tokenizer; "
+                         "for a token-id model without one use --task copy") from exc
+
+
+def _retrieval_task(task: str, hf_model, tokenizer, spec: DataSpec | None, facts: int):
+    from kvtool.eval.copy_model import CopyVocab
+    from kvtool.eval.retrieval_tasks import CopyTask, PasskeyTask, text_filler
+
+    if task == "copy":
+        return CopyTask(CopyVocab.for_config(hf_model.config))
+    return PasskeyTask(tokenizer, text_filler(tokenizer, spec), facts)

@@ -292,6 +292,47 @@ def eval_ppl(
     _write_json(json_out, report)
 
 
+@eval_app.command("retrieval")
+@_friendly
+def eval_retrieval(
+    model: ModelOpt = None,
+    artifact: Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")] = None,
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")] = None,
+    profile: ProfileOpt = None,
+    task: Annotated[str, typer.Option(help="passkey: pass key sentences in --data text (needs a tokenizer); copy: random-token needle (token-id models).")] = "passkey",
+    data: Annotated[Optional[str], typer.Option("--data", "-d", help="Held-out filler text for --task passkey (same forms as other commands' --data).")] = None,
+    lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "256,512",
+    depths: Annotated[str, typer.Option(help="Depths of the fact, fractions of the context (0 = start, 1 = just before the question).")] = "0,0.25,0.5,0.75,1",
+    seeds: Annotated[int, typer.Option(help="Cases per (length, depth) cell, one batch.")] = 3,
+    facts: Annotated[int, typer.Option(help="Pass keys in the context (--task passkey); one is asked.")] = 1,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run the uncompressed cache.")] = True,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a depth x length accuracy heatmap here (.png; needs matplotlib).")] = None,
+    text_column: TextColumnOpt = "text",
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "cpu",
+    device_map: DeviceMapOpt = None,
+):
+    """Retrieval through the real runtime: a fact at depth d of an n-token context, asked at the end; exact-match accuracy."""
+    from kvtool import api
+    from kvtool.cli_render import render_retrieval
+    from kvtool.eval.retrieval import parse_numbers
+
+    _quiet_libraries()
+    if json_out is not None:
+        from kvtool.fileio import check_output_path
+
+        check_output_path(json_out)
+    report = api.evaluate_retrieval(
+        model, artifact, recipe, task=task, data=None if data is None else _data(data, text_column),
+        lengths=parse_numbers(lengths, int, "--lengths"), depths=parse_numbers(depths, float, "--depths"),
+        seeds=seeds, facts=facts, baseline=baseline, plot=plot, profile=profile,
+        load=_load_options(dtype, device, device_map), progress=_progress,
+    )
+    render_retrieval(console, report)
+    _write_json(json_out, report)
+
+
 @app.command()
 @_friendly
 def inspect(

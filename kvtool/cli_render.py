@@ -186,3 +186,30 @@ def render_summary(console: Console, summary: dict) -> None:
     console.print(table)
     console.print(f"[bold]sample[/] [dim]{summary['sample']['prompt']}[/]{summary['sample']['text']}", highlight=False)
     console.print(f"files: {summary['files']}")
+
+
+def render_retrieval(console: Console, report: dict) -> None:
+    """Accuracy per (depth, length) cell (baseline in brackets), then the summary."""
+    has_base = report.get("baseline_accuracy") is not None
+    cells = {(row["depth"], row["n"]): row for row in report["grid"]}
+    table = Table(title=f"{report['task']} retrieval accuracy ({report['seeds']} seeds per cell)",
+                  caption="(in brackets: the uncompressed cache)" if has_base else None)
+    table.add_column("depth", justify="right")
+    for n in report["lengths"]:
+        table.add_column(f"{n} tokens", justify="right")
+    for depth in report["depths"]:
+        row = []
+        for n in report["lengths"]:
+            cell = cells[(depth, n)]
+            row.append(f"{cell['accuracy']:.2f}" + (f" ({cell['baseline_accuracy']:.2f})" if has_base else ""))
+        table.add_row(f"{depth:g}", *row)
+    console.print(table)
+    summary = f"{report['recipe']}: accuracy {report['accuracy']:.3f}"
+    if has_base:
+        summary += f", uncompressed {report['baseline_accuracy']:.3f}"
+    summary += f"; kept fraction {report['kept_fraction']:.3f}; cache {_mib(report['cache_bytes'])} per sequence"
+    if report.get("baseline_cache_bytes") is not None:
+        summary += f" vs {_mib(report['baseline_cache_bytes'])} uncompressed"
+    console.print(summary, highlight=False)
+    if report.get("plot"):
+        console.print(f"wrote {report['plot']}")

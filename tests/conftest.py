@@ -36,3 +36,11 @@ def stories():
     from kvtool.models.loading import load_model
 
     return load_model(str(shared_path("models/stories260K")))
+
+
+@pytest.fixture(scope="session")
+def copy_model():
+    """The induction ("copy") model of `kvtool.eval.copy_model`, trained once per session (seconds on a CPU)."""
+    from kvtool.eval.copy_model import train_copy_model
+
+    return train_copy_model(seed=0)

@@ -41,8 +41,12 @@ def load_model(
     dtype: str = "auto",
     device: str = "cpu",
     device_map: str | None = None,
+    tokenizer: bool = True,
 ) -> tuple:
     """Load (model, tokenizer) in eval mode; the tokenizer pads on the left and has a pad token.
+
+    tokenizer=False loads no tokenizer and returns (model, None), for models that work on
+    token ids only (e.g. `kvtool.eval.copy_model`), whose folders hold no tokenizer files.
 
     dtype: "auto" (float32 on CPU; the checkpoint's dtype, or bfloat16, on CUDA),
     "float32", "float16" or "bfloat16". device: "cpu", "cuda", "cuda:N", ... ;
@@ -62,7 +66,7 @@ def load_model(
         loaded = loaded.to(device)
     loaded.eval()
     adapter_for(loaded)  # fail early if the layout is not what the adapter expects
-    return loaded, load_tokenizer(path)
+    return loaded, (load_tokenizer(path) if tokenizer else None)
 
 
 def load_tokenizer(path: str):

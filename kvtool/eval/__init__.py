@@ -1,0 +1,1 @@
+"""Evaluation through the real runtime: perplexity, retrieval (pass key / copy needle), plots."""

@@ -1,0 +1,49 @@
+"""PNG heatmap of retrieval accuracy (depth x length), for `kvtool eval retrieval --plot`.
+
+matplotlib comes from the ``plots`` extra (`kvtool.plots_profile.require_matplotlib` says how to
+install it when missing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtool.fileio import atomic_write
+from kvtool.plots_profile import check_plot_path, require_matplotlib
+
+
+def _accuracy_matrix(report: dict, key: str) -> list[list[float]]:
+    """rows = depths, columns = lengths, as in report['grid']."""
+    cells = {(row["depth"], row["n"]): row[key] for row in report["grid"]}
+    return [[cells[(d, n)] for n in report["lengths"]] for d in report["depths"]]
+
+
+def _heatmap(ax, matrix: list[list[float]], report: dict, title: str):
+    image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(report["lengths"])), [str(n) for n in report["lengths"]])
+    ax.set_yticks(range(len(report["depths"])), [f"{d:g}" for d in report["depths"]])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("depth of the fact")
+    ax.set_title(title)
+    for i, row in enumerate(matrix):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    return image
+
+
+def plot_retrieval(report: dict, path: str | Path) -> Path:
+    """Heatmap PNG of retrieval accuracy (depth x length): compressed, and the baseline beside it if measured."""
+    check_plot_path(path)
+    plt = require_matplotlib()
+    panels = [("accuracy", f"{report['recipe']}: accuracy {report['accuracy']:.2f}")]
+    if report.get("baseline_accuracy") is not None:
+        panels.append(("baseline_accuracy", f"uncompressed: accuracy {report['baseline_accuracy']:.2f}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1, 3.5), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        image = _heatmap(ax, _accuracy_matrix(report, key), report, title)
+    fig.colorbar(image, ax=axes[0].tolist(), label="exact-match accuracy")
+    fig.suptitle(f"{report['task']} retrieval, {report['seeds']} seeds per cell")
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    finally:
+        plt.close(fig)

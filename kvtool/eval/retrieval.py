@@ -1,0 +1,123 @@
+"""Retrieval through the real runtime: exact-match accuracy over a grid of context lengths x depths.
+
+For every cell (n, d) the task (`kvtool.eval.retrieval_tasks`) builds one n-token prompt
+per seed; the cell runs as one batch through ``model.generate`` with a fresh cache from
+the runtime (greedy decoding), then again with a cache of the uncompressed recipe (the
+baseline, same code path). The prompt is prefilled in one forward, so the first answer
+token is predicted from the uncompressed prompt; every later token attends to what the
+cache kept. A cell records accuracy, the cache's ``kept_fraction`` (1.0 for runtimes that
+evict nothing) and its bytes per sequence at the end of generation.
+
+Prompts of one cell have exactly n tokens (the filler is cut to fit), so no padding is
+needed: padding would put pad tokens among the attention sinks and the tokens an
+evicting cache scores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvtool.capture import Progress, no_progress
+from kvtool.errors import RuntimeConfigError
+
+TASKS = ("passkey", "copy")
+
+
+@dataclass(frozen=True)
+class RetrievalGrid:
+    """Context lengths (tokens, prompt included) x depths (0 = start, 1 = just before the question) x seeds."""
+
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    seeds: int = 3
+
+    def __post_init__(self) -> None:
+        lengths, depths = tuple(self.lengths), tuple(self.depths)
+        if not lengths or not depths:
+            raise RuntimeConfigError("the retrieval grid is empty: give at least one length (--lengths 256,512) "
+                                     "and one depth (--depths 0,0.5,1)")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
+            raise RuntimeConfigError(f"--lengths {list(lengths)}: every length must be a whole number of tokens >= 2")
+        if any(not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 <= d <= 1 for d in depths):
+            raise RuntimeConfigError(f"--depths {list(depths)}: every depth must be a fraction in [0, 1] "
+                                     "(0 = start of the context, 1 = just before the question)")
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise RuntimeConfigError(f"--seeds {self.seeds} must be a whole number >= 1")
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "depths", tuple(float(d) for d in depths))
+
+
+def parse_numbers(text: str, kind: type, option: str) -> tuple:
+    """'256,512' -> (256, 512) (kind int or float); RuntimeConfigError naming the option otherwise."""
+    try:
+        return tuple(kind(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        example = "256,512" if kind is int else "0,0.5,1"
+        raise RuntimeConfigError(f"{option} '{text}' is not a comma-separated list of numbers, e.g. {example}") from None
+
+
+@torch.no_grad()
+def _generate(model, runtime, prompts: torch.Tensor, new_tokens: int, pad_id: int | None) -> tuple[torch.Tensor, dict]:
+    """Greedy continuation (S, <= new_tokens) of prompts (S, n) with a fresh cache, and its memory report."""
+    device = next(model.parameters()).device
+    cache = runtime.new_cache()
+    ids = prompts.to(device)
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
+    )
+    return out[:, prompts.shape[1] :].cpu(), cache.memory_report()
+
+
+def _measure(model, runtime, task, prompts, answers, pad_id) -> dict:
+    generated, report = _generate(model, runtime, prompts, task.new_tokens, pad_id)
+    hits = task.score(generated, answers)
+    batch = prompts.shape[0]
+    return {
+        "accuracy": sum(hits) / len(hits),
+        "kept_fraction": float(report.get("kept_fraction", 1.0)),
+        "cache_bytes": report["cache_bytes"] / batch,
+        "fp16_cache_bytes": report["fp16_cache_bytes"] / batch,
+    }
+
+
+def evaluate_grid(
+    model,
+    runtime,
+    task,
+    grid: RetrievalGrid,
+    *,
+    baseline_runtime=None,
+    pad_id: int | None = None,
+    progress: Progress = no_progress,
+) -> dict:
+    """Accuracy of ``task`` over ``grid`` with ``runtime``'s caches (and ``baseline_runtime``'s, if given).
+
+    Returns the summary (means over cells; bytes are per sequence at the end of generation)
+    and ``grid``: one row per (n, depth) with accuracy, baseline_accuracy, kept_fraction,
+    cache_bytes, baseline_cache_bytes and fp16_cache_bytes.
+    """
+    runtime.check_context(max(grid.lengths) + task.new_tokens)
+    cells = [(n, d, *task.cases(n, d, grid.seeds)) for n in grid.lengths for d in grid.depths]  # all built before any run
+    rows = []
+    for n, depth, prompts, answers in progress(cells, "retrieval grid", len(cells)):
+        row = {"n": n, "depth": depth, **_measure(model, runtime, task, prompts, answers, pad_id)}
+        if baseline_runtime is not None:
+            base = _measure(model, baseline_runtime, task, prompts, answers, pad_id)
+            row.update(baseline_accuracy=base["accuracy"], baseline_cache_bytes=base["cache_bytes"])
+        else:
+            row.update(baseline_accuracy=None, baseline_cache_bytes=None)
+        rows.append(row)
+    return {**_summary(rows), "grid": rows}
+
+
+def _summary(rows: list[dict]) -> dict:
+    def mean(key: str):
+        values = [row[key] for row in rows]
+        return None if any(v is None for v in values) else sum(values) / len(values)
+
+    keys = ("accuracy", "baseline_accuracy", "kept_fraction", "cache_bytes", "baseline_cache_bytes", "fp16_cache_bytes")
+    return {key: mean(key) for key in keys}
