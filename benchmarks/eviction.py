@@ -10,7 +10,13 @@ one token per step with the budget enforced at every step), its delta against th
 cache from the same code path, the fraction of tokens actually kept, the bytes actually
 held at the end, and decode tokens/s against the uncompressed cache. FastGen rows use one
 attention profile (calibration text: WikiText-2 valid, first 90%) at thresholds T; each is
-paired with H2O at the same kept fraction. Writes benchmarks/results/eviction.json.
+paired with H2O at the same kept fraction.
+
+Retrieval (kvref-5m cannot retrieve, see its README): the copy model of
+`kvtool.eval.copy_model` (a 2-layer Llama with an induction circuit) recalls a 16-token
+needle's second half from its first half; exact-match accuracy over lengths x depths x
+seeds for every policy and fraction, against the full cache, plus FastGen from a profile
+of the copy model on copy prompts. Writes benchmarks/results/eviction.json.
 """
 
 from __future__ import annotations
@@ -36,16 +42,25 @@ from kvtool.models.loading import load_model
 from kvtool.recipe import EvictionSpec, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 
-POLICIES = ("streamingllm", "h2o", "snapkv", "vatp", "knorm", "pyramid-snapkv", "fitted-snapkv")
+VARIANTS = {  # benchmark name -> (policy, extra EvictionSpec fields)
+    "streamingllm": ("streamingllm", {}),
+    "h2o": ("h2o", {}),
+    "snapkv": ("snapkv", {}),
+    "snapkv-p15": ("snapkv", {"pooling": 15}),  # pooling wide enough to cover an 8-token answer span
+    "vatp": ("vatp", {}),
+    "knorm": ("knorm", {}),
+    "pyramid-snapkv": ("snapkv", {"layer_budgets": "pyramid"}),
+    "fitted-snapkv": ("snapkv", {"layer_budgets": "profile"}),
+}
+POLICIES = tuple(VARIANTS)
 
 
-def eviction_recipe(policy: str, fraction: float, bits: int = 16):
-    """An uncompressed (or 4-bit KIVI) cache that evicts with ``policy`` down to ``fraction``."""
+def eviction_recipe(variant: str, fraction: float, bits: int = 16):
+    """An uncompressed (or 4-bit KIVI) cache that evicts with ``variant`` down to ``fraction``."""
     base = uncompressed_recipe("float16") if bits == 16 else load_recipe("kivi-4bit")
-    layer_budgets = {"pyramid-snapkv": "pyramid", "fitted-snapkv": "profile"}.get(policy, "uniform")
-    name = {"pyramid-snapkv": "snapkv", "fitted-snapkv": "snapkv"}.get(policy, policy)
-    spec = EvictionSpec(policy=name, budget=fraction, layer_budgets=layer_budgets, sink_tokens=4, window=32)
-    return dataclasses.replace(base, name=f"{policy}@{fraction:g}" + ("" if bits == 16 else "+4bit"), eviction=spec)
+    policy, extra = VARIANTS[variant]
+    spec = EvictionSpec(policy=policy, budget=fraction, sink_tokens=4, window=32, **extra)
+    return dataclasses.replace(base, name=f"{variant}@{fraction:g}" + ("" if bits == 16 else "+4bit"), eviction=spec)
 
 
 def attention_profile(model, tokenizer, samples: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -65,9 +80,26 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.95, 0.9, 0.85, 0.8], help="FastGen T")
     parser.add_argument("--profile-samples", type=int, default=4, help="calibration windows of 1024 tokens")
+    parser.add_argument("--parts", nargs="+", default=["ppl", "retrieval"], choices=["ppl", "retrieval"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048], help="retrieval context lengths")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--seeds", type=int, default=4, help="retrieval cases per (length, depth)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eviction.json"))
     args = parser.parse_args()
     console = Console()
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "device": "cpu"}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    payload = {"machine": machine, "settings": settings}
+    if "ppl" in args.parts:
+        payload["rows"] = perplexity_rows(args, console)
+    if "retrieval" in args.parts:
+        payload["retrieval"] = retrieval_rows(args, console)
+    write_json_atomic(args.out, payload)
+    console.print(f"wrote {args.out}")
+
+
+def perplexity_rows(args, console: Console) -> list[dict]:
     model, tokenizer = load_model(str(SHARED / MODELS["kvref-5m"][0]))
     eval_text = DataSpec.parse(str(SHARED / MODELS["kvref-5m"][2]))
     windows = token_windows(tokenizer, eval_text, samples=args.samples, seq_len=args.seq_len, mode="sequential")
@@ -101,11 +133,46 @@ def main() -> None:
             score(eviction_recipe("h2o", round(kept, 3)), f"h2o at fastgen T={threshold} ({kept:.1%})")
     score(eviction_recipe("h2o", 0.5, bits=4), "h2o 50% + 4-bit KIVI")
     print_table(rows, console)
-    machine = {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
-               "torch": torch.__version__, "device": "cpu"}
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
-    write_json_atomic(args.out, {"machine": machine, "settings": settings, "rows": rows})
-    console.print(f"wrote {args.out}")
+    return rows
+
+
+def retrieval_rows(args, console: Console) -> list[dict]:
+    """Copy-needle accuracy per policy and fraction on the copy model, against the full cache."""
+    from kvtool.eval.copy_model import CopyVocab, train_copy_model
+    from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid
+    from kvtool.eval.retrieval_tasks import CopyTask
+
+    model = train_copy_model(seed=0)
+    task = CopyTask(CopyVocab.for_config(model.config))
+    grid = RetrievalGrid(tuple(args.lengths), tuple(args.depths), args.seeds)
+    calib = torch.cat([task.cases(1024, depth, 2)[0] for depth in (0.1, 0.4, 0.7)])  # profile prompts (seeds 0-1)
+    profile = profile_attention(model, adapter_for(model), calib, torch.tensor([task.vocab.bos]), torch.tensor([], dtype=torch.long),
+                                EvictionSpec(), batch_size=2, progress=lambda items, *_: items).tensors
+    full = evaluate_grid(model, CompressedRuntime.from_recipe(model, uncompressed_recipe("float16")), task, grid)
+    rows = [{"recipe": "full cache", "fraction": 1.0, **{k: full[k] for k in ("accuracy", "kept_fraction", "cache_bytes")},
+             "grid": full["grid"]}]
+    recipes = [(f"{p} {f:.1%}", eviction_recipe(p, f), f) for f in args.fractions for p in args.policies]
+    for threshold in args.thresholds:
+        fastgen = dataclasses.replace(uncompressed_recipe("float16"), name=f"fastgen T={threshold}",
+                                      eviction=EvictionSpec(policy="fastgen", threshold=threshold))
+        recipes.append((f"fastgen T={threshold}", fastgen, None))
+    for label, recipe, fraction in recipes:
+        runtime = CompressedRuntime.from_recipe(model, recipe, profile=profile)
+        result = evaluate_grid(model, runtime, task, grid)
+        rows.append({"recipe": label, "fraction": fraction, "accuracy": result["accuracy"],
+                     "kept_fraction": result["kept_fraction"], "cache_bytes": result["cache_bytes"],
+                     "vs_full_pct": 100 * (result["accuracy"] - full["accuracy"]), "grid": result["grid"]})
+        console.log(f"retrieval {label}: accuracy {result['accuracy']:.3f} (full {full['accuracy']:.3f}), "
+                    f"kept {result['kept_fraction']:.3f}")
+    table = Table(title=f"copy model: needle retrieval vs fraction kept ({len(grid.lengths)} lengths x "
+                        f"{len(grid.depths)} depths x {grid.seeds} seeds)")
+    for column in ("recipe", "accuracy", "vs full", "kept", "bytes/sequence"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r["recipe"], f"{r['accuracy']:.3f}", f"{r.get('vs_full_pct', 0.0):+.1f} pts",
+                      f"{100 * r['kept_fraction']:.1f}%", f"{r['cache_bytes']:,.0f}")
+    console.print(table)
+    return rows
 
 
 def print_table(rows: list[dict], console: Console) -> None:
