@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.95, 0.9, 0.85, 0.8], help="FastGen T")
     parser.add_argument("--profile-samples", type=int, default=4, help="calibration windows of 1024 tokens")
     parser.add_argument("--parts", nargs="+", default=["ppl", "retrieval"], choices=["ppl", "retrieval"])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048], help="retrieval context lengths")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2000], help="retrieval context lengths (+ 8 generated tokens <= 2048)")
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--seeds", type=int, default=4, help="retrieval cases per (length, depth)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eviction.json"))
