@@ -91,15 +91,18 @@ def main() -> None:
                "torch": torch.__version__, "device": "cpu"}
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     payload = {"machine": machine, "settings": settings}
+    save = lambda: write_json_atomic(args.out, payload)  # noqa: E731  (after every row: a stopped run keeps its rows)
     if "ppl" in args.parts:
-        payload["rows"] = perplexity_rows(args, console)
+        payload["rows"] = []
+        perplexity_rows(args, console, payload["rows"], save)
     if "retrieval" in args.parts:
-        payload["retrieval"] = retrieval_rows(args, console)
-    write_json_atomic(args.out, payload)
+        payload["retrieval"] = []
+        retrieval_rows(args, console, payload["retrieval"], save)
+    save()
     console.print(f"wrote {args.out}")
 
 
-def perplexity_rows(args, console: Console) -> list[dict]:
+def perplexity_rows(args, console: Console, rows: list[dict], save) -> list[dict]:
     model, tokenizer = load_model(str(SHARED / MODELS["kvref-5m"][0]))
     eval_text = DataSpec.parse(str(SHARED / MODELS["kvref-5m"][2]))
     windows = token_windows(tokenizer, eval_text, samples=args.samples, seq_len=args.seq_len, mode="sequential")
@@ -115,11 +118,11 @@ def perplexity_rows(args, console: Console) -> list[dict]:
             row["delta_pct"] = 100 * (result.ppl / rows[0]["ppl"] - 1)
             row["speed_vs_full"] = result.decode_tokens_per_s / rows[0]["decode_tokens_per_s"]
         rows.append(row)
+        save()
         console.log(f"{label}: ppl {result.ppl:.3f} ({row.get('delta_pct', 0):+.2f}%), kept {result.kept_fraction:.3f}, "
                     f"{result.cache_bytes} B, {result.decode_tokens_per_s:.1f} tok/s")
         return row
 
-    rows: list[dict] = []
     score(uncompressed_recipe("float16"), "full cache (fp16)")
     for fraction in args.fractions:
         for policy in args.policies:
@@ -136,7 +139,7 @@ def perplexity_rows(args, console: Console) -> list[dict]:
     return rows
 
 
-def retrieval_rows(args, console: Console) -> list[dict]:
+def retrieval_rows(args, console: Console, rows: list[dict], save) -> list[dict]:
     """Copy-needle accuracy per policy and fraction on the copy model, against the full cache."""
     from kvtool.eval.copy_model import CopyVocab, train_copy_model
     from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid
@@ -149,8 +152,8 @@ def retrieval_rows(args, console: Console) -> list[dict]:
     profile = profile_attention(model, adapter_for(model), calib, torch.tensor([task.vocab.bos]), torch.tensor([], dtype=torch.long),
                                 EvictionSpec(), batch_size=2, progress=lambda items, *_: items).tensors
     full = evaluate_grid(model, CompressedRuntime.from_recipe(model, uncompressed_recipe("float16")), task, grid)
-    rows = [{"recipe": "full cache", "fraction": 1.0, **{k: full[k] for k in ("accuracy", "kept_fraction", "cache_bytes")},
-             "grid": full["grid"]}]
+    rows.append({"recipe": "full cache", "fraction": 1.0, "grid": full["grid"],
+                 **{k: full[k] for k in ("accuracy", "kept_fraction", "cache_bytes")}})
     recipes = [(f"{p} {f:.1%}", eviction_recipe(p, f), f) for f in args.fractions for p in args.policies]
     for threshold in args.thresholds:
         fastgen = dataclasses.replace(uncompressed_recipe("float16"), name=f"fastgen T={threshold}",
@@ -162,6 +165,7 @@ def retrieval_rows(args, console: Console) -> list[dict]:
         rows.append({"recipe": label, "fraction": fraction, "accuracy": result["accuracy"],
                      "kept_fraction": result["kept_fraction"], "cache_bytes": result["cache_bytes"],
                      "vs_full_pct": 100 * (result["accuracy"] - full["accuracy"]), "grid": result["grid"]})
+        save()
         console.log(f"retrieval {label}: accuracy {result['accuracy']:.3f} (full {full['accuracy']:.3f}), "
                     f"kept {result['kept_fraction']:.3f}")
     table = Table(title=f"copy model: needle retrieval vs fraction kept ({len(grid.lengths)} lengths x "
