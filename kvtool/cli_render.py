@@ -177,6 +177,7 @@ def render_summary(console: Console, summary: dict) -> None:
         ("bits per element held (incl. sinks + recent window)", f"{ppl['bits_per_element']:.2f}"),
         ("cache bytes vs 16-bit cache", f"{_mib(ppl['cache_bytes'])} vs {_mib(ppl['fp16_cache_bytes'])} "
                                         f"({ppl['fp16_cache_bytes'] / ppl['cache_bytes']:.2f}x smaller)"),
+        *((("tokens kept / seen (eviction)", f"{100 * ppl['kept_fraction']:.1f}%"),) if ppl.get("kept_fraction", 1.0) < 1 else ()),
         ("perplexity uncompressed", f"{ppl['baseline_ppl']:.3f}"),
         ("perplexity compressed", f"{ppl['ppl']:.3f} ({ppl['delta_pct']:+.2f}%)"),
         ("decode tokens/s compressed / uncompressed", f"{ppl['decode_tokens_per_s']:.1f} / {ppl['baseline_decode_tokens_per_s']:.1f}"),

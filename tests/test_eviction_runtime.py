@@ -239,3 +239,14 @@ def test_row_chunking_does_not_change_ragged_attention(monkeypatch):
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.25)
     torch.testing.assert_close(out, ref.transpose(1, 2))
     torch.testing.assert_close(received.sum(-1), torch.full((2, 2), 2.0 * 9))  # each row sums to 1, G=2 rows per query
+
+
+def test_an_evicting_cache_on_a_model_without_kvtool_attention_fails_clearly_and_recovers():
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(7))
+    cache = runtime(model, evicting("h2o", budget=0.5)).new_cache()
+    other.set_attn_implementation("sdpa")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="did not run kvtool attention"):
+        other(ids, past_key_values=cache)  # built for `model`, used with a model that never calls it back
+    with torch.no_grad():
+        model(ids, past_key_values=runtime(model, evicting("h2o", budget=0.5)).new_cache())  # a stale claim does not linger

@@ -37,6 +37,7 @@ class AttentionOwner(Protocol):
 def claim_next_attention(owner: AttentionOwner) -> None:
     """Called by a cache layer inside ``update``: the attention call that follows belongs to ``owner``."""
     if getattr(_state, "owner", None) is not None:
+        _state.owner = None  # drop the stale claim so the next correct forward works
         raise RuntimeError(
             "kvtool's evicting cache was updated but the model did not run kvtool attention; "
             "build caches with CompressedRuntime.new_cache(), which switches the model to it"
