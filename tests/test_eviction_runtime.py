@@ -250,3 +250,14 @@ def test_an_evicting_cache_on_a_model_without_kvtool_attention_fails_clearly_and
         other(ids, past_key_values=cache)  # built for `model`, used with a model that never calls it back
     with torch.no_grad():
         model(ids, past_key_values=runtime(model, evicting("h2o", budget=0.5)).new_cache())  # a stale claim does not linger
+
+
+def test_layer_fractions_keep_the_uniform_mean_when_a_layer_is_capped():
+    from kvtool.runtime.evicting import layer_fractions
+
+    weights = torch.tensor([2.2, 1.2, 0.7, 0.7, 0.7, 0.5], dtype=torch.float64)  # mean 1.0
+    fractions = layer_fractions(0.5, weights)
+    assert float(fractions.max()) <= 1.0 and float(fractions[0]) == 1.0
+    assert abs(float(fractions.mean()) - 0.5) < 1e-9
+    assert bool((fractions[1:-1] >= fractions[2:]).all())  # order of the weights is kept
+    torch.testing.assert_close(layer_fractions(0.25, torch.ones(4, dtype=torch.float64)), torch.full((4,), 0.25, dtype=torch.float64))

@@ -74,13 +74,29 @@ class BudgetRule:
     """Tokens a stream of ``layer`` may keep when its sequence has seen ``length`` tokens."""
 
     def __init__(self, ratio: float, tokens: int | None, layer_weights: torch.Tensor) -> None:
-        self.ratio, self.tokens, self.weights = ratio, tokens, layer_weights.float()
+        self.ratio, self.tokens, self.weights = ratio, tokens, layer_weights.double()
+        self.fractions = layer_fractions(ratio, self.weights)  # (L,) per-layer fraction kept, mean = ratio
 
     def __call__(self, layer: int, length: int) -> int:
-        weight = float(self.weights[layer])
         if self.tokens is not None:
-            return max(1, round(self.tokens * weight))
-        return ratio_budget(min(1.0, self.ratio * weight), length)
+            return max(1, round(self.tokens * float(self.weights[layer])))
+        return ratio_budget(float(self.fractions[layer]), length)
+
+
+def layer_fractions(ratio: float, weights: torch.Tensor) -> torch.Tensor:
+    """Per-layer fractions ratio x w_l capped at 1, the excess of capped layers handed to the others.
+
+    Keeps the mean at ``ratio`` (the uniform allocation's) whenever that is possible (ratio <= 1).
+    """
+    fractions = (ratio * weights).clamp(max=1.0)
+    for _ in range(len(weights)):
+        missing = ratio * len(weights) - float(fractions.sum())
+        open_layers = fractions < 1.0
+        if missing <= 1e-12 or not bool(open_layers.any()):
+            break
+        share = weights * open_layers / float((weights * open_layers).sum())
+        fractions = (fractions + missing * share).clamp(max=1.0)
+    return fractions
 
 
 class EvictingLayer(CacheLayerMixin):
