@@ -95,6 +95,8 @@ class TokenStream:
     # --- read ---------------------------------------------------------------------------------------
     def materialize(self, codec: StreamCodec) -> tuple[torch.Tensor, torch.Tensor]:
         """Float K/V (n, D) of every kept token in order (the torch reference path)."""
+        if self.body_k is None and self.head_k.shape[0] == 0:  # float-only stream: nothing to decode or join
+            return self.tail_k.to(codec.compute_dtype), self.tail_v.to(codec.compute_dtype)
         parts_k, parts_v = [self.head_k], [self.head_v]
         if self.body_k is not None:
             d = self.head_k.shape[-1]
