@@ -69,3 +69,22 @@ def test_fastgen_from_a_profile_evicts_and_holds_quality(kvref, scorer):
     result = score(spec, profile)
     assert result.kept_fraction < 0.9, "FastGen at T=0.85 kept (almost) everything"
     assert 100 * (result.ppl / full.ppl - 1) < 3.0
+
+
+def test_the_runtime_keeps_what_the_profile_expects(kvref):
+    """Profiler and runtime apply the same FastGen kept sets: the profile's expected cache fraction is what
+    the evicting cache holds after prefilling the profiled windows (the profile averages over query rows)."""
+    import torch
+
+    model, tokenizer = kvref
+    calib = DataSpec.parse(str(shared_path("data/text/wikitext2_valid.txt[0:0.9]")))
+    windows = token_windows(tokenizer, calib, samples=2, seq_len=512, seed=0, mode="random")
+    spec = EvictionSpec(policy="fastgen", threshold=0.85)
+    profile = profile_attention(model, adapter_for(model), windows, *token_classes(tokenizer), spec, 2,
+                                lambda items, *_: items)
+    recipe = dataclasses.replace(uncompressed_recipe("float16"), name="fastgen", eviction=spec)
+    cache = CompressedRuntime.from_recipe(model, recipe, profile=profile.tensors).new_cache()
+    with torch.no_grad():
+        model(windows, past_key_values=cache)
+    assert profile.expected_cache_fraction < 0.9
+    assert abs(cache.kept_fraction() - profile.expected_cache_fraction) < 0.03
