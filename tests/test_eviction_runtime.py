@@ -261,3 +261,15 @@ def test_layer_fractions_keep_the_uniform_mean_when_a_layer_is_capped():
     assert abs(float(fractions.mean()) - 0.5) < 1e-9
     assert bool((fractions[1:-1] >= fractions[2:]).all())  # order of the weights is kept
     torch.testing.assert_close(layer_fractions(0.25, torch.ones(4, dtype=torch.float64)), torch.full((4,), 0.25, dtype=torch.float64))
+
+
+def test_attention_scores_accumulate_over_prefill_and_every_decoded_token():
+    model = tiny_model("llama")  # 4 query heads on 2 KV heads: G = 2 query rows per query and KV head
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    cache = runtime(model, evicting("h2o", budget=1.0)).new_cache()
+    run_tokens(model, cache, ids, prefill=20)
+    for layer in cache.layers:
+        for stream in layer.streams[0]:
+            # every query's attention sums to 1 per query head; nothing evicted, so nothing was lost
+            assert abs(float(stream.attention.sum()) - 2 * 30) < 1e-3
+            assert float(stream.attention[0]) > 0
