@@ -53,6 +53,9 @@ DeviceOpt = Annotated[str, typer.Option(help="Device: cpu, cuda, cuda:N.")]
 DeviceMapOpt = Annotated[Optional[str], typer.Option("--device-map", help="transformers device_map (e.g. auto) for models that do not fit one device.")]
 RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe YAML path or bundled recipe name (see `kvtool recipes`). Default: kivi-4bit.")]
 ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", "-p", help="Profile from `kvtool profile` (FastGen head policies, fitted layer budgets) for a --recipe that evicts.")]
+EvalArtifactOpt = Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")]
+EvalRecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")]
+JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")]
 PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also write the FastGen policy map as a PNG heatmap here (needs the plots extra).")]
 
 
@@ -96,6 +99,14 @@ def _data(data: str, text_column: str):
     from kvtool.data import DataSpec
 
     return DataSpec.parse(data, text_column=text_column)
+
+
+def _check_json_path(path: Optional[Path]) -> None:
+    """Refuse an unusable --json path before any work starts."""
+    if path is not None:
+        from kvtool.fileio import check_output_path
+
+        check_output_path(path)
 
 
 def _write_json(path: Optional[Path], payload: dict) -> None:
@@ -259,8 +270,8 @@ def _prompt_then_text(prompt: str):
 def eval_ppl(
     data: DataOpt,
     model: ModelOpt = None,
-    artifact: Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")] = None,
-    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")] = None,
+    artifact: EvalArtifactOpt = None,
+    recipe: EvalRecipeOpt = None,
     profile: ProfileOpt = None,
     samples: SamplesOpt = 4,
     seq_len: SeqLenOpt = 1024,
@@ -268,7 +279,7 @@ def eval_ppl(
     chunk: Annotated[int, typer.Option(help="Tokens per decode forward. 1 = true decoding; >1 is a faster approximation.")] = 1,
     batch_size: BatchOpt = 4,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also score the uncompressed cache.")] = True,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    json_out: JsonOutOpt = None,
     text_column: TextColumnOpt = "text",
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
@@ -279,10 +290,7 @@ def eval_ppl(
     from kvtool.cli_render import render_perplexity
 
     _quiet_libraries()
-    if json_out is not None:
-        from kvtool.fileio import check_output_path
-
-        check_output_path(json_out)
+    _check_json_path(json_out)
     report = api.evaluate_perplexity(
         _data(data, text_column), model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
         chunk=chunk, batch_size=batch_size, baseline=baseline, profile=profile,
@@ -296,8 +304,8 @@ def eval_ppl(
 @_friendly
 def eval_retrieval(
     model: ModelOpt = None,
-    artifact: Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")] = None,
-    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")] = None,
+    artifact: EvalArtifactOpt = None,
+    recipe: EvalRecipeOpt = None,
     profile: ProfileOpt = None,
     task: Annotated[str, typer.Option(help="passkey: pass key sentences in --data text (needs a tokenizer); copy: random-token needle (token-id models).")] = "passkey",
     data: Annotated[Optional[str], typer.Option("--data", "-d", help="Held-out filler text for --task passkey (same forms as other commands' --data).")] = None,
@@ -306,7 +314,7 @@ def eval_retrieval(
     seeds: Annotated[int, typer.Option(help="Cases per (length, depth) cell, one batch.")] = 3,
     facts: Annotated[int, typer.Option(help="Pass keys in the context (--task passkey); one is asked.")] = 1,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run the uncompressed cache.")] = True,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")] = None,
+    json_out: JsonOutOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a depth x length accuracy heatmap here (.png; needs matplotlib).")] = None,
     text_column: TextColumnOpt = "text",
     dtype: DtypeOpt = "auto",
@@ -319,10 +327,7 @@ def eval_retrieval(
     from kvtool.eval.retrieval import parse_numbers
 
     _quiet_libraries()
-    if json_out is not None:
-        from kvtool.fileio import check_output_path
-
-        check_output_path(json_out)
+    _check_json_path(json_out)
     report = api.evaluate_retrieval(
         model, artifact, recipe, task=task, data=None if data is None else _data(data, text_column),
         lengths=parse_numbers(lengths, int, "--lengths"), depths=parse_numbers(depths, float, "--depths"),
