@@ -127,7 +127,7 @@ class EvictingLayer(CacheLayerMixin):
             store_dtype=store, compute_dtype=key_states.dtype,
             to_stored_keys=self._to_stored_keys, from_stored_keys=self._from_stored_keys,
         )
-        scores, classes = self.policy.uses_attention, self.policy.name == "fastgen"
+        scores, classes = self.policy.uses_attention, self.policy.uses_token_classes
         self.streams = [[TokenStream.empty(d, store, self.device, scores, classes) for _ in range(h)] for _ in range(b)]
         self.lengths = [0] * b  # real (non-pad) tokens each sequence has seen
         self.is_initialized = True
@@ -176,11 +176,10 @@ class EvictingLayer(CacheLayerMixin):
         """Score, select and store the streams of sequence i."""
         self.lengths[i] += new.keys.shape[1]
         budget = self.budget(self.index, self.lengths[i])
-        always_select = self.policy.name == "fastgen"  # its kept set is defined by rules, not by a budget
         for j, stream in enumerate(self.streams[i]):
             n = stream.n
             stream.add_attention(received[j, :n])
-            if n + new.keys.shape[1] <= budget and not always_select:
+            if n + new.keys.shape[1] <= budget and self.policy.budgeted:
                 stream.append(new.keys[j], new.values[j], new.positions, new.received[j], new.classes, self.codec)
                 continue
             window = None if received_window is None else torch.cat([received_window[j, :n], new.received_window[j]])

@@ -58,6 +58,8 @@ class EvictionPolicy:
     uses_attention = True  # False: the runtime need not accumulate attention for this policy
     uses_keys = False  # True: the view carries the float keys (n, D)
     uses_values = False  # True: the view carries the float values (n, D)
+    uses_token_classes = False  # True: the runtime records special/punctuation classes per token
+    budgeted = True  # False: the kept set follows rules (FastGen), so it is re-selected every step
 
     def __init__(self, spec: EvictionSpec, profile: dict[str, torch.Tensor] | None = None) -> None:
         self.spec = spec

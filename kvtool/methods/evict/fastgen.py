@@ -158,6 +158,9 @@ class FastGen(EvictionPolicy):
     as in profiling where nothing had been evicted yet; the budget is ignored.
     """
 
+    uses_token_classes = True
+    budgeted = False
+
     def keep(self, view: StreamView, budget: int) -> Tensor:
         policy = int(self.profile["heads.policy"][view.layer, view.head])
         if policy == FULL:
