@@ -51,8 +51,8 @@ def held(layer):
 def held_scores(layer):
     """Per stream, the accumulated attention of the tokens it holds (float slots only)."""
     store = layer.store
-    ids = store.float_slots(0, int(store.float_len.max()))
-    scores = store.float_flat("score")[ids]
+    ids = store.float_block_ids(0, int(store.float_blocks().max()))
+    scores = store.read_blocks(store.float_pool, ("score",), ids)["score"]
     return [scores[s, : int(store.float_len[s])] for s in range(store.streams)]
 
 
@@ -132,7 +132,7 @@ def test_bytes_held_match_the_kept_tokens(policy):
         for layer in cache.layers:
             tokens = layer.store.tokens()  # every stream holds exactly its own tokens, in whole float blocks
             blocks += int(((tokens + FLOAT_BLOCK - 1) // FLOAT_BLOCK).sum())
-            metadata += layer.store.table_nbytes() + 8 * 2 + 8 * 4
+            metadata += layer.store.metadata_nbytes() + 8 * 2 + 8 * 4
             assert tokens.tolist() == [len(h) for h in held(layer)]
         assert total == blocks * FLOAT_BLOCK * per_token + metadata  # K + V fp16, per-token metadata, tables: nothing else
         assert total - metadata < (cache.kept_tokens() + FLOAT_BLOCK * 8) * per_token  # < one block per stream unused

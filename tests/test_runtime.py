@@ -117,7 +117,7 @@ def test_cache_bytes_match_the_analytic_size_and_beat_16_bit(bits):
         float_blocks = -(-floats // FLOAT_BLOCK)
         per_layer += 2 * (float_blocks * FLOAT_BLOCK * 2 * 32 * 2 + blocks * _uniform_block_bytes(bits, 32, 32, 32))
     layer = cache.layers[0]
-    tables = layer.store.table_nbytes() + 8 * 2 + 8 * 4  # tables, lengths (B,), stream groups (S,)
+    tables = layer.store.metadata_nbytes() + 8 * 2 + 8 * 4  # tables, lengths (B,), stream groups (S,)
     assert cache.nbytes() == cache.expected_nbytes() == 2 * (per_layer + tables)
     assert cache.fp16_nbytes() == 2 * 2 * 2 * (2 * tokens - 3) * 32 * 2
     assert cache.nbytes() < cache.fp16_nbytes()

@@ -97,26 +97,24 @@ class CacheContext:
         """Positions (S, W) of float slots ``slot`` (S, W) of every stream of ``layer``."""
         store = layer.store
         if "pos" in store.layout.meta:
-            fbs = store.fbs
-            column = (slot // fbs).clamp(max=max(store.float_table.shape[1] - 1, 0))
-            ids = store.float_table.long().gather(1, column) * fbs + slot % fbs
-            return store.float_flat("pos")[ids].long()
-        token = torch.where(slot < store.n_sink[:, None], slot, slot + store.body_len[:, None] * store.layout.block_size)
-        return self._lookup(layer, token)
+            return store.float_flat("pos")[store.float_slot_ids(slot)].long()
+        n_sink, body = store.lengths("n_sink")[:, None], store.lengths("body_len")[:, None] * store.bs
+        return self._lookup(layer, torch.where(slot < n_sink, slot, slot + body))
 
-    def float_positions(self, layer: KvtoolLayer, start: int, stop: int, ids: torch.Tensor) -> torch.Tensor:
-        if "pos" in layer.store.layout.meta:
-            return layer.store.float_flat("pos")[ids].long()
-        slot = torch.arange(start, stop, device=ids.device).expand(ids.shape[0], -1)
+    def float_block_positions(self, layer: KvtoolLayer, ids: torch.Tensor, c0: int) -> torch.Tensor:
+        """Positions (S, nb * fbs) of float table columns [c0, c0 + nb) (block ids ``ids`` (S, nb))."""
+        store = layer.store
+        if "pos" in store.layout.meta:
+            return store.read_blocks(store.float_pool, ("pos",), ids)["pos"].long()
+        slot = torch.arange(c0 * store.fbs, (c0 + ids.shape[1]) * store.fbs, device=ids.device).expand(ids.shape[0], -1)
         return self.float_positions_at(layer, slot)
 
     def body_positions(self, layer: KvtoolLayer, c0: int, c1: int, ids: torch.Tensor) -> torch.Tensor:
         """Positions (S, nb * bs) of body table columns [c0, c1) (block ids ``ids`` (S, nb))."""
         store = layer.store
-        bs = store.layout.block_size
         if "pos" in store.layout.meta:
-            return store.body_pool.tensors["pos"][ids].reshape(ids.shape[0], -1).long()
-        token = store.n_sink[:, None] + torch.arange(c0 * bs, c1 * bs, device=ids.device)
+            return store.read_blocks(store.body_pool, ("pos",), ids)["pos"].long()
+        token = store.lengths("n_sink")[:, None] + torch.arange(c0 * store.bs, c1 * store.bs, device=ids.device)
         return self._lookup(layer, token)
 
     def _lookup(self, layer: KvtoolLayer, token: torch.Tensor) -> torch.Tensor:
@@ -172,7 +170,8 @@ class KvtoolCache(Cache):
     def constant_roots(self) -> list:
         """Per-model objects the cache reads but does not own: plans (fitted tensors), the runtime's
         formats (codebooks, bases), the policy (profile), FastGen token ids."""
-        return [self.plans, self.context.shared_formats, self.context.policy, self.context.special_ids, self.context.punct_ids]
+        context = self.context
+        return [self.plans, context.shared_formats, context.policy, context.budget, context.special_ids, context.punct_ids]
 
     def constant_nbytes(self) -> int:
         """Bytes of the per-model tensors the cache reads (shared by every cache of a runtime)."""

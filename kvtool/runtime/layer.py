@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -224,39 +225,46 @@ class KvtoolLayer(CacheLayerMixin):
         return rows.repeat(b, 1, 1)
 
     def _chunks(self, s: int, r: int, options: LayerOptions):
-        """The stored tokens of every stream, chunk by chunk (float region, then body blocks)."""
-        store, bs = self.store, self.store.layout.block_size
+        """The stored tokens of every stream, chunk by chunk (float blocks, then body blocks), whole blocks at a time."""
+        store, context = self.store, self.context
+        fbs, bs = store.fbs, store.bs
         d, g = store.layout.head_dim, self.g
         per_chunk = chunk_tokens(s, g, r, d, bs)
         needs_pos = bool(options.sliding_window)
-        float_len = store.float_len
-        width = int(float_len.max()) if float_len.numel() else 0
-        for start in range(0, width, per_chunk):
-            stop = min(width, start + per_chunk)
-            ids = store.float_slots(start, stop)  # (S, c)
-            valid = torch.arange(start, stop, device=self.device) < float_len[:, None]
-            k = store.float_flat("k")[ids].float().permute(0, 2, 1, 3)  # (S, g, c, D)
-            v = store.float_flat("v")[ids].float().permute(0, 2, 1, 3)
-            pos = self.context.float_positions(self, start, stop, ids) if needs_pos else None
+        float_blocks = int(store.float_blocks().max()) if s else 0
+        shortest = int(store.float_len.min()) if s else 0
+        step = max(1, per_chunk // fbs)
+        for c0 in range(0, float_blocks, step):
+            c1 = min(float_blocks, c0 + step)
+            ids = store.float_block_ids(c0, c1)  # (S, nb)
+            kv = store.read_blocks(store.float_pool, ("k", "v"), ids)  # (S, nb*fbs, g, D)
+            k, v = kv["k"].float().transpose(1, 2), kv["v"].float().transpose(1, 2)  # (S, g, c, D)
+            valid = None
+            if c1 * fbs > shortest:  # some stream ends inside this chunk
+                valid = torch.arange(c0 * fbs, c1 * fbs, device=self.device) < store.lengths("float_len")[:, None]
+            pos = context.float_block_positions(self, ids, c0) if needs_pos else None
             yield Chunk(
                 scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),
                 values=lambda p, v=v: torch.matmul(p, v),
-                valid=valid, positions=pos, region="float", start=start,
+                valid=valid, positions=pos, region="float", start=c0 * fbs,
             )
         if store.body_pool is None:
             return
-        blocks = int(store.body_len.max()) if store.body_len.numel() else 0
-        per_blocks = max(1, per_chunk // bs)
+        blocks = int(store.body_len.max()) if s else 0
+        fewest = int(store.body_len.min()) if s else 0
+        step = max(1, per_chunk // bs)
         pre_rope = self.plan.recipe.keys.pre_rope
-        for c0 in range(0, blocks, per_blocks):
-            c1 = min(blocks, c0 + per_blocks)
+        for c0 in range(0, blocks, step):
+            c1 = min(blocks, c0 + step)
             ids = store.body_block_ids(c0, c1)  # (S, nb)
-            valid = (torch.arange(c0, c1, device=self.device) < store.body_len[:, None]).repeat_interleave(bs, dim=1)
             kb, vb = store.read_body("k", ids), store.read_body("v", ids)
-            pos = self.context.body_positions(self, c0, c1, ids) if (needs_pos or pre_rope) else None
+            valid = None
+            if c1 > fewest:
+                valid = (torch.arange(c0, c1, device=self.device) < store.lengths("body_len")[:, None]).repeat_interleave(bs, dim=1)
+            pos = context.body_positions(self, c0, c1, ids) if (needs_pos or pre_rope) else None
             to_attention = None
             if pre_rope:
-                cos, sin = self.context.rope.cos_sin(pos)  # (S, T, R)
+                cos, sin = context.rope.cos_sin(pos)  # (S, T, R)
                 to_attention = lambda keys, cos=cos, sin=sin: rotate(keys, cos, sin)  # noqa: E731
             yield Chunk(
                 scores=lambda q, kb=kb, fn=to_attention: self.key_format.chunk_scores(q, kb, self.group_of_stream, fn),
@@ -270,13 +278,13 @@ class KvtoolLayer(CacheLayerMixin):
         b = self.lengths.shape[0]
         groups, store, context = self.groups, self.store, self.context
         if real is None:
-            counts = torch.full((b,), t, dtype=torch.int64, device=self.device)
+            counts = np.full(b, t, dtype=np.int64)
             order = None
         else:
-            counts = real.sum(dim=1)
+            counts = real.sum(dim=1).cpu().numpy()
             order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices  # real tokens first, in order
-        self.lengths = self.lengths + counts
-        stream_counts = counts.repeat_interleave(groups)
+        self.lengths = self.lengths + torch.from_numpy(counts).to(self.device)
+        stream_counts = np.repeat(counts, groups)
         stream_order = None if order is None else order.repeat_interleave(groups, dim=0)
 
         def compact(x):  # (S, t, ...) real tokens first
@@ -298,63 +306,65 @@ class KvtoolLayer(CacheLayerMixin):
             data["feature"] = policy.token_feature(data["k"][:, :, 0], data["v"][:, :, 0])
         if policy is not None and policy.uses_token_classes:
             data["cls"] = compact(context.token_classes(b, t, positions, policy.spec.sink_tokens).repeat_interleave(groups, dim=0))
-        if policy is not None:
-            stream_counts, data, stream_pos = self._evict(data, stream_counts, stream_pos, received)
-        store.append(data, stream_counts, stream_pos, self._float_positions_for_encode, self._encode)
+        if policy is not None and self._evict(data, stream_counts, stream_pos, received):
+            pass  # the policy placed the kept new tokens
+        else:
+            store.append(data, stream_counts, stream_pos, self._float_positions_for_encode, self._encode)
         if self.index == 0:
-            context.record(positions if order is None else positions.gather(1, order), counts)
+            context.record(positions if order is None else positions.gather(1, order), torch.from_numpy(counts).to(self.device))
 
     def _accumulate(self, received) -> None:
-        """Add the attention stored slots received this forward to their scores."""
-        store, bs = self.store, self.store.layout.block_size
+        """Add the attention stored slots received this forward to their scores (whole blocks at a time)."""
+        store = self.store
         for region, start, values in received.chunks:
-            c = values.shape[1]
-            if region == "float":
-                ids = store.float_slots(start, start + c)
-                valid = torch.arange(start, start + c, device=self.device) < store.float_len[:, None]
-                store.float_flat("score").index_put_((ids[valid],), values[valid], accumulate=True)
-            else:
-                c0 = start // bs
-                ids = store.body_block_ids(c0, c0 + c // bs)
-                slots = (ids[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(ids.shape[0], -1)
-                valid = (torch.arange(c0, c0 + c // bs, device=self.device) < store.body_len[:, None]).repeat_interleave(bs, 1)
-                store.body_flat("score").index_put_((slots[valid],), values[valid], accumulate=True)
+            pool, tokens = (store.float_pool, store.fbs) if region == "float" else (store.body_pool, store.bs)
+            c0 = start // tokens
+            ids = (store.float_block_ids if region == "float" else store.body_block_ids)(c0, c0 + values.shape[1] // tokens)
+            # masked slots received exactly 0 and table entries past a stream's blocks are 0: adding is safe
+            pool.tensors["score"].index_add_(0, ids.flatten(), values.reshape(-1, tokens))
 
-    def _evict(self, data, counts, positions, received):
-        """Let the policy choose among stored and new tokens; free what it drops. Returns the kept new tokens."""
-        store, policy, bs = self.store, self.context.policy, self.store.layout.block_size
+    def _evict(self, data, counts: np.ndarray, positions, received) -> bool:
+        """Let the policy choose among stored and new tokens and free what it drops.
+
+        Returns True when it also stored the kept new tokens (a float store: they fill the
+        freed slots), False when they still have to be appended (nothing to evict).
+        """
+        store, policy = self.store, self.context.policy
         length = self.lengths.repeat_interleave(self.groups)  # (S,)
         budget = self.context.budget(self.index, length)
-        held = store.tokens()
-        if policy.budgeted and bool((held + counts <= budget).all()):
-            return counts, data, positions
+        if policy.budgeted and bool((torch.from_numpy(store.tokens() + counts).to(self.device) <= budget).all()):
+            return False
         t = positions.shape[1]
-        table = SlotTable(int(store.float_len.max()), int(store.body_len.max()) if store.body_pool else 0, bs, t)
+        fbs = store.fbs
+        table = SlotTable(int(store.float_blocks().max()) * fbs, int(store.body_len.max()) if store.body_pool else 0, store.bs, t)
         view = self._view(table, data, counts, positions, received, length)
         keep = choose(policy, view, budget)
         keep_float, keep_body, keep_new = table.split(keep)
-        store.keep(keep_float, keep_body if store.body_pool is not None else None)
+        if store.body_pool is None:
+            store.fill_holes(keep_float, data, keep_new)
+            return True
+        store.keep(keep_float, keep_body)
         order = torch.sort((~keep_new).to(torch.int8), dim=1, stable=True).indices  # kept new tokens first
         rows = torch.arange(order.shape[0], device=self.device)[:, None]
-        data = {name: values[rows, order] for name, values in data.items()}
-        return keep_new.sum(dim=1), data, positions[rows, order]
+        kept = {name: values[rows, order] for name, values in data.items()}
+        store.append(kept, keep_new.sum(dim=1).cpu().numpy(), positions[rows, order], self._float_positions_for_encode, self._encode)
+        return True
 
-    def _view(self, table: SlotTable, data, counts, positions, received, length) -> StreamView:
-        store, policy = self.store, self.context.policy
-        s, bs, f, bn, t = store.streams, table.block_size, table.float_width, table.body_blocks, table.new_width
-        float_ids = store.float_slots(0, f)
-        body_blocks = store.body_block_ids(0, bn)
-        body_ids = (body_blocks[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(s, -1)
+    def _view(self, table: SlotTable, data, counts: np.ndarray, positions, received, length) -> StreamView:
+        store, bs, fbs = self.store, table.block_size, self.store.fbs
+        s, f, bn, t = store.streams, table.float_width, table.body_blocks, table.new_width
+        float_ids = store.float_block_ids(0, f // fbs)
+        body_ids = store.body_block_ids(0, bn) if bn else None
         valid = torch.cat([
-            torch.arange(f, device=self.device) < store.float_len[:, None],
-            (torch.arange(bn, device=self.device) < store.body_len[:, None]).repeat_interleave(bs, dim=1),
-            torch.arange(t, device=self.device) < counts[:, None],
+            torch.arange(f, device=self.device) < store.lengths("float_len")[:, None],
+            (torch.arange(bn, device=self.device) < store.lengths("body_len")[:, None]).repeat_interleave(bs, dim=1),
+            torch.arange(t, device=self.device) < torch.from_numpy(counts).to(self.device)[:, None],
         ], dim=1)
 
         def gather(name, new):
-            parts = [store.float_flat(name)[float_ids]]
+            parts = [store.read_blocks(store.float_pool, (name,), float_ids)[name]]
             if bn:
-                parts.append(store.body_flat(name)[body_ids])
+                parts.append(store.read_blocks(store.body_pool, (name,), body_ids)[name])
             return torch.cat(parts + [new.to(parts[0].dtype)], dim=1)
 
         zeros = torch.zeros(s, table.width, device=self.device)
@@ -365,7 +375,7 @@ class KvtoolLayer(CacheLayerMixin):
             valid=valid,
             length=length,
             attention=gather("score", data["score"]) if "score" in data else zeros,
-            window_attention=self._window_attention(table, received, positions.shape[1]) if received is not None else None,
+            window_attention=self._window_attention(table, received, t) if received is not None else None,
             feature=gather("feature", data["feature"]) if "feature" in data else None,
             is_special=(classes & SPECIAL) > 0,
             is_punct=(classes & PUNCT) > 0,
@@ -384,7 +394,7 @@ class KvtoolLayer(CacheLayerMixin):
         for region, start, values in received.chunks_window:
             lo = offsets[region] + start
             out[:, lo : lo + values.shape[1]] = values
-        out[:, table.width - t :] = received.new_window  # compacted like the new tokens' scores
+        out[:, table.width - t :] = received.new_window
         return out
 
     # --- encoding ------------------------------------------------------------------------------------
@@ -399,46 +409,50 @@ class KvtoolLayer(CacheLayerMixin):
         values = self.value_format.encode_blocks(v, group)
         return {**{f"k.{n}": x for n, x in keys.items()}, **{f"v.{n}": x for n, x in values.items()}}
 
-    def _float_positions_for_encode(self, start: torch.Tensor, width: int) -> torch.Tensor:
+    def _float_positions_for_encode(self, start: np.ndarray, width: int) -> torch.Tensor:
         if width == 0 or not self.plan.recipe.keys.pre_rope:
             return torch.zeros(self.store.streams, width, dtype=torch.int64, device=self.device)
-        slot = start[:, None] + torch.arange(width, device=self.device)
+        slot = torch.from_numpy(start).to(self.device)[:, None] + torch.arange(width, device=self.device)
         return self.context.float_positions_at(self, slot)
 
     # --- inspection (tests, debugging; attention never does this) ---------------------------------
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every held token decoded to float in token order: keys (post-RoPE), values (B, H, T, D),
-        positions (B, H, T) and valid (B, H, T) (streams shorter than T are padded)."""
-        store, bs = self.store, self.store.bs
+        """Every held token decoded to float, in token order (by position where the store keeps no
+        order): keys (post-RoPE), values (B, H, T, D), positions and valid (B, H, T) (shorter streams padded)."""
+        store, bs, fbs = self.store, self.store.bs, self.store.fbs
         s, g = store.streams, self.g
-        f = int(store.float_len.max()) if s else 0
-        flo = store.read_float(["k", "v"], 0, f)
-        fk, fv = flo["k"].float().transpose(1, 2), flo["v"].float().transpose(1, 2)  # (S, g, F, D)
-        fpos = self.context.float_positions(self, 0, f, store.float_slots(0, f))
-        keys, values, pos = [fk], [fv], [fpos]
+        fb = int(store.float_blocks().max()) if s else 0
+        ids = store.float_block_ids(0, fb)
+        flo = store.read_blocks(store.float_pool, ("k", "v"), ids)
+        keys, values = [flo["k"].float().transpose(1, 2)], [flo["v"].float().transpose(1, 2)]  # (S, g, F, D)
+        pos = [self.context.float_block_positions(self, ids, 0)]
+        f = fb * fbs
         if store.body_pool is not None:
             bn = int(store.body_len.max())
             ids = store.body_block_ids(0, bn)
-            bk = self.key_format._decode_chunk(store.read_body("k", ids), self.group_of_stream) if bn else fk[:, :, :0]
-            bv = self.value_format._decode_chunk(store.read_body("v", ids), self.group_of_stream) if bn else fv[:, :, :0]
-            bpos = self.context.body_positions(self, 0, bn, ids) if bn else fpos[:, :0]
-            if self.plan.recipe.keys.pre_rope and bn:
-                bk = rotate(bk, *self.context.rope.cos_sin(bpos))
-            keys, values, pos = [fk, bk], [fv, bv], [fpos, bpos]
+            if bn:
+                keys.append(self.key_format._decode_chunk(store.read_body("k", ids), self.group_of_stream))
+                values.append(self.value_format._decode_chunk(store.read_body("v", ids), self.group_of_stream))
+                pos.append(self.context.body_positions(self, 0, bn, ids))
+                if self.plan.recipe.keys.pre_rope:
+                    keys[-1] = rotate(keys[-1], *self.context.rope.cos_sin(pos[-1]))
         keys, values, pos = torch.cat(keys, 2), torch.cat(values, 2), torch.cat(pos, 1)
-        total = store.tokens()
+        total = torch.from_numpy(store.tokens()).to(self.device)
         j = torch.arange(int(total.max()) if s else 0, device=self.device)[None]
-        n_sink, body = store.n_sink[:, None], (store.body_len * bs)[:, None]
+        n_sink, body = store.lengths("n_sink")[:, None], (store.lengths("body_len") * bs)[:, None]
         column = torch.where(j < n_sink, j, torch.where(j < n_sink + body, f + j - n_sink, j - body))
         column = column.clamp(max=max(keys.shape[2] - 1, 0))
+        valid = j < total[:, None]
+        pos = pos.gather(1, column)
+        if self.context.slot_positions:  # unordered float slots: present by position
+            column = column.gather(1, torch.sort(pos.masked_fill(~valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices)
+            pos = pos.gather(1, torch.sort(pos.masked_fill(~valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices)
         rows = torch.arange(s, device=self.device)[:, None]
         keys = keys.transpose(1, 2)[rows, column].transpose(1, 2)
         values = values.transpose(1, 2)[rows, column].transpose(1, 2)
-        b = self.lengths.shape[0]
-        shape = (b, self.heads, column.shape[1])
-        valid = (j < total[:, None]).repeat_interleave(g, dim=0).reshape(shape)
-        return (keys.reshape(*shape, -1), values.reshape(*shape, -1),
-                pos[rows, column].repeat_interleave(g, dim=0).reshape(shape), valid)
+        shape = (self.lengths.shape[0], self.heads, column.shape[1])
+        expand = lambda x: x.repeat_interleave(g, dim=0).reshape(shape)  # noqa: E731
+        return keys.reshape(*shape, -1), values.reshape(*shape, -1), expand(pos), expand(valid)
 
     # --- accounting ---------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 
-def reachable_tensors(root, skip=(torch.nn.Module,)) -> list[torch.Tensor]:
-    """Tensors reachable from ``root`` through attributes, dicts, lists, tuples and sets."""
+def reachable_tensors(root, skip=(torch.nn.Module,)) -> list:
+    """Tensors (and numpy arrays) reachable from ``root`` through attributes, dicts, lists, tuples and sets."""
     seen_objects: set[int] = set()
     found: list[torch.Tensor] = []
     stack = [root]
@@ -23,7 +24,7 @@ def reachable_tensors(root, skip=(torch.nn.Module,)) -> list[torch.Tensor]:
         if id(obj) in seen_objects or isinstance(obj, skip):
             continue
         seen_objects.add(id(obj))
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
             found.append(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.keys())
@@ -44,11 +45,17 @@ def reachable_tensors(root, skip=(torch.nn.Module,)) -> list[torch.Tensor]:
 
 
 def storage_nbytes(tensors) -> int:
-    """Bytes of the unique storages behind ``tensors`` (a view counts its whole storage, once)."""
+    """Bytes of the unique storages behind tensors and numpy arrays (a view counts its whole storage,
+    once; a tensor sharing a numpy array's memory counts once)."""
     storages = {}
     for tensor in tensors:
+        if isinstance(tensor, np.ndarray):
+            base = tensor if tensor.base is None else tensor.base
+            storages[(base.__array_interface__["data"][0], "cpu")] = base.nbytes
+            continue
         storage = tensor.untyped_storage()
-        storages[(storage.data_ptr(), tensor.device)] = storage.nbytes()
+        device = "cpu" if tensor.device.type == "cpu" else str(tensor.device)
+        storages[(storage.data_ptr(), device)] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -40,14 +40,15 @@ class Chunk:
     """A piece of the stored tokens of every stream.
 
     scores(q (S, g, R, D)) -> (S, g, R, C) float32 logits (q already scaled);
-    values(p (S, g, R, C)) -> (S, g, R, D) float32; valid (S, C) bool;
+    values(p (S, g, R, C)) -> (S, g, R, D) float32; valid (S, C) bool, or None when every
+    slot holds a token;
     positions (S, C) int or None (needed for sliding windows); region/start locate it
     in the store for scores the caller accumulates.
     """
 
     scores: Callable[[torch.Tensor], torch.Tensor]
     values: Callable[[torch.Tensor], torch.Tensor]
-    valid: torch.Tensor
+    valid: torch.Tensor | None
     positions: torch.Tensor | None
     region: str
     start: int
@@ -85,19 +86,51 @@ def _logits(scores: torch.Tensor, options: LayerOptions) -> torch.Tensor:
     return scores
 
 
-def _visible(chunk: Chunk, query_pos: torch.Tensor | None, options: LayerOptions, rows_shape) -> torch.Tensor:
-    """(S, 1, R, C) or (S, 1, 1, C) bool: which stored tokens each row may see."""
-    visible = chunk.valid[:, None, None, :]
+def _masked_logits(chunk: Chunk, q: torch.Tensor, query_pos, options: LayerOptions) -> torch.Tensor:
+    """(S, g, R, C) logits of the rows against a stored chunk, -inf where a row may not see a token."""
+    logits = _logits(chunk.scores(q), options)
+    visible = None if chunk.valid is None else chunk.valid[:, None, None, :]
     if options.sliding_window and chunk.positions is not None and query_pos is not None:
         window = chunk.positions[:, None, None, :] > query_pos[:, None, :, None] - options.sliding_window  # (S,1,R,C)
-        visible = visible & window
-    return visible
+        visible = window if visible is None else visible & window
+    return logits if visible is None else logits.masked_fill(~visible, -math.inf)
 
 
-def new_token_logits(q: torch.Tensor, new_k: torch.Tensor, new_mask: torch.Tensor, options: LayerOptions):
-    """Logits of rows against the new tokens (S, g, R, t) and their visibility (S, 1, R, t)."""
+def _new_logits(q, new_k, new_mask, options) -> torch.Tensor:
+    """(S, g, R, t) logits of the rows against the new tokens, -inf where masked."""
     logits = _logits(torch.matmul(q, new_k.transpose(-1, -2)), options)
-    return logits, new_mask[:, None]
+    return logits.masked_fill(~new_mask[:, None], -math.inf)
+
+
+class OnlineSoftmax:
+    """Running max, sum and output per row; absorbs groups of logit pieces at once."""
+
+    def __init__(self, shape, device, sink_logits: torch.Tensor | None) -> None:
+        s, g, r, d = shape
+        self.m = torch.full((s, g, r, 1), -math.inf, device=device)
+        self.l = torch.zeros((s, g, r, 1), device=device)
+        self.acc = torch.zeros((s, g, r, d), device=device)
+        if sink_logits is not None:  # a learned sink: one more softmax term, with no value
+            self.m, self.l = sink_logits[..., None].clone(), torch.ones_like(self.l)
+
+    def absorb(self, pieces: list[tuple[torch.Tensor, Callable]]) -> None:
+        """pieces: (logits (S, g, R, C_i), values(p (S, g, R, C_i)) -> (S, g, R, D))."""
+        logits = pieces[0][0] if len(pieces) == 1 else torch.cat([p[0] for p in pieces], dim=-1)
+        m_new = torch.maximum(self.m, logits.amax(dim=-1, keepdim=True))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(logits - safe)
+        correction = torch.exp(self.m - safe)
+        self.l = self.l * correction + p.sum(dim=-1, keepdim=True)
+        self.acc = self.acc * correction
+        offset = 0
+        for piece, values in pieces:
+            width = piece.shape[-1]
+            self.acc = self.acc + values(p[..., offset : offset + width])
+            offset += width
+        self.m = m_new
+
+    def result(self) -> torch.Tensor:
+        return self.acc / self.l.clamp(min=1e-30)
 
 
 def attend(
@@ -110,30 +143,23 @@ def attend(
     query_pos: torch.Tensor | None = None,  # (S, R) positions of each row's token
     sink_logits: torch.Tensor | None = None,  # (S, g, R)
 ) -> torch.Tensor:
-    """Online-softmax attention of the rows over stored chunks and the new tokens: (S, g, R, D) float32."""
-    s, g, r, d = q.shape
-    m = torch.full((s, g, r, 1), -math.inf, device=q.device)
-    l = torch.zeros((s, g, r, 1), device=q.device)
-    acc = torch.zeros((s, g, r, d), device=q.device)
-    if sink_logits is not None:
-        m, l = sink_logits[..., None].clone(), torch.ones_like(l)
+    """Online-softmax attention of the rows over stored chunks and the new tokens: (S, g, R, D) float32.
 
-    def update(logits, visible, values):
-        nonlocal m, l, acc
-        logits = logits.masked_fill(~visible, -math.inf)
-        m_new = torch.maximum(m, logits.amax(dim=-1, keepdim=True))
-        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = torch.exp(logits - safe)
-        correction = torch.exp(m - safe)
-        l = l * correction + p.sum(dim=-1, keepdim=True)
-        acc = acc * correction + values(p)
-        m = m_new
-
+    Chunks are absorbed in groups whose logits stay under CHUNK_ELEMENTS (one softmax update
+    per group), so a decode step over a short cache is one update, a long one a few.
+    """
+    state = OnlineSoftmax(q.shape, q.device, sink_logits)
+    pending, elements = [], 0
     for chunk in chunks:
-        update(_logits(chunk.scores(q), options), _visible(chunk, query_pos, options, (s, g, r)), chunk.values)
-    logits, visible = new_token_logits(q, new_k, new_mask, options)
-    update(logits, visible, lambda p: torch.matmul(p, new_v))
-    return acc / l.clamp(min=1e-30)
+        logits = _masked_logits(chunk, q, query_pos, options)
+        pending.append((logits, chunk.values))
+        elements += logits.numel()
+        if elements >= CHUNK_ELEMENTS:
+            state.absorb(pending)
+            pending, elements = [], 0
+    pending.append((_new_logits(q, new_k, new_mask, options), lambda p: torch.matmul(p, new_v)))
+    state.absorb(pending)
+    return state.result()
 
 
 def attend_scored(
@@ -164,38 +190,22 @@ def attend_scored(
         hi = min(r, lo + ROW_CHUNK)
         qr, mask_r = q[:, :, lo:hi], new_mask[:, lo:hi]
         pos_r = None if query_pos is None else query_pos[:, lo:hi]
-        m = torch.full((s, g, hi - lo, 1), -math.inf, device=q.device)
-        l = torch.zeros_like(m)
-        if sink_logits is not None:
-            m, l = sink_logits[:, :, lo:hi, None].clone(), torch.ones_like(l)
-        kept, kept_elements = [], 0
-
-        def masked_logits(chunk):
-            logits = _logits(chunk.scores(qr), options)
-            return logits.masked_fill(~_visible(chunk, pos_r, options, None), -math.inf)
-
-        def absorb(logits):
-            nonlocal m, l
-            m_new = torch.maximum(m, logits.amax(dim=-1, keepdim=True))
-            safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-            l = l * torch.exp(m - safe) + torch.exp(logits - safe).sum(dim=-1, keepdim=True)
-            m = m_new
-
-        for chunk in chunks():  # pass 1: row maxima and sums
-            logits = masked_logits(chunk)
-            absorb(logits)
-            kept_elements += logits.numel()
-            kept.append(logits if kept_elements <= CHUNK_ELEMENTS else None)
-        new_logits, new_visible = new_token_logits(qr, new_k, mask_r, options)
-        new_logits = new_logits.masked_fill(~new_visible, -math.inf)
-        absorb(new_logits)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        sink_r = None if sink_logits is None else sink_logits[:, :, lo:hi]
+        kept, elements = [], 0
+        for chunk in chunks():  # pass 1: logits (kept while small)
+            logits = _masked_logits(chunk, qr, pos_r, options)
+            elements += logits.numel()
+            kept.append(logits if elements <= CHUNK_ELEMENTS else None)
+        new_logits = _new_logits(qr, new_k, mask_r, options)
+        m, l = _max_and_sum([x for x in kept if x is not None] + [new_logits], sink_r)
+        if any(x is None for x in kept):  # large: the maxima of the chunks not kept, chunk by chunk
+            m, l = _rescan(chunks(), kept, qr, pos_r, options, m, l)
         inv = 1.0 / l.clamp(min=1e-30)
         p_new = torch.exp(new_logits - m) * inv
         acc = torch.matmul(p_new, new_v)
         in_window = None if window_rows is None else window_rows[lo:hi].to(q.dtype)[None, None, :, None]
         for chunk, logits in zip(chunks(), kept):  # pass 2: probabilities, output, received
-            p = torch.exp((masked_logits(chunk) if logits is None else logits) - m) * inv
+            p = torch.exp((_masked_logits(chunk, qr, pos_r, options) if logits is None else logits) - m) * inv
             acc = acc + chunk.values(p)
             key = (chunk.region, chunk.start)
             totals[key] = totals.get(key, 0) + p.sum(dim=(1, 2))
@@ -210,3 +220,29 @@ def attend_scored(
         received.chunks_window = [(region, start, t) for (region, start), t in totals_window.items()]
         received.new_window = new_window
     return out, received
+
+
+def _max_and_sum(pieces: list[torch.Tensor], sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row max and sum of exp over logit pieces (S, g, R, C_i) (and a sink logit (S, g, R))."""
+    logits = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+    m = logits.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink[..., None])
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    l = torch.exp(logits - m).sum(dim=-1, keepdim=True)
+    if sink is not None:
+        l = l + torch.exp(sink[..., None] - m)
+    return m, l
+
+
+def _rescan(chunks, kept, q, query_pos, options, m, l):
+    """Fold the chunks whose logits were not kept into the running (max, sum)."""
+    for chunk, logits in zip(chunks, kept):
+        if logits is not None:
+            continue
+        logits = _masked_logits(chunk, q, query_pos, options)
+        m_new = torch.maximum(m, logits.amax(dim=-1, keepdim=True))
+        m_new = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        l = l * torch.exp(m - m_new) + torch.exp(logits - m_new).sum(dim=-1, keepdim=True)
+        m = m_new
+    return m, l
