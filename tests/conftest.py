@@ -4,6 +4,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton kernels run on CPU tensors under the interpreter; it must be chosen before Triton is
+# imported (kvtool imports it only when the triton backend is used).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 

@@ -171,9 +171,10 @@ def test_context_beyond_the_model_limit_is_refused():
         runtime.check_context(300)
 
 
-def test_backend_switch_resolves_once_and_refuses_what_cannot_run():
+def test_backend_switch_resolves_once_and_refuses_what_cannot_run(monkeypatch):
     from kvtool.errors import RuntimeConfigError
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without the interpreter cannot run the kernels
     model = tiny_model("llama")
     assert CompressedRuntime.from_recipe(model, make_recipe(4), backend="torch").new_cache().memory_report()["backend"] == "torch"
     assert CompressedRuntime.from_recipe(model, make_recipe(4), backend="auto").backend == "torch"  # CPU

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from kvtool.errors import RecipeError
+from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.recipe import QuantSpec
 
 BlockSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -165,6 +165,10 @@ class BlockQuantizer:
     def bits_per_element(self) -> float:
         """Average stored bits per element of the body, scales and zero points included."""
         return self.block_nbytes() * 8 / (self.block_size * self.head_dim)
+
+    def kernel_format(self):
+        """How the Triton decode kernel reads this format's blocks (`BodyFormat`); formats it cannot read raise."""
+        raise RuntimeConfigError(f"the Triton decode kernel cannot read '{self.spec.method}' blocks; use --backend torch")
 
     def token_group(self) -> int:
         """Channels per scale group for ``axis: token`` (group_size clamped to head_dim); must divide head_dim."""

@@ -3,34 +3,65 @@
 Resolved once per runtime and reported in every memory report (``backend``):
 
 * ``torch``: the pure-torch reference (`paged_attention.py` and the methods' ``chunk_*``), any device;
-* ``triton``: fused kernels reading the store in place (CUDA; the Triton kernels are not part of
-  this release yet, so asking for them is an error that says so);
-* ``auto``: ``triton`` where it can run, else ``torch``.
+* ``triton``: the Triton decode kernel (`kernels/decode_attention.py`) reads the store in place for
+  every decode step it covers: float blocks and uniform (KIVI-style, int8) or float16 body
+  blocks, keys stored after RoPE, full-attention layers, policies that do not score tokens by
+  attention. Prefill, appends, sliding-window layers and attention-scored eviction (h2o,
+  snapkv, ...) stay on the torch path; `cache.memory_report()["kernel_steps"]` counts the layer
+  steps the kernel ran. Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU
+  tensors (slow; for tests);
+* ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
+  kernel reads, else ``torch``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from kvtool.errors import RuntimeConfigError
+from kvtool.recipe import QuantSpec, Recipe
 
 BACKENDS = ("auto", "torch", "triton")
 
 
 def triton_available(device: torch.device) -> bool:
-    """True when the Triton kernels can run on ``device``."""
-    return False  # the Triton decode kernels arrive with the GPU runtime
+    """True when Triton kernels can run on ``device`` (CUDA, or the interpreter on CPU)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
+def kernel_unsupported(recipe: Recipe) -> str | None:
+    """Why the Triton decode kernel cannot read this recipe's blocks (None when it can)."""
+
+    def side(spec: QuantSpec, name: str) -> str | None:
+        if spec.method not in ("none", "uniform"):
+            return f"{name} use method '{spec.method}' (the kernel reads float and uniform blocks; nuq and palu are on the torch path)"
+        if spec.pre_rope:
+            return f"{name} are stored before RoPE (the kernel reads keys stored after RoPE)"
+        return None
+
+    return side(recipe.keys, "keys") or side(recipe.values, "values")
+
+
+def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None = None) -> str:
     """The backend a runtime on ``device`` uses for ``requested``; RuntimeConfigError when impossible."""
     if requested not in BACKENDS:
         raise RuntimeConfigError(f"--backend '{requested}' is unknown: use one of {', '.join(BACKENDS)}")
+    device = torch.device(device)
     if requested == "torch":
         return "torch"
-    if requested == "triton" and not triton_available(torch.device(device)):
-        raise RuntimeConfigError(
-            "--backend triton: kvtool's Triton kernels are not available in this build yet; "
-            "use --backend torch (or auto)"
-        )
-    return "triton" if triton_available(torch.device(device)) else "torch"
+    reason = kernel_unsupported(recipe) if recipe is not None else None
+    if requested == "triton":
+        if not triton_available(device):
+            raise RuntimeConfigError(
+                "--backend triton needs a CUDA GPU and the `triton` package (or TRITON_INTERPRET=1 to run the "
+                "kernels on CPU tensors, slowly, for testing); use --backend torch or auto"
+            )
+        if reason:
+            raise RuntimeConfigError(f"--backend triton: recipe '{recipe.name}': {reason}; use --backend torch or auto")
+        return "triton"
+    return "triton" if device.type == "cuda" and triton_available(device) and not reason else "torch"

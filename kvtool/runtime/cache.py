@@ -42,6 +42,7 @@ class CacheContext:
     backend: str = "torch"
     shared_formats: dict = field(default_factory=dict)  # (layer, head_dim, heads, dtype) -> formats, shared by a runtime's caches
     sequence_positions: SequencePositions | None = field(default=None, init=False)
+    kernel_steps: int = field(default=0, init=False)  # layer decode steps the Triton kernel ran
 
     def formats(self, layer: int, plan: LayerPlan, head_dim: int, heads: int, dtype: torch.dtype):
         """(key format, value format, heads per stream) of a layer, built once per runtime."""
@@ -210,6 +211,7 @@ class KvtoolCache(Cache):
             "kept_tokens": self.kept_tokens(),
             "kept_fraction": self.kept_fraction(),
             "backend": self.backend,
+            "kernel_steps": self.context.kernel_steps,
         }
         if self.policy is not None:
             report["policy"] = self.policy.name

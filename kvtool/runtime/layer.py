@@ -197,6 +197,11 @@ class KvtoolLayer(CacheLayerMixin):
         received = None
         if self._empty() and not scoring and options.softcap is None and options.sinks is None:
             out = _sdpa(query, new_k, new_v, mask, scaling)
+        elif self._kernel_covers(t, scoring, options, real):
+            q = (query.float() * scaling).reshape(s, G, d)  # (S, R, D): g = 1, t = 1
+            sink_logits = self._sink_logits(options.sinks, b, t)
+            out = self._kernel_decode(q, nk[:, 0, 0], nv[:, 0, 0], options, None if sink_logits is None else sink_logits[:, 0])
+            out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
         else:
             q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
             stream_mask = mask[:, None].expand(b, G, t, t).reshape(b, r, t).repeat_interleave(groups, dim=0)  # (S, R, t)
@@ -212,6 +217,30 @@ class KvtoolLayer(CacheLayerMixin):
             out = out.reshape(b, groups, g, G, t, d).reshape(b, hq, t, d).transpose(1, 2).to(query.dtype)
         self._store_new(nk, nv, real, positions, received, t)
         return out
+
+    def _kernel_covers(self, t: int, scoring: bool, options: LayerOptions, real) -> bool:
+        """The Triton decode kernel runs this step (see `backend.py` for what it covers)."""
+        return (
+            self.context.backend == "triton" and t == 1 and not scoring and not options.sliding_window
+            and self.g == 1 and (real is None or bool(real.all()))
+        )
+
+    def _kernel_decode(self, q, new_k, new_v, options: LayerOptions, sink_logits) -> torch.Tensor:
+        """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place."""
+        from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+        store = self.store
+        float_pool = store.float_pool.tensors
+        body = formats = body_table = body_len = None
+        if store.body_pool is not None and int(store.body_len.max()) > 0:
+            body = (store.body_pool_side("k"), store.body_pool_side("v"))
+            formats = (self.key_format.kernel_format(), self.value_format.kernel_format())
+            body_table, body_len = store.body_table, store.lengths("body_len")
+        self.context.kernel_steps += 1
+        return paged_decode_attention(
+            q, new_k, new_v, float_pool["k"][:, :, 0], float_pool["v"][:, :, 0], store.float_table, store.lengths("float_len"),
+            body, body_table, body_len, formats, store.bs, options.softcap, sink_logits,
+        )
 
     def _empty(self) -> bool:
         return not self.store.float_pool.used and (self.store.body_pool is None or not self.store.body_pool.used)

@@ -195,6 +195,11 @@ class LayerStore:
             out[name] = t.reshape(ids.shape[0], -1, *t.shape[3:])
         return out
 
+    def body_pool_side(self, part: str) -> dict[str, torch.Tensor]:
+        """{name: (cap, *shape)} body pool tensors of part ``k`` or ``v`` (what the kernels read in place)."""
+        prefix = f"{part}."
+        return {name[2:]: t for name, t in self.body_pool.tensors.items() if name.startswith(prefix)}
+
     def read_body(self, part: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: (S, nb, *shape)} of part ``k`` or ``v`` for block ids (S, nb)."""
         prefix = f"{part}."

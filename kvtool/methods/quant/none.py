@@ -18,6 +18,11 @@ class NoQuantizer(BlockQuantizer):
     def block_spec(self):
         return {"data": ((self.block_size, self.head_dim), self.dtype)}
 
+    def kernel_format(self):
+        from kvtool.runtime.kernels.body_format import BodyFormat
+
+        return BodyFormat(bits=16, per_channel=False, group=1)
+
     def encode_blocks(self, x: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"data": x[:, 0].to(self.dtype)}  # (N, S, D)
 

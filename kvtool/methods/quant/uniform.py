@@ -47,6 +47,11 @@ class UniformQuantizer(BlockQuantizer):
             "zero": (scales, torch.float16),
         }
 
+    def kernel_format(self):
+        from kvtool.runtime.kernels.body_format import BodyFormat
+
+        return BodyFormat(bits=self.spec.bits, per_channel=self.spec.axis == "channel", group=self.group)
+
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View x (N, S, D) so that the reduction dim of a scale group is last."""
         if self.spec.axis == "channel":

@@ -1,0 +1,170 @@
+"""The Triton decode kernel against the torch reference.
+
+On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py
+before Triton is imported), so these tests run in CI; on a GPU the same matrix runs on CUDA
+(marker ``gpu``). Reference: a dense softmax over the blocks decoded by the formats' own
+`decode_blocks` (independent of both the kernel and the store's chunked algebra); end to end,
+the triton backend generates the torch backend's tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kvtool.calibration import build_quantizers
+from kvtool.errors import RuntimeConfigError
+from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
+from kvtool.runtime.attach import CompressedRuntime
+from tests.tiny_models import tiny_model, tiny_tokenizer_free_inputs
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+FBS = 16
+BS = 32
+SIDES = {  # name: (key spec, value spec)
+    "float": (QuantSpec(method="none", bits=16, path="keys"), QuantSpec(method="none", bits=16, axis="token", path="values")),
+    "uniform-2": (QuantSpec(bits=2, path="keys"), QuantSpec(bits=2, axis="token", path="values")),
+    "uniform-3": (QuantSpec(bits=3, path="keys"), QuantSpec(bits=3, axis="token", group_size=16, path="values")),
+    "uniform-4": (QuantSpec(bits=4, path="keys"), QuantSpec(bits=4, axis="token", path="values")),
+    "uniform-8": (QuantSpec(bits=8, path="keys"), QuantSpec(bits=8, axis="token", path="values")),
+    "uniform-4-token-keys-channel-values": (QuantSpec(bits=4, axis="token", path="keys"), QuantSpec(bits=4, axis="channel", path="values")),
+}
+# (float tokens, body blocks) per stream: empty, one token, a block boundary, body-only, long
+RAGGED = [(0, 0), (1, 0), (17, 2), (0, 3), (40, 5)]
+
+
+def devices():
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out.append(pytest.param("cuda", marks=pytest.mark.gpu))
+    return out
+
+
+def _pool_tables(lengths_per_stream, per_block, generator):
+    """Random distinct block ids per stream: table (S, W) int32 (0 past a stream's blocks), pool size."""
+    counts = [-(-n // per_block) for n in lengths_per_stream]
+    total = sum(counts)
+    ids = torch.randperm(max(total, 1) + 3, generator=generator)[:total] + 1  # leave id 0 unused: a wrong read shows
+    width = max(max(counts), 1)
+    table = torch.zeros((len(counts), width), dtype=torch.int32)
+    start = 0
+    for s, c in enumerate(counts):
+        table[s, :c] = ids[start:start + c].int()
+        start += c
+    return table, max(total, 1) + 4
+
+
+def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0):
+    """A random store (float region + body blocks of one format), queries, the new token, and the dense reference."""
+    g = torch.Generator().manual_seed(seed)
+    key_spec, value_spec = SIDES[side]
+    recipe = Recipe(name=side, keys=key_spec, values=value_spec, cache=CacheSpec(block_size=BS))
+    kq, vq = build_quantizers(recipe, head_dim, torch.float32)  # decode without rounding to fp16, as attention does
+    s = len(RAGGED)
+    float_tokens = [f for f, _ in RAGGED]
+    body_blocks = [b for _, b in RAGGED]
+    ftable, fcap = _pool_tables(float_tokens, FBS, g)
+    btable, bcap = _pool_tables([b * BS for b in body_blocks], BS, g)
+    float_k = torch.randn(fcap, FBS, head_dim, generator=g).half()
+    float_v = torch.randn(fcap, FBS, head_dim, generator=g).half()
+    raw_k = torch.randn(bcap, 1, BS, head_dim, generator=g) * torch.linspace(0.2, 3, head_dim)  # channel outliers
+    raw_v = torch.randn(bcap, 1, BS, head_dim, generator=g)
+    group = torch.zeros(bcap, dtype=torch.long)
+    kb, vb = kq.encode_blocks(raw_k, group), vq.encode_blocks(raw_v, group)
+    dec_k, dec_v = kq.decode_blocks(kb, group)[:, 0].float(), vq.decode_blocks(vb, group)[:, 0].float()  # (cap, BS, D)
+    q = torch.randn(s, gqa, head_dim, generator=g) / head_dim**0.5
+    new_k, new_v = torch.randn(s, head_dim, generator=g), torch.randn(s, head_dim, generator=g)
+    sink_logits = torch.randn(s, gqa, generator=g) if sinks else None
+    reference = []
+    for i in range(s):
+        f_ids = ftable[i, : -(-float_tokens[i] // FBS)].long()
+        fk = float_k[f_ids].reshape(-1, head_dim)[: float_tokens[i]].float()
+        fv = float_v[f_ids].reshape(-1, head_dim)[: float_tokens[i]].float()
+        b_ids = btable[i, : body_blocks[i]].long()
+        keys = torch.cat([fk, dec_k[b_ids].reshape(-1, head_dim), new_k[i : i + 1]])
+        values = torch.cat([fv, dec_v[b_ids].reshape(-1, head_dim), new_v[i : i + 1]])
+        logits = q[i] @ keys.T  # (R, T)
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if sinks:
+            logits = torch.cat([logits, sink_logits[i][:, None]], dim=1)
+            values = torch.cat([values, torch.zeros(1, head_dim)])
+        reference.append(torch.softmax(logits, dim=-1) @ values)
+    to = lambda x: x.to(device) if torch.is_tensor(x) else {k: v.to(device) for k, v in x.items()}  # noqa: E731
+    args = dict(
+        q=to(q), new_k=to(new_k), new_v=to(new_v), float_k=to(float_k), float_v=to(float_v), float_table=to(ftable),
+        float_len=to(torch.tensor(float_tokens)), body=(to(kb), to(vb)), body_table=to(btable),
+        body_len=to(torch.tensor(body_blocks)), formats=(kq.kernel_format(), vq.kernel_format()), block_size=BS,
+        softcap=softcap, sink_logits=None if sink_logits is None else to(sink_logits),
+    )
+    return args, torch.stack(reference)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("side", list(SIDES))
+def test_decode_kernel_equals_the_dense_reference(side, head_dim, gqa, device):
+    from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+    args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa)
+    out = paged_decode_attention(**args)
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_split_reduction_softcap_and_sinks(splits, device):
+    """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result."""
+    from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+    args, reference = build_case("uniform-4", 64, 4, device, softcap=5.0, sinks=True, seed=7)
+    out = paged_decode_attention(**args, splits=splits)
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+def _generate(model, recipe, backend, ids, mask, tokens=6):
+    runtime = CompressedRuntime.from_recipe(model, recipe, backend=backend)
+    cache = runtime.new_cache()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens, do_sample=False)
+    return out, cache
+
+
+@pytest.mark.parametrize("name", ["kivi", "streamingllm-3bit"])
+def test_triton_backend_generates_the_torch_backends_tokens(name):
+    model = tiny_model("llama", kv_heads=2)
+    recipes = {
+        "kivi": Recipe(name="kivi", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32)),
+        "streamingllm-3bit": Recipe(
+            name="sl3", keys=QuantSpec(bits=3, path="keys"), values=QuantSpec(bits=3, axis="token", group_size=16, path="values"),
+            cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+            eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
+        ),
+    }
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
+    torch_tokens, _ = _generate(model, recipes[name], "torch", ids, mask)
+    triton_tokens, cache = _generate(model, recipes[name], "triton", ids, mask)
+    assert cache.memory_report()["backend"] == "triton"
+    assert cache.memory_report()["kernel_steps"] >= 5 * model.config.num_hidden_layers  # the kernel really ran
+    assert torch.equal(torch_tokens, triton_tokens)
+
+
+def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on_torch_on_cpu():
+    model = tiny_model("llama")
+    pre_rope = Recipe(name="pre", keys=QuantSpec(bits=4, pre_rope=True, path="keys"))
+    with pytest.raises(RuntimeConfigError, match="before RoPE"):
+        CompressedRuntime.from_recipe(model, pre_rope, backend="triton")
+    assert CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="auto").backend == "torch"  # CPU
+
+
+def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeConfigError, match="CUDA"):
+        CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="triton")
+    assert os.environ.get("TRITON_INTERPRET") is None
