@@ -85,6 +85,31 @@ def test_walked_bytes_equal_the_cache_report_for_every_bundled_recipe(name, dtyp
     assert walked_nbytes(cache.constant_roots()) == cache.constant_nbytes()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kivi-4bit", "kivi-2bit", "uncompressed", "streamingllm", "h2o"])
+def test_cuda_allocator_sees_what_the_cache_reports(name):
+    """On CUDA, the allocator's delta over a cache's life equals its reserved bytes (constants are the runtime's)."""
+    model = tiny_model("llama").half().cuda()
+    runtime = bundled_runtime(model, name)
+    ids, mask = (x.cuda() for x in tiny_tokenizer_free_inputs(batch=2, seq=90))
+    warm = runtime.new_cache()  # builds the runtime's shared formats once
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=warm)
+    del warm
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cache = runtime.new_cache()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20,
+                             min_new_tokens=20, do_sample=False, pad_token_id=0)
+    del out
+    torch.cuda.synchronize()
+    delta = torch.cuda.memory_allocated() - before
+    tracked = cache.reserved_nbytes()
+    assert abs(delta - tracked) <= 0.02 * tracked + 64 * 1024, (delta, tracked)  # device copies of small host tables
+
+
 def test_a_cache_does_not_keep_the_prefill_tensors_alive():
     """With no sinks and the model's own float dtype, nothing may be a view of the incoming K/V."""
     from kvtool.runtime.attach import uncompressed_recipe
