@@ -16,9 +16,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtool.cli_usage import OneLineErrorsGroup
 from kvtool.errors import KvtoolError
 
 app = typer.Typer(
+    cls=OneLineErrorsGroup,  # usage errors: one `error:` line, exit 2
     help="Compress the KV cache of Hugging Face causal LMs: profile, calibrate, export, generate, eval.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -412,7 +414,7 @@ def run(
 
 
 def main() -> None:  # console-script entry point
-    app()
+    app(prog_name="kvtool")
 
 
 if __name__ == "__main__":

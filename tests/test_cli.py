@@ -477,6 +477,47 @@ def test_error_message_is_one_line(rec):
     assert result.stderr == f"error: {message}\n"
 
 
+# --- usage errors (Click's parsing): one line too ------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--foo"], "error: no such option --foo; see kvtool generate --help"),
+    (["generate", "--prompt", "hi", "--sampel"],
+     "error: no such option --sampel (did you mean --model or --sample?); see kvtool generate --help"),
+    (["eval", "ppl"], "error: missing option '--data' / '-d'; see kvtool eval ppl --help"),
+    (["eval", "ppl", "-d", "f.txt", "extra"], "error: got unexpected extra argument(s) (extra); see kvtool eval ppl --help"),
+    (["eval", "ppl", "--dtype"], "error: option '--dtype' requires an argument; see kvtool eval ppl --help"),
+    (["profile", "-d", "f.txt", "-o", "p.safetensors", "--samples", "abc"],
+     "error: invalid value for '--samples': input should be a valid integer"),
+    (["inspect"], "error: missing argument 'artifact'; see kvtool inspect --help"),
+    (["nosuch"], "error: no such command 'nosuch'; see kvtool --help"),
+    (["eval", "nosuch"], "error: no such command 'nosuch'; see kvtool eval --help"),
+])
+def test_usage_errors_are_one_line_with_exit_2(argv, message):
+    result = invoke(*argv)
+    assert_friendly_error(result)
+    assert result.stderr.startswith(message), result.stderr
+    assert result.stderr.count("\n") == 1 and "Usage:" not in result.output and "╭" not in result.output
+
+
+def test_usage_error_through_the_entry_point():
+    """`main()` (the console script) names the program kvtool whatever argv[0] is."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.argv[0] = 'whatever'; from kvtool.cli import main; main()"
+    done = subprocess.run([sys.executable, "-c", code, "generate", "--foo"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "error: no such option --foo; see kvtool generate --help\n"
+
+
+@pytest.mark.parametrize("argv", [[], ["eval"]])
+def test_no_arguments_show_the_help(argv):
+    result = invoke(*argv)
+    assert result.exit_code == 2 and "Usage" in result.stdout and "error" not in result.output
+
+
 # --- errors from real bad input (no mocks) -----------------------------------------------------
 
 
