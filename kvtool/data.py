@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvtool.errors import DataError
+from kvtool.quiet import quiet_progress_bars
 
 # datasets builder used for each supported file extension.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -156,7 +157,8 @@ def _file_texts(path: Path, text_column: str) -> list[str]:
                         f"use one of {', '.join(BUILDERS)} (or a folder of them)")
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+        with quiet_progress_bars():
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except Exception as exc:  # datasets raises many kinds (even a bare StopIteration for an empty .jsonl)
         raise DataError(f"data file '{path}' could not be read by datasets' '{builder}' loader "
                         f"({type(exc).__name__}: {exc}): "
@@ -171,7 +173,8 @@ def _hub_texts(spec: DataSpec) -> list[str]:
 
     name, config, split = spec.hub_parts()
     try:
-        dataset = datasets.load_dataset(name, config, split=split)
+        with quiet_progress_bars():
+            dataset = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # offline, not found, bad config or split, ...
         raise DataError(f"hub dataset '{spec.source}' (name={name!r}, config={config!r}, split={split!r}) "
                         f"could not be loaded ({type(exc).__name__}: {exc}): hub ids need network access "
