@@ -29,6 +29,8 @@ from kvtool.calibration import (
 )
 from kvtool.data import DataSpec, token_windows
 from kvtool.errors import ArtifactError, RuntimeConfigError
+from kvtool.eval.generation_report import generation_memory, generation_timing
+from kvtool.eval.speed import DecodeClock
 from kvtool.fileio import check_output_path
 from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, token_classes
 from kvtool.models.adapter import adapter_for
@@ -319,7 +321,8 @@ class GenerateResult:
     new_tokens: int  # per sequence (the longest)
     seconds: float
     tokens_per_s: float  # generated tokens per second, all sequences together
-    memory: dict
+    memory: dict  # cache.memory_report() + baseline / model_dtype_cache_bytes / note (kvtool.eval.baselines)
+    timing: dict = dataclasses.field(default_factory=dict)  # decode step rates: median, best (kvtool.eval.speed)
 
 
 class _Streamer:
@@ -372,7 +375,7 @@ def generate(
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     runtime.check_context(enc.input_ids.shape[1] + max_new_tokens)
     cache = runtime.new_cache()
-    streamer = _Streamer(tokenizer, on_text) if on_text and len(prompts) == 1 else None
+    streamer = DecodeClock(_Streamer(tokenizer, on_text) if on_text and len(prompts) == 1 else None)
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
     start = time.perf_counter()
@@ -390,7 +393,8 @@ def generate(
         new_tokens=new.shape[1],
         seconds=seconds,
         tokens_per_s=new.numel() / seconds if seconds else 0.0,
-        memory=cache.memory_report(),
+        memory=generation_memory(cache, hf_model, runtime.recipe),
+        timing=generation_timing(streamer, len(prompts)),
     )
 
 
@@ -410,32 +414,24 @@ def evaluate_perplexity(
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
 ) -> dict:
-    """Perplexity through the runtime on sequential windows, with the uncompressed baseline from the same code path.
+    """Perplexity through the runtime on sequential windows, against the 16-bit baseline from the same code path.
 
-    Returns a JSON-able dict with baseline_ppl, ppl, delta_pct, bits_per_element, cache_bytes,
-    baseline_cache_bytes, fp16_cache_bytes, bytes_per_token, tokens/s and the settings.
+    Returns a JSON-able dict (`kvtool.eval.ppl_report`): ppl, bits_per_element, cache_bytes,
+    fp16_cache_bytes, bytes_per_token, compression_ratio, decode tokens/s (mean, median, best);
+    with ``baseline`` the same as ``baseline_*`` for the 16-bit cache (``baseline``: its name)
+    and delta_pct, and ``model_dtype_*`` for the model-dtype cache where that is not 16-bit;
+    notes where a figure cannot mean much; the settings.
     """
-    from kvtool.eval.perplexity import perplexity
+    from kvtool.eval.ppl_report import perplexity_report
 
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size, chunk=chunk)
     hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load)
     runtime.check_context(seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")
     prefill = seq_len // 2 if prefill is None else prefill
-    kwargs = {"prefill": prefill, "chunk": chunk, "batch_size": batch_size, "progress": progress}
-    result = perplexity(hf_model, windows, runtime.new_cache, **kwargs).to_dict()
-    report = {"recipe": runtime.recipe.name, "data": _provenance(data, windows, 0, windows.numel())["data"], **result}
-    if baseline:
-        base_runtime = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe())
-        base = perplexity(hf_model, windows, base_runtime.new_cache, **kwargs)
-        report.update(
-            baseline_ppl=base.ppl,
-            baseline_cache_bytes=base.cache_bytes,
-            baseline_bytes_per_token=base.bytes_per_token,
-            baseline_decode_tokens_per_s=base.decode_tokens_per_s,
-            delta_pct=100 * (result["ppl"] / base.ppl - 1),
-        )
-    return report
+    result = perplexity_report(hf_model, windows, runtime, prefill=prefill, chunk=chunk, batch_size=batch_size,
+                               baseline=baseline, progress=progress)
+    return {"recipe": runtime.recipe.name, "data": _provenance(data, windows, 0, windows.numel())["data"], **result}
 
 
 def inspect(path: str | Path) -> dict:
@@ -465,16 +461,18 @@ def evaluate_retrieval(
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
 ) -> dict:
-    """Fact retrieval through the runtime over lengths x depths x seeds, with the uncompressed baseline.
+    """Fact retrieval through the runtime over lengths x depths x seeds, with the 16-bit cache as the baseline.
 
     task "passkey": pass key sentence(s) (``facts``) hidden in held-out text from ``data``; needs
     the model's tokenizer. task "copy": a needle of random token ids, for token-id models such as
     `kvtool.eval.copy_model` (their folders need no tokenizer). Returns a JSON-able dict:
     accuracy, baseline_accuracy, kept_fraction, cache_bytes, baseline_cache_bytes (bytes per
-    sequence at the end of generation; all means over cells), grid (one row per (n, depth)) and
-    the settings. ``plot``: also write a depth x length heatmap PNG there.
+    sequence at the end of generation; all means over cells), grid (one row per (n, depth)),
+    chance_accuracy and a ``note`` when the baseline is not above chance (the model cannot do the
+    task), and the settings. ``plot``: also write a depth x length heatmap PNG there.
     """
-    from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid
+    from kvtool.eval.baselines import sixteen_bit_recipe
+    from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid, retrieval_caveats
 
     grid = RetrievalGrid(tuple(lengths), tuple(depths), seeds)
     _check_retrieval_request(task, data, facts, plot)
@@ -482,13 +480,14 @@ def evaluate_retrieval(
     tokenizer = _passkey_tokenizer(hf_model) if task == "passkey" else None
     spec = None if data is None else (data if isinstance(data, DataSpec) else DataSpec.parse(data))
     prompts = _retrieval_task(task, hf_model, tokenizer, spec, facts)
-    base = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe()) if baseline else None
+    base = CompressedRuntime.from_recipe(hf_model, sixteen_bit_recipe()) if baseline else None
     pad_id = tokenizer.pad_token_id if tokenizer is not None else hf_model.config.pad_token_id
     result = evaluate_grid(hf_model, runtime, prompts, grid, baseline_runtime=base, pad_id=pad_id, progress=progress)
     report = {
         "task": task, "recipe": runtime.recipe.name, "lengths": list(grid.lengths), "depths": list(grid.depths),
         "seeds": grid.seeds, **prompts.describe(), **({"data": spec.describe()} if spec is not None else {}), **result,
     }
+    report.update(retrieval_caveats(report, hf_model))  # baseline name, model-dtype bytes, chance, note
     if plot is not None:
         from kvtool.eval.plots import plot_retrieval
 

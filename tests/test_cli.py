@@ -171,8 +171,15 @@ def fake_report() -> dict:
         "recipe": "kivi-4bit", "data": {"source": "x.txt"}, "ppl": 10.5, "nll": 2.35, "scored_tokens": 100,
         "windows": 2, "seq_len": 64, "prefill": 32, "chunk": 1, "exact_decoding": True,
         "cache_bytes": 1000, "fp16_cache_bytes": 4000, "bits_per_element": 4.0, "bytes_per_token": 10.0,
-        "decode_tokens_per_s": 50.0, "baseline_ppl": 10.0, "baseline_cache_bytes": 4000,
-        "baseline_bytes_per_token": 40.0, "baseline_decode_tokens_per_s": 60.0, "delta_pct": 5.0,
+        "decode_tokens_per_s": 50.0, "decode_tokens_per_s_median": 51.0, "decode_tokens_per_s_best": 70.0,
+        "decode_steps": 31, "baseline": "16-bit cache", "compression_ratio": 4.0,
+        "baseline_ppl": 10.0, "baseline_cache_bytes": 4000, "baseline_bits_per_element": 16.0,
+        "baseline_bytes_per_token": 40.0, "baseline_decode_tokens_per_s": 60.0,
+        "baseline_decode_tokens_per_s_median": 61.0, "baseline_decode_tokens_per_s_best": 80.0, "delta_pct": 5.0,
+        "model_dtype": "float32", "model_dtype_ppl": 10.001, "model_dtype_delta_pct": 0.01,
+        "model_dtype_cache_bytes": 8000, "model_dtype_bits_per_element": 32.0, "model_dtype_bytes_per_token": 80.0,
+        "model_dtype_decode_tokens_per_s": 58.0, "model_dtype_decode_tokens_per_s_median": 59.0,
+        "model_dtype_decode_tokens_per_s_best": 79.0,
     }
 
 
@@ -346,7 +353,8 @@ def test_eval_ppl_translates_options_and_writes_json(rec, tmp_path):
         assert key in report
     assert report == fake_report()
     assert "wrote" in result.stderr
-    assert shows(result.stdout, "10.500", "+5.00%", "uncompressed", "true decoding")
+    assert shows(result.stdout, "10.500", "+5.00%", "16-bit (baseline)", "10.000", "float32 (model dtype)", "10.001",
+                 "0.50x", "4.00x", "51.0 / 70.0", "61.0 / 80.0", "median / best of 31 steps", "true decoding")
 
 
 def test_eval_ppl_and_generate_pass_the_profile_and_show_the_kept_fraction(rec, tmp_path):
@@ -375,12 +383,13 @@ def test_eval_ppl_defaults(rec):
 
 
 def test_eval_ppl_without_baseline_renders(rec):
-    report = {k: v for k, v in fake_report().items() if not k.startswith("baseline") and k != "delta_pct"}
+    report = {k: v for k, v in fake_report().items()
+              if not k.startswith(("baseline_", "model_dtype")) and k != "delta_pct"}
     report.update(chunk=8, exact_decoding=False)
     rec.patch("evaluate_perplexity", report)
     result = invoke("eval", "ppl", "-d", "f.txt", "--no-baseline", "--chunk", 8)
     ok(result)
-    assert "uncompressed │" not in result.stdout  # no baseline row
+    assert "(baseline)" not in result.stdout and "(model dtype)" not in result.stdout  # no baseline rows
     assert shows(result.stdout, "APPROXIMATE: chunks of 8 tokens")
 
 
