@@ -45,7 +45,7 @@ def render_memory(console: Console, memory: dict, seconds_note: str = "") -> Non
         *((_mib(memory["model_dtype_cache_bytes"]),) if "model_dtype_cache_bytes" in memory else ()),
     )
     console.print(table)
-    if "kept_fraction" in memory:
+    if "policy" in memory:
         console.print(f"eviction ({memory['policy']}): {memory['kept_tokens']} tokens held over all layers, sequences and "
                       f"KV heads = {100 * memory['kept_fraction']:.1f}% of the tokens seen")
     if seconds_note:
