@@ -36,6 +36,7 @@ from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, token_classes
 from kvtool.models.adapter import adapter_for
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from kvtool.recipe import EvictionSpec, Recipe, load_recipe
+from kvtool.runtime.backend import resolve_backend
 from kvtool.runtime.attach import CompressedRuntime, check_context, fastgen_settings, uncompressed_recipe
 
 DEFAULT_MODEL_SOURCE = "kvtool:default-model"
@@ -290,8 +291,11 @@ def load_runtime(
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
     tokenizer: bool = True,
+    backend: str = "auto",
 ):
     """(model, tokenizer, runtime) from a deployable artifact, or from a recipe (no calibration), or uncompressed.
+
+    ``backend`` (`kvtool.runtime.backend`: auto, torch, triton) is checked before the model loads.
 
     ``profile`` (from `kvtool profile`) supplies FastGen head policies and fitted layer budgets to a
     recipe that evicts; a deployable artifact carries its own (``kvtool export --profile``).
@@ -303,15 +307,16 @@ def load_runtime(
         raise ArtifactError("a deployable artifact carries its profile: export it with --profile instead of passing both")
     loaded = load_artifact(artifact, expect_kind="deployable") if artifact is not None else None
     prof = load_artifact(profile, expect_kind="profile") if profile is not None else None
+    resolve_backend(backend, torch.device(load.device))  # an impossible backend fails before the model loads
     hf_model, tokenizer = _load(model_for_artifact(model, loaded) if loaded else model, load, tokenizer)
     if loaded is not None:
-        return hf_model, tokenizer, CompressedRuntime.from_artifact(hf_model, loaded)
+        return hf_model, tokenizer, CompressedRuntime.from_artifact(hf_model, loaded, backend=backend)
     resolved = recipe if isinstance(recipe, Recipe) else (load_recipe(recipe) if recipe else uncompressed_recipe())
     profile_tensors = None
     if prof is not None:
         check_model(prof, adapter_for(hf_model).fingerprint(), source=f"profile '{profile}'")
         profile_tensors = prof.tensors
-    return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved, profile=profile_tensors)
+    return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved, profile=profile_tensors, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -363,6 +368,7 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
+    backend: str = "auto",
 ) -> GenerateResult:
     """Generate with the compressed cache; batches of prompts are left-padded. Streams text when one prompt."""
     if not prompts or any(not p for p in prompts):
@@ -370,7 +376,7 @@ def generate(
     _require_positive(max_new_tokens=max_new_tokens)
     if do_sample and not (temperature > 0 and 0 < top_p <= 1):
         raise RuntimeConfigError(f"sampling needs --temperature > 0 and 0 < --top-p <= 1; got {temperature} and {top_p}")
-    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load)
+    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, backend=backend)
     device = next(hf_model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     runtime.check_context(enc.input_ids.shape[1] + max_new_tokens)
@@ -413,6 +419,7 @@ def evaluate_perplexity(
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
+    backend: str = "auto",
 ) -> dict:
     """Perplexity through the runtime on sequential windows, against the 16-bit baseline from the same code path.
 
@@ -425,7 +432,7 @@ def evaluate_perplexity(
     from kvtool.eval.ppl_report import perplexity_report
 
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size, chunk=chunk)
-    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load)
+    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, backend=backend)
     runtime.check_context(seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")
     prefill = seq_len // 2 if prefill is None else prefill
@@ -460,6 +467,7 @@ def evaluate_retrieval(
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
+    backend: str = "auto",
 ) -> dict:
     """Fact retrieval through the runtime over lengths x depths x seeds, with the 16-bit cache as the baseline.
 
@@ -476,16 +484,17 @@ def evaluate_retrieval(
 
     grid = RetrievalGrid(tuple(lengths), tuple(depths), seeds)
     _check_retrieval_request(task, data, facts, plot)
-    hf_model, _, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, tokenizer=False)
+    hf_model, _, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, tokenizer=False,
+                                    backend=backend)
     tokenizer = _passkey_tokenizer(hf_model) if task == "passkey" else None
     spec = None if data is None else (data if isinstance(data, DataSpec) else DataSpec.parse(data))
     prompts = _retrieval_task(task, hf_model, tokenizer, spec, facts)
-    base = CompressedRuntime.from_recipe(hf_model, sixteen_bit_recipe()) if baseline else None
+    base = CompressedRuntime.from_recipe(hf_model, sixteen_bit_recipe(), backend=runtime.backend) if baseline else None
     pad_id = tokenizer.pad_token_id if tokenizer is not None else hf_model.config.pad_token_id
     result = evaluate_grid(hf_model, runtime, prompts, grid, baseline_runtime=base, pad_id=pad_id, progress=progress)
     report = {
         "task": task, "recipe": runtime.recipe.name, "lengths": list(grid.lengths), "depths": list(grid.depths),
-        "seeds": grid.seeds, **prompts.describe(), **({"data": spec.describe()} if spec is not None else {}), **result,
+        "seeds": grid.seeds, "backend": runtime.backend, **prompts.describe(), **({"data": spec.describe()} if spec is not None else {}), **result,
     }
     report.update(retrieval_caveats(report, hf_model))  # baseline name, model-dtype bytes, chance, note
     if plot is not None:

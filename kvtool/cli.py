@@ -58,6 +58,7 @@ ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", "-p", help="Pro
 EvalArtifactOpt = Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")]
 EvalRecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")]
 JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="Attention over the compressed cache: auto (triton where it can run, else torch), torch (pure-torch reference, any device) or triton (fused GPU kernels; not in this release yet).")]
 PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also write the FastGen policy map as a PNG heatmap here (needs the plots extra).")]
 
 
@@ -238,6 +239,7 @@ def generate(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
+    backend: BackendOpt = "auto",
 ):
     """Generate with the compressed cache; ends with cache bytes vs the 16-bit cache and tokens/s."""
     from kvtool import api
@@ -249,7 +251,7 @@ def generate(
     result = api.generate(
         prompts, model, artifact, recipe, max_new_tokens=max_new_tokens, do_sample=sample,
         temperature=temperature, top_p=top_p, seed=seed, on_text=stream, profile=profile,
-        load=_load_options(dtype, device, device_map),
+        load=_load_options(dtype, device, device_map), backend=backend,
     )
     render_generation(console, prompts, result, streamed=stream is not None)
 
@@ -286,6 +288,7 @@ def eval_ppl(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
+    backend: BackendOpt = "auto",
 ):
     """Perplexity through the real runtime: prefill into the cache, then score while decoding."""
     from kvtool import api
@@ -296,7 +299,7 @@ def eval_ppl(
     report = api.evaluate_perplexity(
         _data(data, text_column), model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
         chunk=chunk, batch_size=batch_size, baseline=baseline, profile=profile,
-        load=_load_options(dtype, device, device_map), progress=_progress,
+        load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
     )
     render_perplexity(console, report)
     _write_json(json_out, report)
@@ -322,6 +325,7 @@ def eval_retrieval(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
+    backend: BackendOpt = "auto",
 ):
     """Retrieval through the real runtime: a fact at depth d of an n-token context, asked at the end; exact-match accuracy."""
     from kvtool import api
@@ -334,7 +338,7 @@ def eval_retrieval(
         model, artifact, recipe, task=task, data=None if data is None else _data(data, text_column),
         lengths=parse_numbers(lengths, int, "--lengths"), depths=parse_numbers(depths, float, "--depths"),
         seeds=seeds, facts=facts, baseline=baseline, plot=plot, profile=profile,
-        load=_load_options(dtype, device, device_map), progress=_progress,
+        load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
     )
     render_retrieval(console, report)
     _write_json(json_out, report)

@@ -33,14 +33,17 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> list[st
 def render_memory(console: Console, memory: dict, seconds_note: str = "") -> None:
     """Bytes held against the 16-bit cache (the baseline), the model-dtype cache where it differs, eviction, notes."""
     baseline = memory.get("baseline", "16-bit cache")
-    table = Table(title="KV cache", show_header=True)
-    columns = ["tokens x batch", "held", baseline, "ratio", "bits/element"]
+    backend = f" ({memory['backend']} backend)" if memory.get("backend") else ""
+    table = Table(title=f"KV cache{backend}", show_header=True,
+                  caption="held: bytes of the tensors in use; reserved: bytes the block pools have allocated")
+    columns = ["tokens x batch", "held", "reserved", baseline, "ratio", "bits/element"]
     if "model_dtype_cache_bytes" in memory:
         columns.append(f"{memory['model_dtype']} (model dtype)")
     for column in columns:
         table.add_column(column, justify="right")
     table.add_row(
-        f"{memory['tokens']} x {memory['batch']}", _mib(memory["cache_bytes"]), _mib(memory["fp16_cache_bytes"]),
+        f"{memory['tokens']} x {memory['batch']}", _mib(memory["cache_bytes"]),
+        _mib(memory.get("reserved_bytes", memory["cache_bytes"])), _mib(memory["fp16_cache_bytes"]),
         f"{memory['compression_ratio']:.2f}x", f"{memory['bits_per_element']:.2f}",
         *((_mib(memory["model_dtype_cache_bytes"]),) if "model_dtype_cache_bytes" in memory else ()),
     )
@@ -108,6 +111,8 @@ def render_perplexity(console: Console, report: dict) -> None:
           if report.get("kept_fraction", 1.0) < 1.0 else ()),
         ("bits per element", [f"{_bits(report, p, fp16):.2f}" for _, p, _ in caches]),
         ("bytes per token", [f"{report[p + 'bytes_per_token']:.0f}" for _, p, _ in caches]),
+        ("cache held", [_mib(report[p + "cache_bytes"]) for _, p, _ in caches]),
+        ("cache reserved", [_mib(report.get(p + "reserved_cache_bytes", report[p + "cache_bytes"])) for _, p, _ in caches]),
         (f"size vs {short}", [f"{fp16 / report[p + 'cache_bytes']:.2f}x" for _, p, _ in caches]),
         ("decode tokens/s", [_speed(report, p) for _, p, _ in caches]),
     ]
@@ -115,7 +120,8 @@ def render_perplexity(console: Console, report: dict) -> None:
         table.add_row(label, *cells)
     console.print(table)
     mode = "true decoding (1 token per step)" if report["exact_decoding"] else f"APPROXIMATE: chunks of {report['chunk']} tokens see each other uncompressed"
-    console.print(f"{report['windows']} windows x {report['seq_len']} tokens, prefill {report['prefill']}; {mode}")
+    backend = f"; {report['backend']} backend" if report.get("backend") else ""
+    console.print(f"{report['windows']} windows x {report['seq_len']} tokens, prefill {report['prefill']}; {mode}{backend}")
     render_notes(console, report)
 
 
@@ -272,11 +278,16 @@ def render_retrieval(console: Console, report: dict) -> None:
         summary += f", {baseline} {report['baseline_accuracy']:.3f}"
     if report.get("chance_accuracy") is not None:
         summary += f" (chance {report['chance_accuracy']:.2g})"
-    summary += f"; kept fraction {report['kept_fraction']:.3f}; cache {_mib(report['cache_bytes'])} per sequence"
+    summary += f"; kept fraction {report['kept_fraction']:.3f}; cache {_mib(report['cache_bytes'])} held"
+    if report.get("reserved_cache_bytes") is not None:
+        summary += f" ({_mib(report['reserved_cache_bytes'])} reserved)"
+    summary += " per sequence"
     if report.get("baseline_cache_bytes") is not None:
         summary += f" vs {_mib(report['baseline_cache_bytes'])} in the {baseline}"
     if report.get("model_dtype_cache_bytes") is not None:
         summary += f" ({_mib(report['model_dtype_cache_bytes'])} in {report['model_dtype']})"
+    if report.get("backend"):
+        summary += f"; {report['backend']} backend"
     console.print(summary, highlight=False)
     if report.get("note"):
         console.print(f"[bold yellow]note:[/] {escape(report['note'])}", highlight=False)

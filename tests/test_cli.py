@@ -194,6 +194,15 @@ def fake_summary() -> dict:
     }
 
 
+def fake_retrieval_report() -> dict:
+    return {
+        "task": "copy", "recipe": "kivi-4bit", "lengths": [64], "depths": [0.0], "seeds": 1,
+        "grid": [{"n": 64, "depth": 0.0, "accuracy": 1.0, "baseline_accuracy": 1.0}],
+        "accuracy": 1.0, "baseline_accuracy": 1.0, "kept_fraction": 1.0, "cache_bytes": 1024,
+        "baseline_cache_bytes": 4096, "fp16_cache_bytes": 4096, "baseline": "16-bit cache",
+    }
+
+
 def fake_inspect_info() -> dict:
     return {
         "path": "a.safetensors", "kind": "deployable",
@@ -391,6 +400,55 @@ def test_eval_ppl_without_baseline_renders(rec):
     ok(result)
     assert "(baseline)" not in result.stdout and "(model dtype)" not in result.stdout  # no baseline rows
     assert shows(result.stdout, "APPROXIMATE: chunks of 8 tokens")
+
+
+# --- --backend on generate and every eval command -----------------------------------------------
+
+
+@pytest.mark.parametrize("argv, api_name, result", [
+    (("generate", "--prompt", "hi"), "generate", fake_generation(["x"])),
+    (("eval", "ppl", "-d", "f.txt"), "evaluate_perplexity", fake_report()),
+    (("eval", "retrieval", "--task", "copy"), "evaluate_retrieval", None),  # result set in the test
+])
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
+def test_backend_option_reaches_the_api(rec, argv, api_name, result, backend):
+    rec.patch(api_name, fake_retrieval_report() if result is None else result)
+    ok(invoke(*argv, *(("--backend", backend) if backend else ())))
+    _, kwargs = rec.one(api_name)
+    assert kwargs["backend"] == (backend or "auto")
+
+
+def test_generate_and_eval_show_the_backend_and_reserved_bytes(rec):
+    rec.patch("generate", GenerateResult(texts=["x"], prompt_tokens=4, new_tokens=8, seconds=0.5, tokens_per_s=16.0,
+                                         memory={**MEMORY, "reserved_bytes": 3 * 2**20, "backend": "torch"}))
+    result = invoke("generate", "--prompt", "hi")
+    ok(result)
+    assert shows(result.stdout, "KV cache (torch backend)", "reserved", "1.0 KiB", "3.00 MiB")
+    rec.patch("evaluate_perplexity", {**fake_report(), "backend": "torch", "reserved_cache_bytes": 2**20})
+    result = invoke("eval", "ppl", "-d", "f.txt")
+    ok(result)
+    assert shows(result.stdout, "cache held", "cache reserved", "1.00 MiB", "torch backend")
+    rec.patch("evaluate_retrieval", {**fake_retrieval_report(), "backend": "torch", "reserved_cache_bytes": 2**20})
+    result = invoke("eval", "retrieval", "--task", "copy")
+    ok(result)
+    assert shows(result.stdout, "(1.00 MiB reserved)", "torch backend")
+
+
+@pytest.mark.parametrize("argv", [("generate", "--prompt", "hi", "-m", "stories"),
+                                  ("eval", "ppl", "-d", "f.txt", "-r", "kivi-4bit", "-m", "stories"),
+                                  ("eval", "retrieval", "--task", "copy", "-m", "stories")])
+def test_backend_triton_is_one_error_line_before_the_model_loads(monkeypatch, argv):
+    """Real API, no model on disk needed: the backend is refused before anything loads."""
+    import kvtool.api
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the backend was checked")
+
+    monkeypatch.setattr(kvtool.api, "_load", no_load)
+    result = invoke(*argv, "--backend", "triton")
+    assert_friendly_error(result, "--backend triton", "not available", "--backend torch")
+    result = invoke(*argv, "--backend", "cuda-graphs")
+    assert_friendly_error(result, "--backend 'cuda-graphs' is unknown", "auto, torch, triton")
 
 
 # --- translation: inspect, recipes, run --------------------------------------------------------
@@ -690,9 +748,9 @@ def test_end_to_end_on_stories260k(tmp_path):
     assert info["kind"] == "deployable"
     assert info["manifest"]["model"]["head_dim"] == 8 and info["manifest"]["model"]["num_kv_heads"] == 4
 
-    result = invoke("generate", "--prompt", "Once upon a time", "-a", artifact, "-n", 8)
+    result = invoke("generate", "--prompt", "Once upon a time", "-a", artifact, "-n", 8, "--backend", "torch")
     ok(result)
-    assert result.stdout.startswith("Once upon a time") and shows(result.stdout, "KV cache", "tokens/s")
+    assert result.stdout.startswith("Once upon a time") and shows(result.stdout, "KV cache (torch backend)", "reserved", "tokens/s")
 
     result = invoke("eval", "ppl", "-d", stories_data(), "-a", artifact, "--samples", 2, "--seq-len", 160,
                     "--json", report)
@@ -703,4 +761,5 @@ def test_end_to_end_on_stories260k(tmp_path):
     assert math.isfinite(data["ppl"]) and math.isfinite(data["baseline_ppl"])
     assert 1 < data["ppl"] < 100 and 1 < data["baseline_ppl"] < 100
     assert data["cache_bytes"] < data["baseline_cache_bytes"]
+    assert data["backend"] == "torch" and data["reserved_cache_bytes"] >= data["cache_bytes"]
     assert data["bits_per_element"] < 16

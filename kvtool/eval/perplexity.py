@@ -40,6 +40,7 @@ class PerplexityResult:
     exact_decoding: bool
     cache_bytes: int  # bytes held after the last token of a batch of windows, summed over windows
     expected_cache_bytes: int
+    reserved_cache_bytes: int  # bytes the cache's block pools had allocated at the end (>= cache_bytes)
     fp16_cache_bytes: int  # a 16-bit cache for the same tokens
     bits_per_element: float
     bytes_per_token: float  # cache bytes per token held (all layers, K and V)
@@ -95,13 +96,14 @@ def perplexity(
     _check_args(windows, prefill, chunk)
     device = next(model.parameters()).device
     nll = seconds = kept = 0.0
-    count = held = expected = fp16 = 0
+    count = held = expected = fp16 = reserved = 0
     batches = windows.split(batch_size)
     for batch in progress(batches, "scoring through the cache", len(batches)):
         cache = new_cache()
         batch_nll, batch_count, batch_seconds = _score_batch(model, batch.to(device), cache, prefill, chunk, on_step)
         nll, count, seconds = nll + batch_nll, count + batch_count, seconds + batch_seconds
         held, expected, fp16 = held + cache.nbytes(), expected + cache.expected_nbytes(), fp16 + cache.fp16_nbytes()
+        reserved += cache.reserved_nbytes()
         kept += (cache.kept_fraction() if hasattr(cache, "kept_fraction") else 1.0) * batch.shape[0]
     mean = nll / count
     tokens_held = windows.shape[0] * (windows.shape[1] - 1)
@@ -116,6 +118,7 @@ def perplexity(
         exact_decoding=chunk == 1,
         cache_bytes=held,
         expected_cache_bytes=expected,
+        reserved_cache_bytes=reserved,
         fp16_cache_bytes=fp16,
         bits_per_element=16 * held / fp16,
         bytes_per_token=held / tokens_held,

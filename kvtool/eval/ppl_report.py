@@ -9,7 +9,10 @@ Rows, each through `kvtool.eval.perplexity` (the same code path):
   ``model_dtype_*`` keys, ``model_dtype`` names the dtype.
 
 Decode speed is the mean over the run (``decode_tokens_per_s``) plus the median and best
-per-step rates (`kvtool.eval.speed`); progress advances per decoded token.
+per-step rates (`kvtool.eval.speed`); progress advances per decoded token. The rows are
+timed alike, so their speeds compare: every runtime (all on the runtime's backend) is
+first warmed up on the same short window (prefill + `WARMUP_STEPS` decode steps, not
+counted), then scores the same windows in the same batches with the same number of steps.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from kvtool.eval.caveats import uncompressed_note
 from kvtool.eval.perplexity import perplexity
 from kvtool.eval.speed import StepTimes, machine_load, speed_note
 
-ROW_KEYS = ("ppl", "cache_bytes", "bits_per_element", "bytes_per_token", "decode_tokens_per_s")
+ROW_KEYS = ("ppl", "cache_bytes", "reserved_cache_bytes", "bits_per_element", "bytes_per_token", "decode_tokens_per_s")
+WARMUP_STEPS = 4  # untimed decode steps per runtime before its row (first-call allocations, lazy imports)
 
 
 def perplexity_report(
@@ -48,19 +52,22 @@ def perplexity_report(
 ) -> dict:
     """JSON-able report for windows (N, T): the runtime's row, and with ``baseline`` the 16-bit and model-dtype rows.
 
-    make_runtime(recipe) builds the baselines' runtimes (default: `CompressedRuntime.from_recipe`).
+    make_runtime(recipe) builds the baselines' runtimes (default: `CompressedRuntime.from_recipe` on
+    the runtime's backend).
     """
     if make_runtime is None:
         from kvtool.runtime.attach import CompressedRuntime
 
-        make_runtime = lambda recipe: CompressedRuntime.from_recipe(model, recipe)  # noqa: E731
+        make_runtime = lambda recipe: CompressedRuntime.from_recipe(model, recipe, backend=runtime.backend)  # noqa: E731
     rows = [("", runtime)]
     if baseline:
         rows.append(("baseline_", make_runtime(sixteen_bit_recipe())))
         if model_dtype_differs(model) and not is_model_dtype_cache(runtime.recipe):
             rows.append(("model_dtype_", make_runtime(model_dtype_recipe(model))))
     settings = {"prefill": prefill, "chunk": chunk, "batch_size": batch_size}
-    report, times = {}, []
+    for _, row_runtime in rows:
+        _warm_up(model, windows, row_runtime, settings)
+    report, times = {"backend": runtime.backend}, []
     for prefix, row_runtime in rows:
         steps = StepTimes()
         result = _score(model, windows, row_runtime, steps, progress, settings).to_dict()
@@ -68,6 +75,14 @@ def perplexity_report(
         report.update(steps.summary(prefix))
         times.append(steps)
     return {**report, **_relative(report, model, baseline), **_notes(report, runtime, windows, times)}
+
+
+def _warm_up(model, windows: torch.Tensor, runtime, settings: dict) -> None:
+    """Prefill and `WARMUP_STEPS` decode steps of the first batch through a fresh cache, untimed and unscored."""
+    prefill, chunk = settings["prefill"], settings["chunk"]
+    length = min(windows.shape[1], prefill + WARMUP_STEPS * chunk + 1)
+    perplexity(model, windows[: settings["batch_size"], :length], runtime.new_cache, prefill=min(prefill, length - 2),
+               chunk=chunk, batch_size=settings["batch_size"])
 
 
 def _score(model, windows, runtime, steps: StepTimes, progress: Progress, settings: dict):

@@ -80,6 +80,7 @@ def _measure(model, runtime, task, prompts, answers, pad_id) -> dict:
         "accuracy": sum(hits) / len(hits),
         "kept_fraction": float(report.get("kept_fraction", 1.0)),
         "cache_bytes": report["cache_bytes"] / batch,
+        "reserved_cache_bytes": report.get("reserved_bytes", report["cache_bytes"]) / batch,
         "fp16_cache_bytes": report["fp16_cache_bytes"] / batch,
     }
 
@@ -98,7 +99,7 @@ def evaluate_grid(
 
     Returns the summary (means over cells; bytes are per sequence at the end of generation)
     and ``grid``: one row per (n, depth) with accuracy, baseline_accuracy, kept_fraction,
-    cache_bytes, baseline_cache_bytes and fp16_cache_bytes.
+    cache_bytes, reserved_cache_bytes (pool blocks allocated), baseline_cache_bytes and fp16_cache_bytes.
     """
     runtime.check_context(max(grid.lengths) + task.new_tokens)
     cells = [(n, d, *task.cases(n, d, grid.seeds)) for n in grid.lengths for d in grid.depths]  # all built before any run
@@ -119,7 +120,8 @@ def _summary(rows: list[dict]) -> dict:
         values = [row[key] for row in rows]
         return None if any(v is None for v in values) else sum(values) / len(values)
 
-    keys = ("accuracy", "baseline_accuracy", "kept_fraction", "cache_bytes", "baseline_cache_bytes", "fp16_cache_bytes")
+    keys = ("accuracy", "baseline_accuracy", "kept_fraction", "cache_bytes", "reserved_cache_bytes",
+            "baseline_cache_bytes", "fp16_cache_bytes")
     return {key: mean(key) for key in keys}
 
 
