@@ -27,7 +27,7 @@ from kvtool.calibration import (
     needs_fit,
     uses_palu,
 )
-from kvtool.data import DataSpec, token_windows
+from kvtool.data import DataSpec, check_source, token_windows
 from kvtool.errors import ArtifactError, RuntimeConfigError
 from kvtool.eval.generation_report import generation_memory, generation_timing
 from kvtool.eval.speed import DecodeClock
@@ -80,6 +80,13 @@ def _require_positive(**values: int) -> None:
             raise RuntimeConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def _checked_data(data: str | DataSpec) -> DataSpec:
+    """The parsed data spec, with its source checked (exists, supported, not empty) before any model loads."""
+    spec = data if isinstance(data, DataSpec) else DataSpec.parse(data)
+    check_source(spec)
+    return spec
+
+
 def _windows(tokenizer, data: str | DataSpec, samples: int, seq_len: int, seed: int, mode: str) -> torch.Tensor:
     spec = data if isinstance(data, DataSpec) else DataSpec.parse(data)
     return token_windows(tokenizer, spec, samples=samples, seq_len=seq_len, seed=seed, mode=mode)
@@ -120,6 +127,7 @@ def profile(
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size)
     check_output_path(out)
     spec = _eviction_spec(recipe, threshold=threshold, local_ratio=local_ratio, frequent_ratio=frequent_ratio)
+    data = _checked_data(data)
     hf_model, tokenizer = _load(model, load)
     adapter = adapter_for(hf_model)
     windows = _windows(tokenizer, data, samples, seq_len, seed, "random")
@@ -181,6 +189,7 @@ def calibrate(
     resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len), ("seed", seed)) if v is not None}
     resolved = dataclasses.replace(resolved, calibration=dataclasses.replace(resolved.calibration, **overrides))
+    data = _checked_data(data)
     hf_model, tokenizer = _load(model, load)
     artifact = calibrate_loaded(hf_model, tokenizer, data, resolved, batch_size=batch_size, progress=progress)
     artifact.manifest["model_source"] = model_source(model)
@@ -432,10 +441,13 @@ def evaluate_perplexity(
     from kvtool.eval.ppl_report import perplexity_report
 
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size, chunk=chunk)
+    prefill = seq_len // 2 if prefill is None else prefill
+    if not 1 <= prefill <= seq_len - 2:
+        raise RuntimeConfigError(f"--prefill {prefill} must be between 1 and --seq-len - 2 = {seq_len - 2}")
+    data = _checked_data(data)
     hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, backend=backend)
     runtime.check_context(seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")
-    prefill = seq_len // 2 if prefill is None else prefill
     result = perplexity_report(hf_model, windows, runtime, prefill=prefill, chunk=chunk, batch_size=batch_size,
                                baseline=baseline, progress=progress)
     return {"recipe": runtime.recipe.name, "data": _provenance(data, windows, 0, windows.numel())["data"], **result}
@@ -484,10 +496,10 @@ def evaluate_retrieval(
 
     grid = RetrievalGrid(tuple(lengths), tuple(depths), seeds)
     _check_retrieval_request(task, data, facts, plot)
+    spec = None if data is None else _checked_data(data)
     hf_model, _, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, tokenizer=False,
                                     backend=backend)
     tokenizer = _passkey_tokenizer(hf_model) if task == "passkey" else None
-    spec = None if data is None else (data if isinstance(data, DataSpec) else DataSpec.parse(data))
     prompts = _retrieval_task(task, hf_model, tokenizer, spec, facts)
     base = CompressedRuntime.from_recipe(hf_model, sixteen_bit_recipe(), backend=runtime.backend) if baseline else None
     pad_id = tokenizer.pad_token_id if tokenizer is not None else hf_model.config.pad_token_id

@@ -48,7 +48,7 @@ DataOpt = Annotated[
 TextColumnOpt = Annotated[str, typer.Option(help="Column holding the text (jsonl/parquet/hub data).")]
 SamplesOpt = Annotated[int, typer.Option(help="Number of token windows.")]
 SeqLenOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per window.")]
-SeedOpt = Annotated[int, typer.Option(help="Seed for window sampling and generation.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed for window sampling.")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")]
 DtypeOpt = Annotated[str, typer.Option(help="Model dtype: auto (float32 on CPU, checkpoint dtype on GPU), float32, float16, bfloat16.")]
 DeviceOpt = Annotated[str, typer.Option(help="Device: cpu, cuda, cuda:N.")]
@@ -99,9 +99,20 @@ def _load_options(dtype: str, device: str, device_map: Optional[str]):
 
 
 def _data(data: str, text_column: str):
-    from kvtool.data import DataSpec
+    """The parsed, checked --data (exists, supported, not empty): instant, before torch or a model loads."""
+    from kvtool.data import DataSpec, check_source
 
-    return DataSpec.parse(data, text_column=text_column)
+    spec = DataSpec.parse(data, text_column=text_column)
+    check_source(spec)
+    return spec
+
+
+def _check_recipe(recipe: Optional[str]) -> None:
+    """Refuse a bad --recipe before torch or a model loads (the API loads it again; YAML parsing is instant)."""
+    if recipe is not None:
+        from kvtool.recipe import load_recipe
+
+        load_recipe(recipe)
 
 
 def _check_json_path(path: Optional[Path]) -> None:
@@ -143,6 +154,8 @@ def profile(
     device_map: DeviceMapOpt = None,
 ):
     """Per-layer, per-KV-head K/V statistics and FastGen attention policies on calibration text."""
+    spec = _data(data, text_column)
+    _check_recipe(recipe)
     from kvtool import api
     from kvtool.attention_profile import policy_map
     from kvtool.cli_render import render_profile
@@ -153,7 +166,7 @@ def profile(
 
         check_plot_path(plot)
     artifact = api.profile(
-        _data(data, text_column), out, model, recipe=recipe, threshold=threshold, local_ratio=local_ratio,
+        spec, out, model, recipe=recipe, threshold=threshold, local_ratio=local_ratio,
         frequent_ratio=frequent_ratio, samples=samples, seq_len=seq_len, seed=seed,
         batch_size=batch_size, load=_load_options(dtype, device, device_map), progress=_progress,
     )
@@ -190,12 +203,14 @@ def calibrate(
     device_map: DeviceMapOpt = None,
 ):
     """Fit and measure the recipe's quantizers on calibration text."""
+    spec = _data(data, text_column)
+    _check_recipe(recipe)
     from kvtool import api
     from kvtool.cli_render import render_calibration
 
     _quiet_libraries()
     artifact = api.calibrate(
-        _data(data, text_column), out, model, recipe, samples=samples, seq_len=seq_len, seed=seed,
+        spec, out, model, recipe, samples=samples, seq_len=seq_len, seed=seed,
         batch_size=batch_size, load=_load_options(dtype, device, device_map), progress=_progress,
     )
     render_calibration(console, artifact)
@@ -235,7 +250,7 @@ def generate(
     sample: Annotated[bool, typer.Option("--sample/--greedy", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (with --sample).")] = 1.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (with --sample).")] = 1.0,
-    seed: SeedOpt = 0,
+    seed: Annotated[int, typer.Option(help="Seed for sampling (with --sample; greedy decoding needs none).")] = 0,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
@@ -282,7 +297,7 @@ def eval_ppl(
     prefill: Annotated[Optional[int], typer.Option(help="Tokens written to the cache before scoring. Default: seq_len / 2.")] = None,
     chunk: Annotated[int, typer.Option(help="Tokens per decode forward. 1 = true decoding; >1 is a faster approximation.")] = 1,
     batch_size: BatchOpt = 4,
-    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also score the uncompressed cache.")] = True,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also score the 16-bit cache (the baseline) and, where the model is not 16-bit, its own dtype's cache.")] = True,
     json_out: JsonOutOpt = None,
     text_column: TextColumnOpt = "text",
     dtype: DtypeOpt = "auto",
@@ -291,13 +306,15 @@ def eval_ppl(
     backend: BackendOpt = "auto",
 ):
     """Perplexity through the real runtime: prefill into the cache, then score while decoding."""
+    spec = _data(data, text_column)
+    _check_recipe(recipe)
+    _check_json_path(json_out)
     from kvtool import api
     from kvtool.cli_render import render_perplexity
 
     _quiet_libraries()
-    _check_json_path(json_out)
     report = api.evaluate_perplexity(
-        _data(data, text_column), model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
+        spec, model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
         chunk=chunk, batch_size=batch_size, baseline=baseline, profile=profile,
         load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
     )
@@ -318,7 +335,7 @@ def eval_retrieval(
     depths: Annotated[str, typer.Option(help="Depths of the fact, fractions of the context (0 = start, 1 = just before the question).")] = "0,0.25,0.5,0.75,1",
     seeds: Annotated[int, typer.Option(help="Cases per (length, depth) cell, one batch.")] = 3,
     facts: Annotated[int, typer.Option(help="Pass keys in the context (--task passkey); one is asked.")] = 1,
-    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run the uncompressed cache.")] = True,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run the 16-bit cache (the baseline).")] = True,
     json_out: JsonOutOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a depth x length accuracy heatmap here (.png; needs matplotlib).")] = None,
     text_column: TextColumnOpt = "text",
@@ -328,14 +345,16 @@ def eval_retrieval(
     backend: BackendOpt = "auto",
 ):
     """Retrieval through the real runtime: a fact at depth d of an n-token context, asked at the end; exact-match accuracy."""
+    spec = None if data is None else _data(data, text_column)
+    _check_recipe(recipe)
+    _check_json_path(json_out)
     from kvtool import api
     from kvtool.cli_render import render_retrieval
     from kvtool.eval.retrieval import parse_numbers
 
     _quiet_libraries()
-    _check_json_path(json_out)
     report = api.evaluate_retrieval(
-        model, artifact, recipe, task=task, data=None if data is None else _data(data, text_column),
+        model, artifact, recipe, task=task, data=spec,
         lengths=parse_numbers(lengths, int, "--lengths"), depths=parse_numbers(depths, float, "--depths"),
         seeds=seeds, facts=facts, baseline=baseline, plot=plot, profile=profile,
         load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
@@ -405,6 +424,8 @@ def run(
     device: DeviceOpt = "cpu",
 ):
     """The whole pipeline: profile, calibrate, export, perplexity with and without compression, a sample."""
+    _data(data, "text")  # bad data or recipe: one error line before torch or a model loads
+    _check_recipe(recipe)
     from kvtool.cli_render import render_summary
     from kvtool.pipeline import run_pipeline
 

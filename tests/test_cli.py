@@ -64,6 +64,14 @@ def _datasets_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _data_files(tmp_path, monkeypatch):
+    """Run every test in a folder holding the small text files the fakes name (the CLI checks --data first)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("f.txt", "file.txt", "book.jsonl"):
+        (tmp_path / name).write_text("Some text to read.\n")
+
+
 # --- helpers ----------------------------------------------------------------------------------
 
 
@@ -651,10 +659,33 @@ def test_eval_seq_len_beyond_context(tmp_path):
     assert_friendly_error(result, "4096", "context limit of 2048")
 
 
-@pytest.mark.parametrize("spec, needle", [("f.txt[0.5:0.2]", "invalid"), ("f.txt[a:1]", "not a number")])
+@pytest.mark.parametrize("spec, needle", [("f.txt[0.5:0.2]", "invalid"), ("f.txt[a:1]", "not a number"),
+                                         ("f.txt[abc]", "slice in 'f.txt[abc]' is malformed"),
+                                         ("f.txt[0.9:1", "malformed")])
 def test_bad_data_slice(tmp_path, spec, needle):
     result = invoke("profile", "-d", spec, "-o", tmp_path / "p.safetensors")
     assert_friendly_error(result, needle)
+
+
+@pytest.mark.parametrize("argv", [
+    ("profile", "-o", "p.safetensors"), ("calibrate", "-o", "c.safetensors"), ("eval", "ppl"),
+    ("eval", "retrieval", "--task", "passkey"), ("run",),
+])
+@pytest.mark.parametrize("data, needle", [("missing.txt", "does not exist"), ("empty.txt", "is empty (0 bytes)"),
+                                          ("f.txt[abc]", "malformed"), ("table.csv", "unsupported extension")])
+def test_bad_data_fails_before_anything_loads(rec, monkeypatch, argv, data, needle):
+    """Bad --data is one error line before the API (torch, the model) is reached."""
+    Path("empty.txt").write_text("")
+    Path("table.csv").write_text("a,b\n")
+    for name in ("profile", "calibrate", "evaluate_perplexity", "evaluate_retrieval"):
+        rec.patch(name, raises=AssertionError("the API was called before --data was checked"))
+    rec.patch("run_pipeline", target=kvtool.pipeline, raises=AssertionError("the pipeline ran before --data was checked"))
+    assert_friendly_error(invoke(*argv, "-d", data), needle)
+
+
+def test_bad_recipe_fails_before_anything_loads(rec):
+    rec.patch("evaluate_perplexity", raises=AssertionError("the API was called before --recipe was checked"))
+    assert_friendly_error(invoke("eval", "ppl", "-d", "f.txt", "-r", "no-such-recipe"), "no-such-recipe")
 
 
 def test_run_bad_calib_fraction(tmp_path):
