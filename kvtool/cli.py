@@ -393,16 +393,17 @@ def inspect(
 
 @app.command()
 def recipes():
-    """List the bundled recipes."""
+    """List the bundled recipes (and the ablation set) with what each stores and drops."""
+    from kvtool.cli_render import recipe_table
     from kvtool.recipe import bundled_recipe_dir, load_recipe
+    from kvtool.recipe_summary import recipe_summary
 
-    table = Table("name", "keys", "values", "window", "description")
-    for path in sorted(bundled_recipe_dir().glob("*.yaml")):
-        r = load_recipe(path)
-        table.add_row(
-            path.stem, f"{r.keys.method} {r.keys.bits}b {r.keys.axis}", f"{r.values.method} {r.values.bits}b {r.values.axis}",
-            f"{r.cache.sink_tokens} sink + {r.cache.recent_tokens} recent", r.description,
-        )
+    table = recipe_table(title="Bundled recipes (descriptions: the YAML files in recipes/)")
+    root = bundled_recipe_dir()
+    for path in [*sorted(root.glob("*.yaml")), *sorted(root.glob("ablation/*.yaml"))]:
+        recipe = load_recipe(path)
+        name = path.relative_to(root).with_suffix("").as_posix()  # 'kivi-4bit', 'ablation/nuq3' (what --recipe takes)
+        table.add_row(name, *recipe_summary(recipe).values())
     console.print(table)
 
 

@@ -213,12 +213,35 @@ def render_inspect(console: Console, info: dict) -> None:
         f"{model.get('num_heads')} q heads / {model.get('num_kv_heads')} KV heads, head_dim {model.get('head_dim')}, "
         f"K/V weights sha256 {str(model.get('kv_weights_sha256'))[:16]}...)"
     )
-    for key in ("recipe", "calibration", "expected_bits_per_element", "quality", "profile", "fastgen", "pyramid"):
+    if "recipe" in manifest:
+        render_recipe(console, manifest["recipe"])
+    for key in ("calibration", "expected_bits_per_element", "quality", "profile", "fastgen", "pyramid"):
         if key in manifest:
             console.print(f"[bold]{key}[/]: {manifest[key]}", highlight=False)
     table = Table("tensor", "shape", "dtype", title=f"{len(info['tensors'])} tensors")
     for name, meta in sorted(info["tensors"].items()):
         table.add_row(name, str(meta["shape"]), meta["dtype"])
+    console.print(table)
+
+
+def recipe_table(title: str | None = None) -> Table:
+    """Columns of `kvtool.recipe_summary.recipe_summary`, after the recipe's name."""
+    return Table("recipe", "keys", "values", "float window", "eviction", title=title)
+
+
+def render_recipe(console: Console, raw: dict) -> None:
+    """An artifact's recipe as what it does (method, bits, window, eviction); the raw dict if it does not validate."""
+    from kvtool.errors import RecipeError
+    from kvtool.recipe import recipe_from_dict
+    from kvtool.recipe_summary import recipe_summary
+
+    try:
+        recipe = recipe_from_dict(raw)
+    except RecipeError:
+        console.print(f"[bold]recipe[/]: {raw}", highlight=False)
+        return
+    table = recipe_table()
+    table.add_row(recipe.name, *recipe_summary(recipe).values())
     console.print(table)
 
 

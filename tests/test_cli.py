@@ -477,11 +477,35 @@ def test_inspect_json_prints_parseable_json(rec):
     assert json.loads(result.stdout) == fake_inspect_info()
 
 
-def test_recipes_lists_bundled_recipes():
+def wide_console(monkeypatch) -> None:
+    """Table cells unwrapped (the CliRunner console is 80 columns), so whole phrases can be checked."""
+    import kvtool.cli
+
+    monkeypatch.setattr(kvtool.cli.console, "width", 300)
+
+
+def test_recipes_lists_bundled_recipes(monkeypatch):
+    wide_console(monkeypatch)
     result = invoke("recipes")
     ok(result)
-    for name in ("kivi-4bit", "kivi-2bit", "int8", "uncompressed"):
+    for name in ("kivi-4bit", "kivi-2bit", "int8", "uncompressed", "ablation/nuq3", "h2o"):
         assert shows(result.stdout, name)
+    # what each really does: quantizer and window for KIVI, policy and budget for eviction (not a made-up window)
+    assert shows(result.stdout, "uniform 4-bit per channel", "4 sink + 64 recent float16", "h2o: keep 50%, 4 sink + 32 recent",
+                 "fastgen T=0.95", "needs a profile", "nuq 3-bit per channel")
+
+
+def test_inspect_shows_what_the_recipe_does(rec, monkeypatch):
+    from kvtool.recipe import load_recipe
+
+    wide_console(monkeypatch)
+    info = fake_inspect_info()
+    info["manifest"]["recipe"] = load_recipe("kvquant-3bit-1pct").to_dict()
+    rec.patch("inspect", info)
+    result = invoke("inspect", "a.safetensors")
+    ok(result)
+    assert shows(result.stdout, "kvquant-3bit-1pct", "nuq 3-bit per channel", "1% outliers", "pre-RoPE")
+    assert "rank_fraction" not in result.stdout and "codebook" not in result.stdout  # no raw dict of inapplicable fields
 
 
 def test_run_translates_options(rec, tmp_path):
