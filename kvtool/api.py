@@ -27,13 +27,16 @@ from kvtool.calibration import (
     needs_fit,
     uses_palu,
 )
-from kvtool.data import DataSpec, token_windows
+from kvtool.data import DataSpec, check_source, token_windows
 from kvtool.errors import ArtifactError, RuntimeConfigError
+from kvtool.eval.generation_report import generation_memory, generation_timing
+from kvtool.eval.speed import DecodeClock
 from kvtool.fileio import check_output_path
 from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, token_classes
 from kvtool.models.adapter import adapter_for
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from kvtool.recipe import EvictionSpec, Recipe, load_recipe
+from kvtool.runtime.backend import resolve_backend
 from kvtool.runtime.attach import CompressedRuntime, check_context, fastgen_settings, uncompressed_recipe
 
 DEFAULT_MODEL_SOURCE = "kvtool:default-model"
@@ -77,6 +80,13 @@ def _require_positive(**values: int) -> None:
             raise RuntimeConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def _checked_data(data: str | DataSpec) -> DataSpec:
+    """The parsed data spec, with its source checked (exists, supported, not empty) before any model loads."""
+    spec = data if isinstance(data, DataSpec) else DataSpec.parse(data)
+    check_source(spec)
+    return spec
+
+
 def _windows(tokenizer, data: str | DataSpec, samples: int, seq_len: int, seed: int, mode: str) -> torch.Tensor:
     spec = data if isinstance(data, DataSpec) else DataSpec.parse(data)
     return token_windows(tokenizer, spec, samples=samples, seq_len=seq_len, seed=seed, mode=mode)
@@ -117,6 +127,7 @@ def profile(
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size)
     check_output_path(out)
     spec = _eviction_spec(recipe, threshold=threshold, local_ratio=local_ratio, frequent_ratio=frequent_ratio)
+    data = _checked_data(data)
     hf_model, tokenizer = _load(model, load)
     adapter = adapter_for(hf_model)
     windows = _windows(tokenizer, data, samples, seq_len, seed, "random")
@@ -178,6 +189,7 @@ def calibrate(
     resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len), ("seed", seed)) if v is not None}
     resolved = dataclasses.replace(resolved, calibration=dataclasses.replace(resolved.calibration, **overrides))
+    data = _checked_data(data)
     hf_model, tokenizer = _load(model, load)
     artifact = calibrate_loaded(hf_model, tokenizer, data, resolved, batch_size=batch_size, progress=progress)
     artifact.manifest["model_source"] = model_source(model)
@@ -288,8 +300,11 @@ def load_runtime(
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
     tokenizer: bool = True,
+    backend: str = "auto",
 ):
     """(model, tokenizer, runtime) from a deployable artifact, or from a recipe (no calibration), or uncompressed.
+
+    ``backend`` (`kvtool.runtime.backend`: auto, torch, triton) is checked before the model loads.
 
     ``profile`` (from `kvtool profile`) supplies FastGen head policies and fitted layer budgets to a
     recipe that evicts; a deployable artifact carries its own (``kvtool export --profile``).
@@ -301,15 +316,16 @@ def load_runtime(
         raise ArtifactError("a deployable artifact carries its profile: export it with --profile instead of passing both")
     loaded = load_artifact(artifact, expect_kind="deployable") if artifact is not None else None
     prof = load_artifact(profile, expect_kind="profile") if profile is not None else None
+    resolve_backend(backend, torch.device(load.device))  # an impossible backend fails before the model loads
     hf_model, tokenizer = _load(model_for_artifact(model, loaded) if loaded else model, load, tokenizer)
     if loaded is not None:
-        return hf_model, tokenizer, CompressedRuntime.from_artifact(hf_model, loaded)
+        return hf_model, tokenizer, CompressedRuntime.from_artifact(hf_model, loaded, backend=backend)
     resolved = recipe if isinstance(recipe, Recipe) else (load_recipe(recipe) if recipe else uncompressed_recipe())
     profile_tensors = None
     if prof is not None:
         check_model(prof, adapter_for(hf_model).fingerprint(), source=f"profile '{profile}'")
         profile_tensors = prof.tensors
-    return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved, profile=profile_tensors)
+    return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved, profile=profile_tensors, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -319,7 +335,8 @@ class GenerateResult:
     new_tokens: int  # per sequence (the longest)
     seconds: float
     tokens_per_s: float  # generated tokens per second, all sequences together
-    memory: dict
+    memory: dict  # cache.memory_report() + baseline / model_dtype_cache_bytes / note (kvtool.eval.baselines)
+    timing: dict = dataclasses.field(default_factory=dict)  # decode step rates: median, best (kvtool.eval.speed)
 
 
 class _Streamer:
@@ -360,6 +377,7 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
+    backend: str = "auto",
 ) -> GenerateResult:
     """Generate with the compressed cache; batches of prompts are left-padded. Streams text when one prompt."""
     if not prompts or any(not p for p in prompts):
@@ -367,12 +385,12 @@ def generate(
     _require_positive(max_new_tokens=max_new_tokens)
     if do_sample and not (temperature > 0 and 0 < top_p <= 1):
         raise RuntimeConfigError(f"sampling needs --temperature > 0 and 0 < --top-p <= 1; got {temperature} and {top_p}")
-    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load)
+    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, backend=backend)
     device = next(hf_model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
     runtime.check_context(enc.input_ids.shape[1] + max_new_tokens)
     cache = runtime.new_cache()
-    streamer = _Streamer(tokenizer, on_text) if on_text and len(prompts) == 1 else None
+    streamer = DecodeClock(_Streamer(tokenizer, on_text) if on_text and len(prompts) == 1 else None)
     torch.manual_seed(seed)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
     start = time.perf_counter()
@@ -390,7 +408,8 @@ def generate(
         new_tokens=new.shape[1],
         seconds=seconds,
         tokens_per_s=new.numel() / seconds if seconds else 0.0,
-        memory=cache.memory_report(),
+        memory=generation_memory(cache, hf_model, runtime.recipe),
+        timing=generation_timing(streamer, len(prompts)),
     )
 
 
@@ -409,33 +428,29 @@ def evaluate_perplexity(
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
+    backend: str = "auto",
 ) -> dict:
-    """Perplexity through the runtime on sequential windows, with the uncompressed baseline from the same code path.
+    """Perplexity through the runtime on sequential windows, against the 16-bit baseline from the same code path.
 
-    Returns a JSON-able dict with baseline_ppl, ppl, delta_pct, bits_per_element, cache_bytes,
-    baseline_cache_bytes, fp16_cache_bytes, bytes_per_token, tokens/s and the settings.
+    Returns a JSON-able dict (`kvtool.eval.ppl_report`): ppl, bits_per_element, cache_bytes,
+    fp16_cache_bytes, bytes_per_token, compression_ratio, decode tokens/s (mean, median, best);
+    with ``baseline`` the same as ``baseline_*`` for the 16-bit cache (``baseline``: its name)
+    and delta_pct, and ``model_dtype_*`` for the model-dtype cache where that is not 16-bit;
+    notes where a figure cannot mean much; the settings.
     """
-    from kvtool.eval.perplexity import perplexity
+    from kvtool.eval.ppl_report import perplexity_report
 
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size, chunk=chunk)
-    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load)
+    prefill = seq_len // 2 if prefill is None else prefill
+    if not 1 <= prefill <= seq_len - 2:
+        raise RuntimeConfigError(f"--prefill {prefill} must be between 1 and --seq-len - 2 = {seq_len - 2}")
+    data = _checked_data(data)
+    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, backend=backend)
     runtime.check_context(seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")
-    prefill = seq_len // 2 if prefill is None else prefill
-    kwargs = {"prefill": prefill, "chunk": chunk, "batch_size": batch_size, "progress": progress}
-    result = perplexity(hf_model, windows, runtime.new_cache, **kwargs).to_dict()
-    report = {"recipe": runtime.recipe.name, "data": _provenance(data, windows, 0, windows.numel())["data"], **result}
-    if baseline:
-        base_runtime = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe())
-        base = perplexity(hf_model, windows, base_runtime.new_cache, **kwargs)
-        report.update(
-            baseline_ppl=base.ppl,
-            baseline_cache_bytes=base.cache_bytes,
-            baseline_bytes_per_token=base.bytes_per_token,
-            baseline_decode_tokens_per_s=base.decode_tokens_per_s,
-            delta_pct=100 * (result["ppl"] / base.ppl - 1),
-        )
-    return report
+    result = perplexity_report(hf_model, windows, runtime, prefill=prefill, chunk=chunk, batch_size=batch_size,
+                               baseline=baseline, progress=progress)
+    return {"recipe": runtime.recipe.name, "data": _provenance(data, windows, 0, windows.numel())["data"], **result}
 
 
 def inspect(path: str | Path) -> dict:
@@ -464,31 +479,36 @@ def evaluate_retrieval(
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
+    backend: str = "auto",
 ) -> dict:
-    """Fact retrieval through the runtime over lengths x depths x seeds, with the uncompressed baseline.
+    """Fact retrieval through the runtime over lengths x depths x seeds, with the 16-bit cache as the baseline.
 
     task "passkey": pass key sentence(s) (``facts``) hidden in held-out text from ``data``; needs
     the model's tokenizer. task "copy": a needle of random token ids, for token-id models such as
     `kvtool.eval.copy_model` (their folders need no tokenizer). Returns a JSON-able dict:
     accuracy, baseline_accuracy, kept_fraction, cache_bytes, baseline_cache_bytes (bytes per
-    sequence at the end of generation; all means over cells), grid (one row per (n, depth)) and
-    the settings. ``plot``: also write a depth x length heatmap PNG there.
+    sequence at the end of generation; all means over cells), grid (one row per (n, depth)),
+    chance_accuracy and a ``note`` when the baseline is not above chance (the model cannot do the
+    task), and the settings. ``plot``: also write a depth x length heatmap PNG there.
     """
-    from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid
+    from kvtool.eval.baselines import sixteen_bit_recipe
+    from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid, retrieval_caveats
 
     grid = RetrievalGrid(tuple(lengths), tuple(depths), seeds)
     _check_retrieval_request(task, data, facts, plot)
-    hf_model, _, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, tokenizer=False)
+    spec = None if data is None else _checked_data(data)
+    hf_model, _, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, tokenizer=False,
+                                    backend=backend)
     tokenizer = _passkey_tokenizer(hf_model) if task == "passkey" else None
-    spec = None if data is None else (data if isinstance(data, DataSpec) else DataSpec.parse(data))
     prompts = _retrieval_task(task, hf_model, tokenizer, spec, facts)
-    base = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe()) if baseline else None
+    base = CompressedRuntime.from_recipe(hf_model, sixteen_bit_recipe(), backend=runtime.backend) if baseline else None
     pad_id = tokenizer.pad_token_id if tokenizer is not None else hf_model.config.pad_token_id
     result = evaluate_grid(hf_model, runtime, prompts, grid, baseline_runtime=base, pad_id=pad_id, progress=progress)
     report = {
         "task": task, "recipe": runtime.recipe.name, "lengths": list(grid.lengths), "depths": list(grid.depths),
-        "seeds": grid.seeds, **prompts.describe(), **({"data": spec.describe()} if spec is not None else {}), **result,
+        "seeds": grid.seeds, "backend": runtime.backend, **prompts.describe(), **({"data": spec.describe()} if spec is not None else {}), **result,
     }
+    report.update(retrieval_caveats(report, hf_model))  # baseline name, model-dtype bytes, chance, note
     if plot is not None:
         from kvtool.eval.plots import plot_retrieval
 

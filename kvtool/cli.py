@@ -16,9 +16,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtool.cli_usage import OneLineErrorsGroup
 from kvtool.errors import KvtoolError
 
 app = typer.Typer(
+    cls=OneLineErrorsGroup,  # usage errors: one `error:` line, exit 2
     help="Compress the KV cache of Hugging Face causal LMs: profile, calibrate, export, generate, eval.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -46,7 +48,7 @@ DataOpt = Annotated[
 TextColumnOpt = Annotated[str, typer.Option(help="Column holding the text (jsonl/parquet/hub data).")]
 SamplesOpt = Annotated[int, typer.Option(help="Number of token windows.")]
 SeqLenOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per window.")]
-SeedOpt = Annotated[int, typer.Option(help="Seed for window sampling and generation.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed for window sampling.")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", help="Windows per forward pass.")]
 DtypeOpt = Annotated[str, typer.Option(help="Model dtype: auto (float32 on CPU, checkpoint dtype on GPU), float32, float16, bfloat16.")]
 DeviceOpt = Annotated[str, typer.Option(help="Device: cpu, cuda, cuda:N.")]
@@ -56,6 +58,7 @@ ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", "-p", help="Pro
 EvalArtifactOpt = Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")]
 EvalRecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")]
 JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="Attention over the compressed cache: auto (triton where it can run, else torch), torch (pure-torch reference, any device) or triton (fused GPU kernels; not in this release yet).")]
 PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also write the FastGen policy map as a PNG heatmap here (needs the plots extra).")]
 
 
@@ -96,9 +99,20 @@ def _load_options(dtype: str, device: str, device_map: Optional[str]):
 
 
 def _data(data: str, text_column: str):
-    from kvtool.data import DataSpec
+    """The parsed, checked --data (exists, supported, not empty): instant, before torch or a model loads."""
+    from kvtool.data import DataSpec, check_source
 
-    return DataSpec.parse(data, text_column=text_column)
+    spec = DataSpec.parse(data, text_column=text_column)
+    check_source(spec)
+    return spec
+
+
+def _check_recipe(recipe: Optional[str]) -> None:
+    """Refuse a bad --recipe before torch or a model loads (the API loads it again; YAML parsing is instant)."""
+    if recipe is not None:
+        from kvtool.recipe import load_recipe
+
+        load_recipe(recipe)
 
 
 def _check_json_path(path: Optional[Path]) -> None:
@@ -140,6 +154,8 @@ def profile(
     device_map: DeviceMapOpt = None,
 ):
     """Per-layer, per-KV-head K/V statistics and FastGen attention policies on calibration text."""
+    spec = _data(data, text_column)
+    _check_recipe(recipe)
     from kvtool import api
     from kvtool.attention_profile import policy_map
     from kvtool.cli_render import render_profile
@@ -150,7 +166,7 @@ def profile(
 
         check_plot_path(plot)
     artifact = api.profile(
-        _data(data, text_column), out, model, recipe=recipe, threshold=threshold, local_ratio=local_ratio,
+        spec, out, model, recipe=recipe, threshold=threshold, local_ratio=local_ratio,
         frequent_ratio=frequent_ratio, samples=samples, seq_len=seq_len, seed=seed,
         batch_size=batch_size, load=_load_options(dtype, device, device_map), progress=_progress,
     )
@@ -187,12 +203,14 @@ def calibrate(
     device_map: DeviceMapOpt = None,
 ):
     """Fit and measure the recipe's quantizers on calibration text."""
+    spec = _data(data, text_column)
+    _check_recipe(recipe)
     from kvtool import api
     from kvtool.cli_render import render_calibration
 
     _quiet_libraries()
     artifact = api.calibrate(
-        _data(data, text_column), out, model, recipe, samples=samples, seq_len=seq_len, seed=seed,
+        spec, out, model, recipe, samples=samples, seq_len=seq_len, seed=seed,
         batch_size=batch_size, load=_load_options(dtype, device, device_map), progress=_progress,
     )
     render_calibration(console, artifact)
@@ -232,10 +250,11 @@ def generate(
     sample: Annotated[bool, typer.Option("--sample/--greedy", help="Sample instead of greedy decoding.")] = False,
     temperature: Annotated[float, typer.Option(help="Sampling temperature (with --sample).")] = 1.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (with --sample).")] = 1.0,
-    seed: SeedOpt = 0,
+    seed: Annotated[int, typer.Option(help="Seed for sampling (with --sample; greedy decoding needs none).")] = 0,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
+    backend: BackendOpt = "auto",
 ):
     """Generate with the compressed cache; ends with cache bytes vs the 16-bit cache and tokens/s."""
     from kvtool import api
@@ -247,7 +266,7 @@ def generate(
     result = api.generate(
         prompts, model, artifact, recipe, max_new_tokens=max_new_tokens, do_sample=sample,
         temperature=temperature, top_p=top_p, seed=seed, on_text=stream, profile=profile,
-        load=_load_options(dtype, device, device_map),
+        load=_load_options(dtype, device, device_map), backend=backend,
     )
     render_generation(console, prompts, result, streamed=stream is not None)
 
@@ -278,23 +297,26 @@ def eval_ppl(
     prefill: Annotated[Optional[int], typer.Option(help="Tokens written to the cache before scoring. Default: seq_len / 2.")] = None,
     chunk: Annotated[int, typer.Option(help="Tokens per decode forward. 1 = true decoding; >1 is a faster approximation.")] = 1,
     batch_size: BatchOpt = 4,
-    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also score the uncompressed cache.")] = True,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also score the 16-bit cache (the baseline) and, where the model is not 16-bit, its own dtype's cache.")] = True,
     json_out: JsonOutOpt = None,
     text_column: TextColumnOpt = "text",
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
+    backend: BackendOpt = "auto",
 ):
     """Perplexity through the real runtime: prefill into the cache, then score while decoding."""
+    spec = _data(data, text_column)
+    _check_recipe(recipe)
+    _check_json_path(json_out)
     from kvtool import api
     from kvtool.cli_render import render_perplexity
 
     _quiet_libraries()
-    _check_json_path(json_out)
     report = api.evaluate_perplexity(
-        _data(data, text_column), model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
+        spec, model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
         chunk=chunk, batch_size=batch_size, baseline=baseline, profile=profile,
-        load=_load_options(dtype, device, device_map), progress=_progress,
+        load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
     )
     render_perplexity(console, report)
     _write_json(json_out, report)
@@ -313,26 +335,29 @@ def eval_retrieval(
     depths: Annotated[str, typer.Option(help="Depths of the fact, fractions of the context (0 = start, 1 = just before the question).")] = "0,0.25,0.5,0.75,1",
     seeds: Annotated[int, typer.Option(help="Cases per (length, depth) cell, one batch.")] = 3,
     facts: Annotated[int, typer.Option(help="Pass keys in the context (--task passkey); one is asked.")] = 1,
-    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run the uncompressed cache.")] = True,
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run the 16-bit cache (the baseline).")] = True,
     json_out: JsonOutOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a depth x length accuracy heatmap here (.png; needs matplotlib).")] = None,
     text_column: TextColumnOpt = "text",
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
+    backend: BackendOpt = "auto",
 ):
     """Retrieval through the real runtime: a fact at depth d of an n-token context, asked at the end; exact-match accuracy."""
+    spec = None if data is None else _data(data, text_column)
+    _check_recipe(recipe)
+    _check_json_path(json_out)
     from kvtool import api
     from kvtool.cli_render import render_retrieval
     from kvtool.eval.retrieval import parse_numbers
 
     _quiet_libraries()
-    _check_json_path(json_out)
     report = api.evaluate_retrieval(
-        model, artifact, recipe, task=task, data=None if data is None else _data(data, text_column),
+        model, artifact, recipe, task=task, data=spec,
         lengths=parse_numbers(lengths, int, "--lengths"), depths=parse_numbers(depths, float, "--depths"),
         seeds=seeds, facts=facts, baseline=baseline, plot=plot, profile=profile,
-        load=_load_options(dtype, device, device_map), progress=_progress,
+        load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
     )
     render_retrieval(console, report)
     _write_json(json_out, report)
@@ -368,16 +393,17 @@ def inspect(
 
 @app.command()
 def recipes():
-    """List the bundled recipes."""
+    """List the bundled recipes (and the ablation set) with what each stores and drops."""
+    from kvtool.cli_render import recipe_table
     from kvtool.recipe import bundled_recipe_dir, load_recipe
+    from kvtool.recipe_summary import recipe_summary
 
-    table = Table("name", "keys", "values", "window", "description")
-    for path in sorted(bundled_recipe_dir().glob("*.yaml")):
-        r = load_recipe(path)
-        table.add_row(
-            path.stem, f"{r.keys.method} {r.keys.bits}b {r.keys.axis}", f"{r.values.method} {r.values.bits}b {r.values.axis}",
-            f"{r.cache.sink_tokens} sink + {r.cache.recent_tokens} recent", r.description,
-        )
+    table = recipe_table(title="Bundled recipes (descriptions: the YAML files in recipes/)")
+    root = bundled_recipe_dir()
+    for path in [*sorted(root.glob("*.yaml")), *sorted(root.glob("ablation/*.yaml"))]:
+        recipe = load_recipe(path)
+        name = path.relative_to(root).with_suffix("").as_posix()  # 'kivi-4bit', 'ablation/nuq3' (what --recipe takes)
+        table.add_row(name, *recipe_summary(recipe).values())
     console.print(table)
 
 
@@ -399,6 +425,8 @@ def run(
     device: DeviceOpt = "cpu",
 ):
     """The whole pipeline: profile, calibrate, export, perplexity with and without compression, a sample."""
+    _data(data, "text")  # bad data or recipe: one error line before torch or a model loads
+    _check_recipe(recipe)
     from kvtool.cli_render import render_summary
     from kvtool.pipeline import run_pipeline
 
@@ -412,7 +440,7 @@ def run(
 
 
 def main() -> None:  # console-script entry point
-    app()
+    app(prog_name="kvtool")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvtool.errors import RuntimeConfigError
@@ -30,12 +31,21 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> list[st
 
 
 def render_memory(console: Console, memory: dict, seconds_note: str = "") -> None:
-    table = Table(title="KV cache", show_header=True)
-    for column in ("tokens x batch", "held", "16-bit cache", "ratio", "bits/element"):
+    """Bytes held against the 16-bit cache (the baseline), the model-dtype cache where it differs, eviction, notes."""
+    baseline = memory.get("baseline", "16-bit cache")
+    backend = f" ({memory['backend']} backend)" if memory.get("backend") else ""
+    table = Table(title=f"KV cache{backend}", show_header=True,
+                  caption="held: bytes of the tensors in use; reserved: bytes the block pools have allocated")
+    columns = ["tokens x batch", "held", "reserved", baseline, "ratio", "bits/element"]
+    if "model_dtype_cache_bytes" in memory:
+        columns.append(f"{memory['model_dtype']} (model dtype)")
+    for column in columns:
         table.add_column(column, justify="right")
     table.add_row(
-        f"{memory['tokens']} x {memory['batch']}", _mib(memory["cache_bytes"]), _mib(memory["fp16_cache_bytes"]),
+        f"{memory['tokens']} x {memory['batch']}", _mib(memory["cache_bytes"]),
+        _mib(memory.get("reserved_bytes", memory["cache_bytes"])), _mib(memory["fp16_cache_bytes"]),
         f"{memory['compression_ratio']:.2f}x", f"{memory['bits_per_element']:.2f}",
+        *((_mib(memory["model_dtype_cache_bytes"]),) if "model_dtype_cache_bytes" in memory else ()),
     )
     console.print(table)
     if "policy" in memory:
@@ -43,6 +53,7 @@ def render_memory(console: Console, memory: dict, seconds_note: str = "") -> Non
                       f"KV heads = {100 * memory['kept_fraction']:.1f}% of the tokens seen")
     if seconds_note:
         console.print(seconds_note)
+    render_notes(console, memory)
 
 
 def render_generation(console: Console, prompts: list[str], result, streamed: bool) -> None:
@@ -50,31 +61,73 @@ def render_generation(console: Console, prompts: list[str], result, streamed: bo
         console.print()
     else:
         for prompt, text in zip(prompts, result.texts):
-            console.print(f"[dim]{prompt}[/]{text}", highlight=False)
+            console.print(f"[dim]{escape(prompt)}[/]{escape(text)}", highlight=False)
             console.rule()
-    render_memory(
-        console, result.memory,
-        f"{result.new_tokens} new tokens x {len(prompts)} in {result.seconds:.2f} s = {result.tokens_per_s:.1f} tokens/s",
-    )
+    timing = getattr(result, "timing", {}) or {}
+    speed = f"{result.new_tokens} new tokens x {len(prompts)} in {result.seconds:.2f} s = {result.tokens_per_s:.1f} tokens/s"
+    if timing.get("decode_steps"):
+        speed += (f" (decode steps: median {timing['decode_tokens_per_s_median']:.1f}, best "
+                  f"{timing['decode_tokens_per_s_best']:.1f} tokens/s over {timing['decode_steps']} steps)")
+    render_memory(console, result.memory, speed)
+    render_notes(console, timing)
+
+
+def _speed(report: dict, prefix: str = "") -> str:
+    """'median / best' decode tokens/s (the mean where only that was measured)."""
+    median = report.get(f"{prefix}decode_tokens_per_s_median")
+    if median is None:
+        return f"{report[f'{prefix}decode_tokens_per_s']:.1f}"
+    return f"{median:.1f} / {report[f'{prefix}decode_tokens_per_s_best']:.1f}"
+
+
+def render_notes(console: Console, report: dict) -> None:
+    """The report's caveats (nothing compressed yet, baseline at chance, noisy timings), one line each."""
+    for key in ("note", "speed_note"):
+        if report.get(key):
+            console.print(f"[yellow]note:[/] {escape(report[key])}", highlight=False)
 
 
 def render_perplexity(console: Console, report: dict) -> None:
-    table = Table(title=f"Perplexity through the runtime ({report['scored_tokens']} scored tokens)")
-    evicts = report.get("kept_fraction", 1.0) < 1.0
-    columns = ("cache", "ppl", "delta", *(("kept",) if evicts else ()), "bits/elem", "bytes/token", "decode tok/s")
-    for column in columns:
-        table.add_column(column, justify="right")
-    kept = lambda fraction: (f"{100 * fraction:.1f}%",) if evicts else ()  # noqa: E731
+    """One column per cache: the 16-bit baseline, the model-dtype cache where it differs, the runtime's cache."""
+    baseline = report.get("baseline", "16-bit cache")
+    short = baseline.removesuffix(" cache")
+    fp16 = report["fp16_cache_bytes"]
+    caches = []  # (header, key prefix, delta)
     if "baseline_ppl" in report:
-        table.add_row("uncompressed", f"{report['baseline_ppl']:.3f}", "", *kept(1.0),
-                      f"{16 * report['baseline_cache_bytes'] / report['fp16_cache_bytes']:.1f}",
-                      f"{report['baseline_bytes_per_token']:.0f}", f"{report['baseline_decode_tokens_per_s']:.1f}")
-    delta = f"{report['delta_pct']:+.2f}%" if "delta_pct" in report else ""
-    table.add_row(report["recipe"], f"{report['ppl']:.3f}", delta, *kept(report.get("kept_fraction", 1.0)),
-                  f"{report['bits_per_element']:.2f}", f"{report['bytes_per_token']:.0f}", f"{report['decode_tokens_per_s']:.1f}")
+        caches.append((f"{short} (baseline)", "baseline_", None))
+    if "model_dtype_ppl" in report:
+        caches.append((f"{report['model_dtype']} (model dtype)", "model_dtype_", report["model_dtype_delta_pct"]))
+    caches.append((report["recipe"], "", report.get("delta_pct")))
+    steps = report.get("decode_steps")
+    table = Table(title=f"Perplexity through the runtime ({report['scored_tokens']} scored tokens)",
+                  caption=f"decode tokens/s: median / best of {steps} steps" if steps else None)
+    table.add_column("")
+    for header, _, _ in caches:
+        table.add_column(header, justify="right")
+    rows = [
+        ("perplexity", [f"{report[p + 'ppl']:.3f}" for _, p, _ in caches]),
+        (f"delta vs {short}", ["" if d is None else f"{d:+.2f}%" for _, _, d in caches]),
+        *((("kept", [f"{100 * report.get(p + 'kept_fraction', 1.0):.1f}%" for _, p, _ in caches]),)
+          if report.get("kept_fraction", 1.0) < 1.0 else ()),
+        ("bits per element", [f"{_bits(report, p, fp16):.2f}" for _, p, _ in caches]),
+        ("bytes per token", [f"{report[p + 'bytes_per_token']:.0f}" for _, p, _ in caches]),
+        ("cache held", [_mib(report[p + "cache_bytes"]) for _, p, _ in caches]),
+        ("cache reserved", [_mib(report.get(p + "reserved_cache_bytes", report[p + "cache_bytes"])) for _, p, _ in caches]),
+        (f"size vs {short}", [f"{fp16 / report[p + 'cache_bytes']:.2f}x" for _, p, _ in caches]),
+        ("decode tokens/s", [_speed(report, p) for _, p, _ in caches]),
+    ]
+    for label, cells in rows:
+        table.add_row(label, *cells)
     console.print(table)
     mode = "true decoding (1 token per step)" if report["exact_decoding"] else f"APPROXIMATE: chunks of {report['chunk']} tokens see each other uncompressed"
-    console.print(f"{report['windows']} windows x {report['seq_len']} tokens, prefill {report['prefill']}; {mode}")
+    backend = f"; {report['backend']} backend" if report.get("backend") else ""
+    console.print(f"{report['windows']} windows x {report['seq_len']} tokens, prefill {report['prefill']}; {mode}{backend}")
+    render_notes(console, report)
+
+
+def _bits(report: dict, prefix: str, fp16_bytes: float) -> float:
+    """Bits per element of a row (older reports carry only bytes for the baseline)."""
+    return report.get(f"{prefix}bits_per_element", 16 * report[f"{prefix}cache_bytes"] / fp16_bytes)
 
 
 def _layer_table(console: Console, tensors: dict, title: str, name_format: str, parts: tuple[str, ...], unit: str) -> None:
@@ -160,7 +213,9 @@ def render_inspect(console: Console, info: dict) -> None:
         f"{model.get('num_heads')} q heads / {model.get('num_kv_heads')} KV heads, head_dim {model.get('head_dim')}, "
         f"K/V weights sha256 {str(model.get('kv_weights_sha256'))[:16]}...)"
     )
-    for key in ("recipe", "calibration", "expected_bits_per_element", "quality", "profile", "fastgen", "pyramid"):
+    if "recipe" in manifest:
+        render_recipe(console, manifest["recipe"])
+    for key in ("calibration", "expected_bits_per_element", "quality", "profile", "fastgen", "pyramid"):
         if key in manifest:
             console.print(f"[bold]{key}[/]: {manifest[key]}", highlight=False)
     table = Table("tensor", "shape", "dtype", title=f"{len(info['tensors'])} tensors")
@@ -169,26 +224,58 @@ def render_inspect(console: Console, info: dict) -> None:
     console.print(table)
 
 
+def recipe_table(title: str | None = None) -> Table:
+    """Columns of `kvtool.recipe_summary.recipe_summary`, after the recipe's name."""
+    return Table("recipe", "keys", "values", "float window", "eviction", title=title)
+
+
+def render_recipe(console: Console, raw: dict) -> None:
+    """An artifact's recipe as what it does (method, bits, window, eviction); the raw dict if it does not validate."""
+    from kvtool.errors import RecipeError
+    from kvtool.recipe import recipe_from_dict
+    from kvtool.recipe_summary import recipe_summary
+
+    try:
+        recipe = recipe_from_dict(raw)
+    except RecipeError:
+        console.print(f"[bold]recipe[/]: {raw}", highlight=False)
+        return
+    table = recipe_table()
+    table.add_row(recipe.name, *recipe_summary(recipe).values())
+    console.print(table)
+
+
 def render_summary(console: Console, summary: dict) -> None:
+    """`kvtool run`: bits, bytes and speed against the 16-bit cache; perplexity of every row."""
     ppl = summary["perplexity"]
     bits = summary["expected_bits_per_element"]
+    baseline = ppl.get("baseline", "16-bit cache")
     table = Table(title=f"kvtool run: {summary['recipe']['name']}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     rows = [
         ("body bits per stored element (keys / values)", f"{bits['keys']:.2f} / {bits['values']:.2f}"),
         ("bits per element held (incl. sinks + recent window)", f"{ppl['bits_per_element']:.2f}"),
-        ("cache bytes vs 16-bit cache", f"{_mib(ppl['cache_bytes'])} vs {_mib(ppl['fp16_cache_bytes'])} "
-                                        f"({ppl['fp16_cache_bytes'] / ppl['cache_bytes']:.2f}x smaller)"),
+        (f"cache bytes vs {baseline}", f"{_mib(ppl['cache_bytes'])} vs {_mib(ppl['fp16_cache_bytes'])} "
+                                       f"({ppl['fp16_cache_bytes'] / ppl['cache_bytes']:.2f}x smaller)"),
         *((("tokens kept / seen (eviction)", f"{100 * ppl['kept_fraction']:.1f}%"),) if ppl.get("kept_fraction", 1.0) < 1 else ()),
-        ("perplexity uncompressed", f"{ppl['baseline_ppl']:.3f}"),
+        (f"perplexity {baseline} (baseline)", f"{ppl['baseline_ppl']:.3f}"),
+        *(((f"perplexity {ppl['model_dtype']} cache (model dtype)",
+            f"{ppl['model_dtype_ppl']:.3f} ({ppl['model_dtype_delta_pct']:+.2f}%)"),) if "model_dtype_ppl" in ppl else ()),
         ("perplexity compressed", f"{ppl['ppl']:.3f} ({ppl['delta_pct']:+.2f}%)"),
-        ("decode tokens/s compressed / uncompressed", f"{ppl['decode_tokens_per_s']:.1f} / {ppl['baseline_decode_tokens_per_s']:.1f}"),
+        (f"decode tokens/s compressed / {baseline} (median; best)",
+         f"{_speed(ppl).split(' / ')[0]} / {_speed(ppl, 'baseline_').split(' / ')[0]}"
+         + (f" (best {ppl['decode_tokens_per_s_best']:.1f} / {ppl['baseline_decode_tokens_per_s_best']:.1f})"
+            if "decode_tokens_per_s_best" in ppl else "")),
     ]
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    console.print(f"[bold]sample[/] [dim]{summary['sample']['prompt']}[/]{summary['sample']['text']}", highlight=False)
+    render_notes(console, ppl)
+    sample = summary["sample"]
+    console.print(f"[bold]sample[/] [dim]{escape(sample['prompt'])}[/]{escape(sample['text'])}", highlight=False)
+    if sample.get("memory", {}).get("note"):
+        console.print(f"[yellow]note:[/] sample: {escape(sample['memory']['note'])}", highlight=False)
     console.print(f"files: {summary['files']}")
 
 
@@ -196,8 +283,9 @@ def render_retrieval(console: Console, report: dict) -> None:
     """Accuracy per (depth, length) cell (baseline in brackets), then the summary."""
     has_base = report.get("baseline_accuracy") is not None
     cells = {(row["depth"], row["n"]): row for row in report["grid"]}
+    baseline = report.get("baseline", "16-bit cache")
     table = Table(title=f"{report['task']} retrieval accuracy ({report['seeds']} seeds per cell)",
-                  caption="(in brackets: the uncompressed cache)" if has_base else None)
+                  caption=f"(in brackets: the {baseline})" if has_base else None)
     table.add_column("depth", justify="right")
     for n in report["lengths"]:
         table.add_column(f"{n} tokens", justify="right")
@@ -210,10 +298,21 @@ def render_retrieval(console: Console, report: dict) -> None:
     console.print(table)
     summary = f"{report['recipe']}: accuracy {report['accuracy']:.3f}"
     if has_base:
-        summary += f", uncompressed {report['baseline_accuracy']:.3f}"
-    summary += f"; kept fraction {report['kept_fraction']:.3f}; cache {_mib(report['cache_bytes'])} per sequence"
+        summary += f", {baseline} {report['baseline_accuracy']:.3f}"
+    if report.get("chance_accuracy") is not None:
+        summary += f" (chance {report['chance_accuracy']:.2g})"
+    summary += f"; kept fraction {report['kept_fraction']:.3f}; cache {_mib(report['cache_bytes'])} held"
+    if report.get("reserved_cache_bytes") is not None:
+        summary += f" ({_mib(report['reserved_cache_bytes'])} reserved)"
+    summary += " per sequence"
     if report.get("baseline_cache_bytes") is not None:
-        summary += f" vs {_mib(report['baseline_cache_bytes'])} uncompressed"
+        summary += f" vs {_mib(report['baseline_cache_bytes'])} in the {baseline}"
+    if report.get("model_dtype_cache_bytes") is not None:
+        summary += f" ({_mib(report['model_dtype_cache_bytes'])} in {report['model_dtype']})"
+    if report.get("backend"):
+        summary += f"; {report['backend']} backend"
     console.print(summary, highlight=False)
+    if report.get("note"):
+        console.print(f"[bold yellow]note:[/] {escape(report['note'])}", highlight=False)
     if report.get("plot"):
         console.print(f"wrote {report['plot']}")

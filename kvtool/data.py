@@ -6,7 +6,8 @@ that calibration and evaluation can use disjoint parts of the same text (e.g. [0
 [0.9:1.0]). `load_text` reads it with `datasets.load_dataset`; `token_windows` cuts it into
 (samples, seq_len) token-id tensors.
 
-`datasets` is imported inside functions: importing it costs about a second.
+`datasets` and `torch` are imported inside functions (seconds each on a busy machine), so that
+`DataSpec.parse` and `check_source` can refuse bad input before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvtool.errors import DataError
+from kvtool.quiet import quiet_progress_bars
 
 # datasets builder used for each supported file extension.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -28,6 +29,9 @@ DOC_SEPARATOR = "\n\n"
 
 _SLICE_RE = re.compile(r"^(?P<source>.*)\[(?P<start>[^\[\]:]*):(?P<end>[^\[\]:]*)\]$")
 _PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: parsing and checking a spec stay instant
+    import torch
 
 # (spec, tokenizer name_or_path) -> token ids (n_tokens,); see `_token_ids`.
 _TOKEN_CACHE: dict[tuple, torch.Tensor] = {}
@@ -78,6 +82,9 @@ class DataSpec:
         text = text.strip()
         match = _SLICE_RE.match(text)
         if match is None:
+            if "[" in text and not os.path.exists(os.path.expanduser(text)):
+                raise DataError(f"data slice in '{text}' is malformed: write [start:end] with fractions "
+                                "after the source, e.g. 'book.txt[0.9:1]' for the last 10%")
             return cls(text, text_column)
         start = _parse_fraction(match["start"], 0.0, text)
         end = _parse_fraction(match["end"], 1.0, text)
@@ -113,6 +120,30 @@ def _parse_fraction(text: str, default: float, spec: str) -> float:
     except ValueError:
         raise DataError(f"data slice '{text}' in '{spec}' is not a number: "
                         "write fractions such as '[0.9:1.0]'") from None
+
+
+def check_source(spec: DataSpec) -> None:
+    """Cheap checks before any model loads: a local path exists, has a supported type and is not empty.
+
+    Hub ids are only checked for their form (reading them needs the network).
+    """
+    if not spec.is_local():
+        spec.hub_parts()
+        return
+    path = Path(os.path.expanduser(spec.source))
+    if not path.exists():
+        raise DataError(f"data path '{spec.source}' does not exist: check the path "
+                        f"(supported: a {'/'.join(BUILDERS)} file, a folder of them, or a hub id)")
+    files = [path] if not path.is_dir() else [
+        p for p in path.iterdir() if p.is_file() and p.suffix.lower() in BUILDERS and not p.name.startswith(".")]
+    if not files:
+        raise DataError(f"data folder '{spec.source}' holds no {'/'.join(BUILDERS)} files: add some or point at a file")
+    for file in files:
+        if file.suffix.lower() not in BUILDERS:
+            raise DataError(f"data file '{file}' has unsupported extension '{file.suffix}': "
+                            f"use one of {', '.join(BUILDERS)} (or a folder of them)")
+    if all(file.stat().st_size == 0 for file in files):
+        raise DataError(f"data '{spec.source}' is empty (0 bytes): give a file with text")
 
 
 def load_text(spec: DataSpec) -> str:
@@ -156,7 +187,8 @@ def _file_texts(path: Path, text_column: str) -> list[str]:
                         f"use one of {', '.join(BUILDERS)} (or a folder of them)")
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+        with quiet_progress_bars():
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except Exception as exc:  # datasets raises many kinds (even a bare StopIteration for an empty .jsonl)
         raise DataError(f"data file '{path}' could not be read by datasets' '{builder}' loader "
                         f"({type(exc).__name__}: {exc}): "
@@ -171,7 +203,8 @@ def _hub_texts(spec: DataSpec) -> list[str]:
 
     name, config, split = spec.hub_parts()
     try:
-        dataset = datasets.load_dataset(name, config, split=split)
+        with quiet_progress_bars():
+            dataset = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # offline, not found, bad config or split, ...
         raise DataError(f"hub dataset '{spec.source}' (name={name!r}, config={config!r}, split={split!r}) "
                         f"could not be loaded ({type(exc).__name__}: {exc}): hub ids need network access "
@@ -204,6 +237,8 @@ def _token_ids(tokenizer, spec: DataSpec) -> torch.Tensor:
 
     Cached per (spec, tokenizer name_or_path); tokenizers without a name_or_path are not cached.
     """
+    import torch
+
     name = getattr(tokenizer, "name_or_path", "") or ""
     key = (spec, name)
     if name and key in _TOKEN_CACHE:
@@ -235,6 +270,8 @@ def token_windows(tokenizer, spec: DataSpec, *, samples: int, seq_len: int, seed
     mode='sequential': consecutive non-overlapping windows from the start; fewer than `samples`
     rows (at least 1) when the text is too short for all of them.
     """
+    import torch
+
     _check_window_args(samples, seq_len, mode)
     ids = _token_ids(tokenizer, spec)  # (n_tokens,)
     bos = _default_bos(tokenizer)

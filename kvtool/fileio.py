@@ -25,6 +25,13 @@ def check_output_path(path: str | Path) -> Path:
     return path
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back: there is no getter before Python 3.13's os)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, write) -> Path:
     """Call ``write(temp_path)`` then rename the temp file over ``path``; OSErrors become KvtoolError."""
     path = check_output_path(path)
@@ -38,6 +45,7 @@ def atomic_write(path: str | Path, write) -> Path:
         write(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600: give the file the mode open() would
         os.replace(tmp, path)
     except OSError as exc:
         raise KvtoolError(f"cannot write '{path}': {exc}") from exc

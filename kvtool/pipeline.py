@@ -12,8 +12,9 @@ from typing import Callable
 
 from kvtool import api
 from kvtool.capture import Progress, no_progress
-from kvtool.data import DataSpec
+from kvtool.data import DataSpec, check_source
 from kvtool.errors import DataError
+from kvtool.recipe import load_recipe
 from kvtool.fileio import check_output_path, write_json_atomic
 
 
@@ -21,6 +22,7 @@ def _split(data: str, fraction: float) -> tuple[DataSpec, DataSpec]:
     if not 0 < fraction < 1:
         raise DataError(f"--calib-fraction {fraction} must be between 0 and 1 (exclusive)")
     spec = DataSpec.parse(data)
+    check_source(spec)  # before any model loads
     cut = spec.start + (spec.end - spec.start) * fraction
     calib = DataSpec(spec.source, spec.text_column, spec.start, cut)
     held_out = DataSpec(spec.source, spec.text_column, cut, spec.end)
@@ -48,6 +50,7 @@ def run_pipeline(
     out = Path(out_dir)
     check_output_path(out / "summary.json")  # fail before any work if the folder cannot be written
     calib_data, eval_data = _split(data, calib_fraction)
+    load_recipe(recipe)  # a bad recipe fails now, not after profiling
     paths = {name: out / f"{name}.safetensors" for name in ("profile", "calibration", "model.kvt")}
     log(f"profile on {calib_data.source} [{calib_data.start:.2f}:{calib_data.end:.2f}]")
     api.profile(calib_data, paths["profile"], model, samples=samples, seq_len=seq_len, load=load, progress=progress)

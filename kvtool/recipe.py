@@ -325,13 +325,11 @@ _SECTIONS = {
 _TOP_LEVEL = {"name", "description", *_SECTIONS}
 
 
+def _allowed(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.name != "path"}
+
+
 def _build_section(name: str, cls: type, raw: Any) -> Any:
-    if not isinstance(raw, dict):
-        raise RecipeError(f"recipe field '{name}': expected a mapping, got {type(raw).__name__}")
-    allowed = {f.name for f in dataclasses.fields(cls) if f.name != "path"}
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise RecipeError(f"recipe field '{name}.{unknown[0]}' is unknown; allowed fields: {sorted(allowed)}")
     kwargs = dict(raw)
     if cls is QuantSpec:
         kwargs.setdefault("axis", "channel" if name == "keys" else "token")
@@ -344,13 +342,36 @@ def _build_section(name: str, cls: type, raw: Any) -> Any:
         raise RecipeError(f"recipe section '{name}': {exc}") from exc
 
 
+def _check_fields(raw: dict) -> None:
+    """RecipeError naming every unknown field, top level and per section, with close matches."""
+    for name in _SECTIONS:
+        if name in raw and not isinstance(raw[name], dict):
+            raise RecipeError(f"recipe field '{name}': expected a mapping, got {type(raw[name]).__name__}")
+    places = [("", _TOP_LEVEL, raw)] + [(f"{name}.", _allowed(cls), raw[name]) for name, cls in _SECTIONS.items() if name in raw]
+    unknown = [(prefix, key, allowed) for prefix, allowed, fields in places for key in sorted(map(str, set(fields) - allowed))]
+    if not unknown:
+        return
+    named = [f"'{prefix}{key}'{_close_match(key, allowed)}" for prefix, key, allowed in unknown]
+    where = {prefix: allowed for prefix, _, allowed in unknown}
+    hints = "; ".join(f"allowed {'top-level fields' if not prefix else 'in ' + prefix[:-1]}: {sorted(allowed)}"
+                      for prefix, allowed in where.items())
+    if len(named) == 1:
+        raise RecipeError(f"recipe field {named[0]} is unknown; {hints}")
+    raise RecipeError(f"recipe fields {', '.join(named[:-1])} and {named[-1]} are unknown; {hints}")
+
+
+def _close_match(key: str, allowed: set[str]) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
 def recipe_from_dict(raw: Any) -> Recipe:
     """Validate a plain dict (from YAML or a manifest) into a `Recipe`."""
     if not isinstance(raw, dict):
         raise RecipeError(f"a recipe must be a mapping at the top level, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _TOP_LEVEL)
-    if unknown:
-        raise RecipeError(f"recipe field '{unknown[0]}' is unknown; allowed top-level fields: {sorted(_TOP_LEVEL)}")
+    _check_fields(raw)
     kwargs: dict[str, Any] = {k: raw[k] for k in ("name", "description") if k in raw}
     for name, cls in _SECTIONS.items():
         if name in raw:
@@ -378,7 +399,10 @@ def load_recipe(source: str | Path | None) -> Recipe:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe file '{path}' is not valid YAML: {exc}") from exc
-    return recipe_from_dict(raw)
+    try:
+        return recipe_from_dict(raw)
+    except RecipeError as exc:
+        raise RecipeError(f"{exc} (in {path})") from None
 
 
 def bundled_recipe_dir() -> Path:

@@ -64,6 +64,14 @@ def _datasets_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _data_files(tmp_path, monkeypatch):
+    """Run every test in a folder holding the small text files the fakes name (the CLI checks --data first)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("f.txt", "file.txt", "book.jsonl"):
+        (tmp_path / name).write_text("Some text to read.\n")
+
+
 # --- helpers ----------------------------------------------------------------------------------
 
 
@@ -171,8 +179,15 @@ def fake_report() -> dict:
         "recipe": "kivi-4bit", "data": {"source": "x.txt"}, "ppl": 10.5, "nll": 2.35, "scored_tokens": 100,
         "windows": 2, "seq_len": 64, "prefill": 32, "chunk": 1, "exact_decoding": True,
         "cache_bytes": 1000, "fp16_cache_bytes": 4000, "bits_per_element": 4.0, "bytes_per_token": 10.0,
-        "decode_tokens_per_s": 50.0, "baseline_ppl": 10.0, "baseline_cache_bytes": 4000,
-        "baseline_bytes_per_token": 40.0, "baseline_decode_tokens_per_s": 60.0, "delta_pct": 5.0,
+        "decode_tokens_per_s": 50.0, "decode_tokens_per_s_median": 51.0, "decode_tokens_per_s_best": 70.0,
+        "decode_steps": 31, "baseline": "16-bit cache", "compression_ratio": 4.0,
+        "baseline_ppl": 10.0, "baseline_cache_bytes": 4000, "baseline_bits_per_element": 16.0,
+        "baseline_bytes_per_token": 40.0, "baseline_decode_tokens_per_s": 60.0,
+        "baseline_decode_tokens_per_s_median": 61.0, "baseline_decode_tokens_per_s_best": 80.0, "delta_pct": 5.0,
+        "model_dtype": "float32", "model_dtype_ppl": 10.001, "model_dtype_delta_pct": 0.01,
+        "model_dtype_cache_bytes": 8000, "model_dtype_bits_per_element": 32.0, "model_dtype_bytes_per_token": 80.0,
+        "model_dtype_decode_tokens_per_s": 58.0, "model_dtype_decode_tokens_per_s_median": 59.0,
+        "model_dtype_decode_tokens_per_s_best": 79.0,
     }
 
 
@@ -184,6 +199,15 @@ def fake_summary() -> dict:
         "expected_bits_per_element": {"keys": 4.5, "values": 5.0, "body": 4.75},
         "perplexity": fake_report(),
         "sample": {"prompt": "Once upon a time", "text": " there was a fox", "tokens_per_s": 9.0, "memory": MEMORY},
+    }
+
+
+def fake_retrieval_report() -> dict:
+    return {
+        "task": "copy", "recipe": "kivi-4bit", "lengths": [64], "depths": [0.0], "seeds": 1,
+        "grid": [{"n": 64, "depth": 0.0, "accuracy": 1.0, "baseline_accuracy": 1.0}],
+        "accuracy": 1.0, "baseline_accuracy": 1.0, "kept_fraction": 1.0, "cache_bytes": 1024,
+        "baseline_cache_bytes": 4096, "fp16_cache_bytes": 4096, "baseline": "16-bit cache",
     }
 
 
@@ -346,7 +370,8 @@ def test_eval_ppl_translates_options_and_writes_json(rec, tmp_path):
         assert key in report
     assert report == fake_report()
     assert "wrote" in result.stderr
-    assert shows(result.stdout, "10.500", "+5.00%", "uncompressed", "true decoding")
+    assert shows(result.stdout, "10.500", "+5.00%", "16-bit (baseline)", "10.000", "float32 (model dtype)", "10.001",
+                 "0.50x", "4.00x", "51.0 / 70.0", "61.0 / 80.0", "median / best of 31 steps", "true decoding")
 
 
 def test_eval_ppl_and_generate_pass_the_profile_and_show_the_kept_fraction(rec, tmp_path):
@@ -375,13 +400,63 @@ def test_eval_ppl_defaults(rec):
 
 
 def test_eval_ppl_without_baseline_renders(rec):
-    report = {k: v for k, v in fake_report().items() if not k.startswith("baseline") and k != "delta_pct"}
+    report = {k: v for k, v in fake_report().items()
+              if not k.startswith(("baseline_", "model_dtype")) and k != "delta_pct"}
     report.update(chunk=8, exact_decoding=False)
     rec.patch("evaluate_perplexity", report)
     result = invoke("eval", "ppl", "-d", "f.txt", "--no-baseline", "--chunk", 8)
     ok(result)
-    assert "uncompressed │" not in result.stdout  # no baseline row
+    assert "(baseline)" not in result.stdout and "(model dtype)" not in result.stdout  # no baseline rows
     assert shows(result.stdout, "APPROXIMATE: chunks of 8 tokens")
+
+
+# --- --backend on generate and every eval command -----------------------------------------------
+
+
+@pytest.mark.parametrize("argv, api_name, result", [
+    (("generate", "--prompt", "hi"), "generate", fake_generation(["x"])),
+    (("eval", "ppl", "-d", "f.txt"), "evaluate_perplexity", fake_report()),
+    (("eval", "retrieval", "--task", "copy"), "evaluate_retrieval", None),  # result set in the test
+])
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
+def test_backend_option_reaches_the_api(rec, argv, api_name, result, backend):
+    rec.patch(api_name, fake_retrieval_report() if result is None else result)
+    ok(invoke(*argv, *(("--backend", backend) if backend else ())))
+    _, kwargs = rec.one(api_name)
+    assert kwargs["backend"] == (backend or "auto")
+
+
+def test_generate_and_eval_show_the_backend_and_reserved_bytes(rec):
+    rec.patch("generate", GenerateResult(texts=["x"], prompt_tokens=4, new_tokens=8, seconds=0.5, tokens_per_s=16.0,
+                                         memory={**MEMORY, "reserved_bytes": 3 * 2**20, "backend": "torch"}))
+    result = invoke("generate", "--prompt", "hi")
+    ok(result)
+    assert shows(result.stdout, "KV cache (torch backend)", "reserved", "1.0 KiB", "3.00 MiB")
+    rec.patch("evaluate_perplexity", {**fake_report(), "backend": "torch", "reserved_cache_bytes": 2**20})
+    result = invoke("eval", "ppl", "-d", "f.txt")
+    ok(result)
+    assert shows(result.stdout, "cache held", "cache reserved", "1.00 MiB", "torch backend")
+    rec.patch("evaluate_retrieval", {**fake_retrieval_report(), "backend": "torch", "reserved_cache_bytes": 2**20})
+    result = invoke("eval", "retrieval", "--task", "copy")
+    ok(result)
+    assert shows(result.stdout, "(1.00 MiB reserved)", "torch backend")
+
+
+@pytest.mark.parametrize("argv", [("generate", "--prompt", "hi", "-m", "stories"),
+                                  ("eval", "ppl", "-d", "f.txt", "-r", "kivi-4bit", "-m", "stories"),
+                                  ("eval", "retrieval", "--task", "copy", "-m", "stories")])
+def test_backend_triton_is_one_error_line_before_the_model_loads(monkeypatch, argv):
+    """Real API, no model on disk needed: the backend is refused before anything loads."""
+    import kvtool.api
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the backend was checked")
+
+    monkeypatch.setattr(kvtool.api, "_load", no_load)
+    result = invoke(*argv, "--backend", "triton")
+    assert_friendly_error(result, "--backend triton", "not available", "--backend torch")
+    result = invoke(*argv, "--backend", "cuda-graphs")
+    assert_friendly_error(result, "--backend 'cuda-graphs' is unknown", "auto, torch, triton")
 
 
 # --- translation: inspect, recipes, run --------------------------------------------------------
@@ -402,11 +477,35 @@ def test_inspect_json_prints_parseable_json(rec):
     assert json.loads(result.stdout) == fake_inspect_info()
 
 
-def test_recipes_lists_bundled_recipes():
+def wide_console(monkeypatch) -> None:
+    """Table cells unwrapped (the CliRunner console is 80 columns), so whole phrases can be checked."""
+    import kvtool.cli
+
+    monkeypatch.setattr(kvtool.cli.console, "width", 300)
+
+
+def test_recipes_lists_bundled_recipes(monkeypatch):
+    wide_console(monkeypatch)
     result = invoke("recipes")
     ok(result)
-    for name in ("kivi-4bit", "kivi-2bit", "int8", "uncompressed"):
+    for name in ("kivi-4bit", "kivi-2bit", "int8", "uncompressed", "ablation/nuq3", "h2o"):
         assert shows(result.stdout, name)
+    # what each really does: quantizer and window for KIVI, policy and budget for eviction (not a made-up window)
+    assert shows(result.stdout, "uniform 4-bit per channel", "4 sink + 64 recent float16", "h2o: keep 50%, 4 sink + 32 recent",
+                 "fastgen T=0.95", "needs a profile", "nuq 3-bit per channel")
+
+
+def test_inspect_shows_what_the_recipe_does(rec, monkeypatch):
+    from kvtool.recipe import load_recipe
+
+    wide_console(monkeypatch)
+    info = fake_inspect_info()
+    info["manifest"]["recipe"] = load_recipe("kvquant-3bit-1pct").to_dict()
+    rec.patch("inspect", info)
+    result = invoke("inspect", "a.safetensors")
+    ok(result)
+    assert shows(result.stdout, "kvquant-3bit-1pct", "nuq 3-bit per channel", "1% outliers", "pre-RoPE")
+    assert "rank_fraction" not in result.stdout and "codebook" not in result.stdout  # no raw dict of inapplicable fields
 
 
 def test_run_translates_options(rec, tmp_path):
@@ -477,6 +576,47 @@ def test_error_message_is_one_line(rec):
     assert result.stderr == f"error: {message}\n"
 
 
+# --- usage errors (Click's parsing): one line too ------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--foo"], "error: no such option --foo; see kvtool generate --help"),
+    (["generate", "--prompt", "hi", "--sampel"],
+     "error: no such option --sampel (did you mean --model or --sample?); see kvtool generate --help"),
+    (["eval", "ppl"], "error: missing option '--data' / '-d'; see kvtool eval ppl --help"),
+    (["eval", "ppl", "-d", "f.txt", "extra"], "error: got unexpected extra argument(s) (extra); see kvtool eval ppl --help"),
+    (["eval", "ppl", "--dtype"], "error: option '--dtype' requires an argument; see kvtool eval ppl --help"),
+    (["profile", "-d", "f.txt", "-o", "p.safetensors", "--samples", "abc"],
+     "error: invalid value for '--samples': input should be a valid integer"),
+    (["inspect"], "error: missing argument 'artifact'; see kvtool inspect --help"),
+    (["nosuch"], "error: no such command 'nosuch'; see kvtool --help"),
+    (["eval", "nosuch"], "error: no such command 'nosuch'; see kvtool eval --help"),
+])
+def test_usage_errors_are_one_line_with_exit_2(argv, message):
+    result = invoke(*argv)
+    assert_friendly_error(result)
+    assert result.stderr.startswith(message), result.stderr
+    assert result.stderr.count("\n") == 1 and "Usage:" not in result.output and "╭" not in result.output
+
+
+def test_usage_error_through_the_entry_point():
+    """`main()` (the console script) names the program kvtool whatever argv[0] is."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.argv[0] = 'whatever'; from kvtool.cli import main; main()"
+    done = subprocess.run([sys.executable, "-c", code, "generate", "--foo"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == "error: no such option --foo; see kvtool generate --help\n"
+
+
+@pytest.mark.parametrize("argv", [[], ["eval"]])
+def test_no_arguments_show_the_help(argv):
+    result = invoke(*argv)
+    assert result.exit_code == 2 and "Usage" in result.stdout and "error" not in result.output
+
+
 # --- errors from real bad input (no mocks) -----------------------------------------------------
 
 
@@ -543,10 +683,33 @@ def test_eval_seq_len_beyond_context(tmp_path):
     assert_friendly_error(result, "4096", "context limit of 2048")
 
 
-@pytest.mark.parametrize("spec, needle", [("f.txt[0.5:0.2]", "invalid"), ("f.txt[a:1]", "not a number")])
+@pytest.mark.parametrize("spec, needle", [("f.txt[0.5:0.2]", "invalid"), ("f.txt[a:1]", "not a number"),
+                                         ("f.txt[abc]", "slice in 'f.txt[abc]' is malformed"),
+                                         ("f.txt[0.9:1", "malformed")])
 def test_bad_data_slice(tmp_path, spec, needle):
     result = invoke("profile", "-d", spec, "-o", tmp_path / "p.safetensors")
     assert_friendly_error(result, needle)
+
+
+@pytest.mark.parametrize("argv", [
+    ("profile", "-o", "p.safetensors"), ("calibrate", "-o", "c.safetensors"), ("eval", "ppl"),
+    ("eval", "retrieval", "--task", "passkey"), ("run",),
+])
+@pytest.mark.parametrize("data, needle", [("missing.txt", "does not exist"), ("empty.txt", "is empty (0 bytes)"),
+                                          ("f.txt[abc]", "malformed"), ("table.csv", "unsupported extension")])
+def test_bad_data_fails_before_anything_loads(rec, monkeypatch, argv, data, needle):
+    """Bad --data is one error line before the API (torch, the model) is reached."""
+    Path("empty.txt").write_text("")
+    Path("table.csv").write_text("a,b\n")
+    for name in ("profile", "calibrate", "evaluate_perplexity", "evaluate_retrieval"):
+        rec.patch(name, raises=AssertionError("the API was called before --data was checked"))
+    rec.patch("run_pipeline", target=kvtool.pipeline, raises=AssertionError("the pipeline ran before --data was checked"))
+    assert_friendly_error(invoke(*argv, "-d", data), needle)
+
+
+def test_bad_recipe_fails_before_anything_loads(rec):
+    rec.patch("evaluate_perplexity", raises=AssertionError("the API was called before --recipe was checked"))
+    assert_friendly_error(invoke("eval", "ppl", "-d", "f.txt", "-r", "no-such-recipe"), "no-such-recipe")
 
 
 def test_run_bad_calib_fraction(tmp_path):
@@ -640,9 +803,9 @@ def test_end_to_end_on_stories260k(tmp_path):
     assert info["kind"] == "deployable"
     assert info["manifest"]["model"]["head_dim"] == 8 and info["manifest"]["model"]["num_kv_heads"] == 4
 
-    result = invoke("generate", "--prompt", "Once upon a time", "-a", artifact, "-n", 8)
+    result = invoke("generate", "--prompt", "Once upon a time", "-a", artifact, "-n", 8, "--backend", "torch")
     ok(result)
-    assert result.stdout.startswith("Once upon a time") and shows(result.stdout, "KV cache", "tokens/s")
+    assert result.stdout.startswith("Once upon a time") and shows(result.stdout, "KV cache (torch backend)", "reserved", "tokens/s")
 
     result = invoke("eval", "ppl", "-d", stories_data(), "-a", artifact, "--samples", 2, "--seq-len", 160,
                     "--json", report)
@@ -653,4 +816,5 @@ def test_end_to_end_on_stories260k(tmp_path):
     assert math.isfinite(data["ppl"]) and math.isfinite(data["baseline_ppl"])
     assert 1 < data["ppl"] < 100 and 1 < data["baseline_ppl"] < 100
     assert data["cache_bytes"] < data["baseline_cache_bytes"]
+    assert data["backend"] == "torch" and data["reserved_cache_bytes"] >= data["cache_bytes"]
     assert data["bits_per_element"] < 16

@@ -159,6 +159,24 @@ def test_unknown_key_inside_section(section):
         recipe_from_dict(raw)
 
 
+def test_every_unknown_field_is_named_with_close_matches(tmp_path):
+    raw = good()
+    raw.update(colour="red", flavour="x")
+    raw["keys"].update(bitz=4, axs="channel")
+    raw["cache"]["sinks"] = 4
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert message.startswith("recipe fields 'colour', 'flavour', 'keys.axs' (did you mean 'axis'?), "
+                              "'keys.bitz' (did you mean 'bits'?) and 'cache.sinks' (did you mean 'sink_tokens'?) "
+                              "are unknown; allowed top-level fields: [")
+    assert "allowed in keys: [" in message and "allowed in cache: ['block_size'" in message
+    assert "allowed in values" not in message  # only where something is wrong
+    assert message.endswith(f"(in {path})")
+
+
 def test_section_must_be_mapping():
     raw = good()
     raw["cache"] = [32]

@@ -221,6 +221,29 @@ def copy_losses(model, *, samples: int = 8, seq_len: int = 256, block: int = 16,
 
 def save_copy_model(model: LlamaForCausalLM, path: str | Path) -> Path:
     """save_pretrained to a folder (config.json with ``copy_vocab``, model.safetensors; no tokenizer)."""
+    from kvtool.quiet import quiet_progress_bars
+
     path = Path(path)
-    model.save_pretrained(path)
+    with quiet_progress_bars():
+        model.save_pretrained(path)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvtool.eval.copy_model OUT``: build, train and save the copy model (seconds on a CPU)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvtool.eval.copy_model",
+                                     description="Build the copy (induction) model for `kvtool eval retrieval --task copy`.")
+    parser.add_argument("out", type=Path, help="folder to write (config.json + model.safetensors)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=30, help="AdamW steps after planting the circuit")
+    args = parser.parse_args(argv)
+    model = train_copy_model(seed=args.seed, steps=args.steps)
+    first, copy = copy_losses(model)
+    save_copy_model(model, args.out)
+    print(f"wrote {args.out}: copy loss {copy:.3f} nats/token on held-out needles (first occurrence {first:.3f})")
+
+
+if __name__ == "__main__":
+    main()

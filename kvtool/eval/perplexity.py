@@ -40,6 +40,7 @@ class PerplexityResult:
     exact_decoding: bool
     cache_bytes: int  # bytes held after the last token of a batch of windows, summed over windows
     expected_cache_bytes: int
+    reserved_cache_bytes: int  # bytes the cache's block pools had allocated at the end (>= cache_bytes)
     fp16_cache_bytes: int  # a 16-bit cache for the same tokens
     bits_per_element: float
     bytes_per_token: float  # cache bytes per token held (all layers, K and V)
@@ -59,17 +60,20 @@ def _check_args(windows: torch.Tensor, prefill: int, chunk: int) -> None:
 
 
 @torch.no_grad()
-def _score_batch(model, ids: torch.Tensor, cache, prefill: int, chunk: int) -> tuple[float, int, float]:
+def _score_batch(model, ids: torch.Tensor, cache, prefill: int, chunk: int, on_step=None) -> tuple[float, int, float]:
     """Prefill then decode one batch of windows (b, T); return (sum NLL, scored tokens, decode seconds)."""
     model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True)
     total, count, start_time = 0.0, 0, time.perf_counter()
     last = ids.shape[1] - 1
     for start in range(prefill, last, chunk):
+        step_start = time.perf_counter()
         end = min(start + chunk, last)
         logits = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits  # (b, c, V)
         targets = ids[:, start + 1 : end + 1]  # (b, c)
         total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
         count += targets.numel()
+        if on_step is not None:  # per-step progress and timing (kvtool.eval.ppl_report)
+            on_step(targets.numel(), time.perf_counter() - step_start)
     return total, count, time.perf_counter() - start_time
 
 
@@ -82,18 +86,24 @@ def perplexity(
     chunk: int = 1,
     batch_size: int = 4,
     progress: Progress = no_progress,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> PerplexityResult:
-    """Perplexity of windows (N, T) with caches from ``new_cache()`` (one per batch of windows)."""
+    """Perplexity of windows (N, T) with caches from ``new_cache()`` (one per batch of windows).
+
+    ``on_step(tokens, seconds)`` is called after every decode forward with the tokens it scored
+    and the seconds it took (per-token progress bars, repeated timings).
+    """
     _check_args(windows, prefill, chunk)
     device = next(model.parameters()).device
     nll = seconds = kept = 0.0
-    count = held = expected = fp16 = 0
+    count = held = expected = fp16 = reserved = 0
     batches = windows.split(batch_size)
     for batch in progress(batches, "scoring through the cache", len(batches)):
         cache = new_cache()
-        batch_nll, batch_count, batch_seconds = _score_batch(model, batch.to(device), cache, prefill, chunk)
+        batch_nll, batch_count, batch_seconds = _score_batch(model, batch.to(device), cache, prefill, chunk, on_step)
         nll, count, seconds = nll + batch_nll, count + batch_count, seconds + batch_seconds
         held, expected, fp16 = held + cache.nbytes(), expected + cache.expected_nbytes(), fp16 + cache.fp16_nbytes()
+        reserved += cache.reserved_nbytes()
         kept += (cache.kept_fraction() if hasattr(cache, "kept_fraction") else 1.0) * batch.shape[0]
     mean = nll / count
     tokens_held = windows.shape[0] * (windows.shape[1] - 1)
@@ -108,6 +118,7 @@ def perplexity(
         exact_decoding=chunk == 1,
         cache_bytes=held,
         expected_cache_bytes=expected,
+        reserved_cache_bytes=reserved,
         fp16_cache_bytes=fp16,
         bits_per_element=16 * held / fp16,
         bytes_per_token=held / tokens_held,

@@ -6,6 +6,7 @@ install it when missing).
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from kvtool.fileio import atomic_write
@@ -37,12 +38,15 @@ def plot_retrieval(report: dict, path: str | Path) -> Path:
     plt = require_matplotlib()
     panels = [("accuracy", f"{report['recipe']}: accuracy {report['accuracy']:.2f}")]
     if report.get("baseline_accuracy") is not None:
-        panels.append(("baseline_accuracy", f"uncompressed: accuracy {report['baseline_accuracy']:.2f}"))
+        panels.append(("baseline_accuracy", f"{report.get('baseline', 'baseline')}: accuracy {report['baseline_accuracy']:.2f}"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1, 3.5), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         image = _heatmap(ax, _accuracy_matrix(report, key), report, title)
     fig.colorbar(image, ax=axes[0].tolist(), label="exact-match accuracy")
     fig.suptitle(f"{report['task']} retrieval, {report['seeds']} seeds per cell")
+    if report.get("note"):  # e.g. the baseline is at chance: the figure says nothing about compression
+        fig.text(0.5, -0.02, "\n".join(textwrap.wrap("NOTE: " + report["note"], 110)), ha="center", va="top",
+                 color="darkred", fontsize=8)
     try:
         return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     finally:

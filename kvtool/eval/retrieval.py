@@ -2,8 +2,8 @@
 
 For every cell (n, d) the task (`kvtool.eval.retrieval_tasks`) builds one n-token prompt
 per seed; the cell runs as one batch through ``model.generate`` with a fresh cache from
-the runtime (greedy decoding), then again with a cache of the uncompressed recipe (the
-baseline, same code path). The prompt is prefilled in one forward, so the first answer
+the runtime (greedy decoding), then again with the baseline's cache (the 16-bit cache,
+`kvtool.eval.baselines`; same code path). The prompt is prefilled in one forward, so the first answer
 token is predicted from the uncompressed prompt; every later token attends to what the
 cache kept. A cell records accuracy, the cache's ``kept_fraction`` (1.0 for runtimes that
 evict nothing) and its bytes per sequence at the end of generation.
@@ -80,6 +80,7 @@ def _measure(model, runtime, task, prompts, answers, pad_id) -> dict:
         "accuracy": sum(hits) / len(hits),
         "kept_fraction": float(report.get("kept_fraction", 1.0)),
         "cache_bytes": report["cache_bytes"] / batch,
+        "reserved_cache_bytes": report.get("reserved_bytes", report["cache_bytes"]) / batch,
         "fp16_cache_bytes": report["fp16_cache_bytes"] / batch,
     }
 
@@ -98,7 +99,7 @@ def evaluate_grid(
 
     Returns the summary (means over cells; bytes are per sequence at the end of generation)
     and ``grid``: one row per (n, depth) with accuracy, baseline_accuracy, kept_fraction,
-    cache_bytes, baseline_cache_bytes and fp16_cache_bytes.
+    cache_bytes, reserved_cache_bytes (pool blocks allocated), baseline_cache_bytes and fp16_cache_bytes.
     """
     runtime.check_context(max(grid.lengths) + task.new_tokens)
     cells = [(n, d, *task.cases(n, d, grid.seeds)) for n in grid.lengths for d in grid.depths]  # all built before any run
@@ -119,5 +120,17 @@ def _summary(rows: list[dict]) -> dict:
         values = [row[key] for row in rows]
         return None if any(v is None for v in values) else sum(values) / len(values)
 
-    keys = ("accuracy", "baseline_accuracy", "kept_fraction", "cache_bytes", "baseline_cache_bytes", "fp16_cache_bytes")
+    keys = ("accuracy", "baseline_accuracy", "kept_fraction", "cache_bytes", "reserved_cache_bytes",
+            "baseline_cache_bytes", "fp16_cache_bytes")
     return {key: mean(key) for key in keys}
+
+
+def retrieval_caveats(report: dict, model) -> dict:
+    """The baseline's name, the model-dtype cache's bytes per sequence, chance accuracy and a note at chance."""
+    from kvtool.eval.baselines import model_dtype_fields
+    from kvtool.eval.caveats import chance_accuracy, retrieval_note
+
+    fields = {**model_dtype_fields(model, report["fp16_cache_bytes"]),
+              "chance_accuracy": chance_accuracy(report["task"], report)}
+    note = retrieval_note({**report, **fields})
+    return {**fields, **({"note": note} if note else {})}

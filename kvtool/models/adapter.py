@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvtool.errors import ModelError
+from kvtool.models import fingerprint
+from kvtool.models.fingerprint import kv_weights_sketch
 
 
 @dataclass(frozen=True)
@@ -129,13 +131,14 @@ class ModelAdapter:
         """JSON-able identity of the model: geometry plus a hash of all K/V projection weights.
 
         kv_weights_sha256 hashes every layer's K then V weight, in layer order, each cast to
-        bfloat16 on CPU and taken as raw bytes, so fp32 and bf16 loads of a checkpoint agree.
+        bfloat16 on CPU and taken as raw bytes. kv_weights_sketch identifies the same weights
+        in any float dtype (`kvtool.models.fingerprint`, which also compares fingerprints).
         """
         g = self.geometry
         digest = hashlib.sha256()
-        for layer in range(g.num_layers):
-            for weight in self.kv_projection_weights(layer):
-                digest.update(_bf16_bytes(weight))
+        weights = [w for layer in range(g.num_layers) for w in self.kv_projection_weights(layer)]
+        for weight in weights:
+            digest.update(_bf16_bytes(weight))
         return {
             "family": g.family,
             "num_layers": g.num_layers,
@@ -145,6 +148,7 @@ class ModelAdapter:
             "rotary_dim": g.rotary_dim,
             "rope": g.rope,
             "kv_weights_sha256": digest.hexdigest(),
+            "kv_weights_sketch": kv_weights_sketch(weights),
         }
 
     # ----- geometry ------------------------------------------------------------------
@@ -264,17 +268,9 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     return adapter_class(model)
 
 
-_MISSING = object()  # marks a field absent from one fingerprint
-
-
 def compare_fingerprints(expected: dict, actual: dict) -> list[str]:
     """Lines naming each field where `expected` (the artifact) and `actual` (the model) differ; [] if equal."""
-    lines = []
-    for key in sorted(set(expected) | set(actual)):
-        want, have = expected.get(key, _MISSING), actual.get(key, _MISSING)
-        if want is _MISSING or have is _MISSING or _json_copy(want) != _json_copy(have):
-            lines.append(f"{key}: artifact has {_show(want)}, model has {_show(have)}")
-    return lines
+    return fingerprint.compare_fingerprints(expected, actual)
 
 
 # ----- helpers ---------------------------------------------------------------------------
@@ -319,12 +315,3 @@ def _bf16_bytes(weight: Tensor) -> bytes:
     """Raw bytes of a tensor cast to bfloat16 on CPU."""
     as_bf16 = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
     return as_bf16.view(torch.int16).numpy().tobytes()
-
-
-def _show(value) -> str:
-    """A value for a mismatch message; long strings (hashes) are cut to 16 characters."""
-    if value is _MISSING:
-        return "(missing)"
-    if isinstance(value, str) and len(value) > 16:
-        return value[:16] + "..."
-    return str(value)

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvtool.errors import ModelError
 from kvtool.models.adapter import ADAPTERS, adapter_for
+from kvtool.quiet import quiet_progress_bars
 
 DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "default_model"
 DEFAULT_MODEL_ENV = "KVTOOL_DEFAULT_MODEL"
@@ -59,7 +60,8 @@ def load_model(
     on_cpu = torch.device(device).type == "cpu" and (device_map is None or not torch.cuda.is_available())
     torch_dtype = _resolve_dtype(dtype, config, on_cpu)
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype, device_map=device_map)
+        with quiet_progress_bars():
+            loaded = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype, device_map=device_map)
     except Exception as exc:
         raise ModelError(f"could not load model '{path}': {exc}; {_LOAD_HINT}") from exc
     if device_map is None:

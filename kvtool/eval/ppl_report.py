@@ -1,0 +1,125 @@
+"""`kvtool eval ppl`'s report: the runtime's cache against the 16-bit baseline, plus the model-dtype cache.
+
+Rows, each through `kvtool.eval.perplexity` (the same code path):
+
+* the runtime's cache (recipe or artifact): unprefixed keys;
+* the 16-bit cache (`kvtool.eval.baselines.BASELINE`): ``baseline_*`` keys; ``delta_pct`` and
+  ``compression_ratio`` are relative to it;
+* where the model does not compute in 16 bits (float32 on CPU), its own dtype's cache:
+  ``model_dtype_*`` keys, ``model_dtype`` names the dtype.
+
+Decode speed is the mean over the run (``decode_tokens_per_s``) plus the median and best
+per-step rates (`kvtool.eval.speed`); progress advances per decoded token. The rows are
+timed alike, so their speeds compare: every runtime (all on the runtime's backend) is
+first warmed up on the same short window (prefill + `WARMUP_STEPS` decode steps, not
+counted), then scores the same windows in the same batches with the same number of steps.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kvtool.capture import Progress, no_progress
+from kvtool.eval.baselines import (
+    BASELINE,
+    is_model_dtype_cache,
+    model_dtype_differs,
+    model_dtype_name,
+    model_dtype_recipe,
+    sixteen_bit_recipe,
+)
+from kvtool.eval.caveats import uncompressed_note
+from kvtool.eval.perplexity import perplexity
+from kvtool.eval.speed import StepTimes, machine_load, speed_note
+
+ROW_KEYS = ("ppl", "cache_bytes", "reserved_cache_bytes", "bits_per_element", "bytes_per_token", "decode_tokens_per_s")
+WARMUP_STEPS = 4  # untimed decode steps per runtime before its row (first-call allocations, lazy imports)
+
+
+def perplexity_report(
+    model,
+    windows: torch.Tensor,
+    runtime,
+    *,
+    prefill: int,
+    chunk: int = 1,
+    batch_size: int = 4,
+    baseline: bool = True,
+    progress: Progress = no_progress,
+    make_runtime: Callable | None = None,
+) -> dict:
+    """JSON-able report for windows (N, T): the runtime's row, and with ``baseline`` the 16-bit and model-dtype rows.
+
+    make_runtime(recipe) builds the baselines' runtimes (default: `CompressedRuntime.from_recipe` on
+    the runtime's backend).
+    """
+    if make_runtime is None:
+        from kvtool.runtime.attach import CompressedRuntime
+
+        make_runtime = lambda recipe: CompressedRuntime.from_recipe(model, recipe, backend=runtime.backend)  # noqa: E731
+    rows = [("", runtime)]
+    if baseline:
+        rows.append(("baseline_", make_runtime(sixteen_bit_recipe())))
+        if model_dtype_differs(model) and not is_model_dtype_cache(runtime.recipe):
+            rows.append(("model_dtype_", make_runtime(model_dtype_recipe(model))))
+    settings = {"prefill": prefill, "chunk": chunk, "batch_size": batch_size}
+    for _, row_runtime in rows:
+        _warm_up(model, windows, row_runtime, settings)
+    report, times = {"backend": runtime.backend}, []
+    for prefix, row_runtime in rows:
+        steps = StepTimes()
+        result = _score(model, windows, row_runtime, steps, progress, settings).to_dict()
+        report.update(result if not prefix else {prefix + key: result[key] for key in ROW_KEYS})
+        report.update(steps.summary(prefix))
+        times.append(steps)
+    return {**report, **_relative(report, model, baseline), **_notes(report, runtime, windows, times)}
+
+
+def _warm_up(model, windows: torch.Tensor, runtime, settings: dict) -> None:
+    """Prefill and `WARMUP_STEPS` decode steps of the first batch through a fresh cache, untimed and unscored."""
+    prefill, chunk = settings["prefill"], settings["chunk"]
+    length = min(windows.shape[1], prefill + WARMUP_STEPS * chunk + 1)
+    perplexity(model, windows[: settings["batch_size"], :length], runtime.new_cache, prefill=min(prefill, length - 2),
+               chunk=chunk, batch_size=settings["batch_size"])
+
+
+def _score(model, windows, runtime, steps: StepTimes, progress: Progress, settings: dict):
+    """One perplexity pass with a progress bar that advances per decoded token."""
+    total = windows.shape[0] * (windows.shape[1] - 1 - settings["prefill"])
+    bar = iter(progress(range(total), f"{runtime.recipe.name}: scoring while decoding", total))
+
+    def on_step(tokens: int, seconds: float) -> None:
+        steps.add(tokens, seconds)
+        for _ in range(tokens):
+            next(bar, None)
+
+    try:
+        return perplexity(model, windows, runtime.new_cache, on_step=on_step, **settings)
+    finally:
+        for _ in bar:  # finish (and close) the bar
+            pass
+
+
+def _relative(report: dict, model, baseline: bool) -> dict:
+    """The baseline's name, and the compressed row (and model-dtype row) relative to it."""
+    out = {"baseline": BASELINE, "compression_ratio": report["fp16_cache_bytes"] / report["cache_bytes"]}
+    if baseline:
+        out["delta_pct"] = 100 * (report["ppl"] / report["baseline_ppl"] - 1)
+    if "model_dtype_ppl" in report:
+        out["model_dtype"] = model_dtype_name(model)
+        out["model_dtype_delta_pct"] = 100 * (report["model_dtype_ppl"] / report["baseline_ppl"] - 1)
+    return out
+
+
+def _notes(report: dict, runtime, windows: torch.Tensor, times: list[StepTimes]) -> dict:
+    load = machine_load()
+    notes = {"machine": load}
+    compressed = uncompressed_note(runtime.recipe, windows.shape[1] - 1, report.get("kept_fraction"))
+    if compressed:
+        notes["note"] = compressed
+    speed = speed_note(times, load)
+    if speed:
+        notes["speed_note"] = speed
+    return notes

@@ -1,0 +1,65 @@
+"""What a recipe really does, in words a table can show: method and bits, float window, eviction.
+
+Used by `kvtool recipes` and `kvtool inspect` instead of the raw recipe dict (which lists
+fields that do not apply, e.g. a codebook for a uniform quantizer).
+"""
+
+from __future__ import annotations
+
+from kvtool.recipe import QuantSpec, Recipe
+
+
+def tensor_summary(spec: QuantSpec) -> str:
+    """'uniform 4-bit per channel', 'nuq 3-bit ..., 1% outliers, pre-RoPE', 'palu 70% rank, 3-bit latents', 'not quantized'."""
+    if spec.method == "none":
+        return "not quantized"
+    if spec.method == "palu":
+        groups = {0: "all KV heads jointly", 1: "per KV head"}.get(spec.group_heads, f"groups of {spec.group_heads} KV heads")
+        parts = [f"palu {spec.rank_fraction:.0%} rank {groups}"]
+        parts.append("16-bit latents" if spec.bits == 16 else f"{spec.bits}-bit latents" + (" + Hadamard" if spec.hadamard else ""))
+        return ", ".join(parts)
+    axis = "per channel" if spec.axis == "channel" else f"per token / {spec.group_size} ch"
+    parts = [f"{spec.method} {spec.bits}-bit {axis}"]
+    if spec.method == "nuq":
+        parts.append(spec.codebook)
+        if spec.outlier_fraction:
+            parts.append(f"{spec.outlier_fraction:.0%} outliers")
+        if spec.qnorm:
+            parts.append("Q-Norm")
+    if spec.pre_rope:
+        parts.append("pre-RoPE")
+    return ", ".join(parts)
+
+
+def window_summary(recipe: Recipe) -> str:
+    """The tokens kept as floats ahead of the compressed body, or that every token is a float."""
+    cache = recipe.cache
+    if not recipe.quantizes:
+        return f"all tokens {cache.float_dtype}"
+    return f"{cache.sink_tokens} sink + {cache.recent_tokens} recent {cache.float_dtype}, blocks of {cache.block_size}"
+
+
+def eviction_summary(recipe: Recipe) -> str:
+    """'h2o: keep 50%, 4 sink + 32 recent', 'fastgen T=0.95 (needs a profile)', or 'none'."""
+    spec = recipe.eviction
+    if not spec.enabled:
+        return "none"
+    if spec.policy == "fastgen":
+        return f"fastgen T={spec.threshold:g}, r_l={spec.local_ratio:g}, r_f={spec.frequent_ratio:g} (needs a profile)"
+    budget = f"{spec.budget_tokens} tokens" if spec.budget_tokens is not None else f"{spec.budget:.0%}"
+    parts = [f"{spec.policy}: keep {budget}", f"{spec.sink_tokens} sink + {spec.window} recent"]
+    if spec.policy == "snapkv":
+        parts.append(f"pooling {spec.pooling}")
+    if spec.layer_budgets != "uniform":
+        parts.append(f"{spec.layer_budgets} layer budgets")
+    return ", ".join(parts)
+
+
+def recipe_summary(recipe: Recipe) -> dict[str, str]:
+    """{keys, values, float window, eviction}: what the recipe stores and drops."""
+    return {
+        "keys": tensor_summary(recipe.keys),
+        "values": tensor_summary(recipe.values),
+        "float window": window_summary(recipe),
+        "eviction": eviction_summary(recipe),
+    }
