@@ -1,4 +1,4 @@
-"""Shared fixtures: paths to ../shared (real models and text) and cached real models."""
+"""Shared fixtures: paths to ../shared (real models and text), the real pretrained test models, cached real models."""
 
 import os
 from pathlib import Path
@@ -28,6 +28,47 @@ def shared_path(relative: str) -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+TEST_MODELS_ENV = "KVTOOL_TEST_MODELS"
+
+
+def test_model_path(name: str) -> Path:
+    """A real pretrained model folder under $KVTOOL_TEST_MODELS (default ~/.cache/kvtool-test-models).
+
+    `python ../shared/models/fetch_pretrained.py --install-deps` materializes them (.ci/run does).
+    Missing: skipped with the reason, except under CI (``CI`` set), where the test fails.
+    """
+    root = Path(os.environ.get(TEST_MODELS_ENV) or Path.home() / ".cache" / "kvtool-test-models")
+    path = root / name
+    if not (path / "model.safetensors").exists():
+        message = (
+            f"{path} not found: real-model tests need `python ../shared/models/fetch_pretrained.py --install-deps` "
+            f"(into ${TEST_MODELS_ENV}, default ~/.cache/kvtool-test-models)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+test_model_path.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 KV heads), float32 on CPU."""
+    from kvtool.models.loading import load_model
+
+    return load_model(str(test_model_path("smollm2-135m")))
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """(model, tokenizer) of Gemma 3 270M (18 layers: 15 sliding-window 512, 3 global; MQA, head_dim 256), float32 on CPU."""
+    from kvtool.models.loading import load_model
+
+    return load_model(str(test_model_path("gemma3-270m")))
 
 
 @pytest.fixture(scope="session")

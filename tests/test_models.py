@@ -10,7 +10,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from kvtool.errors import ModelError
 from kvtool.models import (
-    ADAPTERS,
+    TESTED_FAMILIES,
     adapter_for,
     apply_rope,
     compare_fingerprints,
@@ -20,7 +20,8 @@ from kvtool.models import (
     rotate_half,
     unapply_rope,
 )
-from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer_free_inputs
+from kvtool.models.verify import verify_adapter
+from tests.tiny_models import ALL_FAMILIES, FAMILIES, featured_model, tiny_model, tiny_tokenizer_free_inputs
 
 STORIES = Path("/work/shared/models/stories260K")
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
@@ -96,7 +97,7 @@ def test_compare_fingerprints_names_fields():
 
 
 def _check_cache_matches(model):
-    """Run the model with a DynamicCache; rebuild every layer's cached K/V from the adapter."""
+    """Run the model with a DynamicCache on a left-padded batch; rebuild every layer's cached K/V from the adapter."""
     adapter = adapter_for(model)
     with torch.no_grad():  # make biases (zero-initialised) matter where a family has them
         for layer in range(adapter.geometry.num_layers):
@@ -117,18 +118,25 @@ def _check_cache_matches(model):
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
     for hook in hooks:
         hook.remove()
-    cos, sin = adapter.rope_cos_sin(position_ids, torch.float32)  # (B, T, R)
-    assert cos.shape == (2, 12, adapter.geometry.rotary_dim)
     for layer in range(adapter.geometry.num_layers):
+        rope = adapter.layer_spec(layer).rope
+        cos, sin = adapter.rope_cos_sin(position_ids, torch.float32, layer=layer)  # (B, T, R)
+        assert cos.shape == (2, 12, adapter.geometry.rotary_dim)
         keys, values = adapter.project_kv(layer, hidden[layer])  # (B, H_kv, T, D), pre-RoPE
-        torch.testing.assert_close(apply_rope(keys, cos, sin), cache.layers[layer].keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(apply_rope(keys, cos, sin, rope.interleaved), cache.layers[layer].keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rope.apply(keys, position_ids), cache.layers[layer].keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values, cache.layers[layer].values, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(unapply_rope(cache.layers[layer].keys, cos, sin), keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rope.unapply(cache.layers[layer].keys, position_ids), keys, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_adapter_reproduces_cached_keys_and_values(family):
     _check_cache_matches(tiny_model(family))
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_adapter_reproduces_cached_keys_and_values_with_family_features(family):
+    _check_cache_matches(featured_model(family))
 
 
 @pytest.mark.parametrize(
@@ -143,35 +151,69 @@ def test_adapter_reproduces_cache_with_unusual_rope(family, overrides):
 # ----- RoPE math ------------------------------------------------------------------------------
 
 
-def _cos_sin(rotary_dim: int, scale: float = 1.0):
-    """Random-angle cos/sin, each (2, 5, rotary_dim), in the models' cat(freqs, freqs) layout."""
+def _cos_sin(rotary_dim: int, scale: float = 1.0, interleaved: bool = False):
+    """Random-angle cos/sin, each (2, 5, rotary_dim), in the cat(freqs, freqs) (or interleaved f0 f0 f1 f1) layout."""
     angles = torch.rand(2, 5, rotary_dim // 2, generator=torch.Generator().manual_seed(1)) * 50
-    angles = torch.cat((angles, angles), dim=-1)
+    angles = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
     return angles.cos() * scale, angles.sin() * scale
 
 
-@pytest.mark.parametrize("rotary_dim, scale", [(32, 1.0), (16, 1.0), (32, 1.2)])
-def test_rope_round_trip(rotary_dim, scale):
+@pytest.mark.parametrize("rotary_dim, scale, interleaved", [(32, 1.0, False), (16, 1.0, False), (32, 1.2, False), (32, 1.0, True)])
+def test_rope_round_trip(rotary_dim, scale, interleaved):
     x = torch.randn(2, 3, 5, 32, generator=torch.Generator().manual_seed(0))  # (B, H, T, D)
-    cos, sin = _cos_sin(rotary_dim, scale)
-    rotated = apply_rope(x, cos, sin)
+    cos, sin = _cos_sin(rotary_dim, scale, interleaved)
+    rotated = apply_rope(x, cos, sin, interleaved)
     assert rotated.shape == x.shape
     torch.testing.assert_close(rotated[..., rotary_dim:], x[..., rotary_dim:], atol=0, rtol=0)
-    torch.testing.assert_close(unapply_rope(rotated, cos, sin), x, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(unapply_rope(rotated, cos, sin, interleaved), x, atol=1e-6, rtol=1e-6)
 
 
-def test_rotate_half():
+def test_rotate_half_and_pairs():
+    from kvtool.models.rope import rotate_pairs
+
     assert rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [-3.0, -4.0, 1.0, 2.0]
+    assert rotate_pairs(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [-2.0, 1.0, -4.0, 3.0]
 
 
-# ----- unsupported families -------------------------------------------------------------------
+# ----- unsupported and untested families ----------------------------------------------------------
 
 
-def test_unsupported_architecture_names_supported_families():
+def _auto_tiny(model_type: str, **fields):
+    """A tiny random model of any transformers model_type, from its config class (no downloads)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=128, max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**base, **fields})).eval()
+
+
+def test_unsupported_architecture_names_what_is_missing_and_the_tested_families():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64))
-    with pytest.raises(ModelError, match="gpt2") as info:
+    with pytest.raises(ModelError, match="gpt2.*no decoder layers") as info:
         adapter_for(gpt2)
-    assert all(family in str(info.value) for family in ADAPTERS)
+    assert all(family in str(info.value) for family in TESTED_FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_mla_models_are_refused_with_the_reason(model_type):
+    model = _auto_tiny(model_type, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    with pytest.raises(ModelError, match="latent attention.*compress that latent"):
+        adapter_for(model)
+
+
+def test_an_untested_family_goes_through_the_generic_reading():
+    model = _auto_tiny("olmo")  # OLMo (v1): not in TESTED_FAMILIES, nothing family-specific in kvtool
+    assert model.config.model_type not in TESTED_FAMILIES
+    adapter = adapter_for(model)
+    assert type(adapter).__name__ == "ModelAdapter" and adapter.geometry.num_kv_heads == 2
+    verify_adapter(model, adapter)  # reading == what the model computes
+
+
+def test_generic_reading_that_does_not_match_the_model_is_refused_with_the_mismatch():
+    model = _auto_tiny("hunyuan_v1_dense", head_dim=16)  # normalises keys *after* RoPE: cached keys are not RoPE(projection)
+    with pytest.raises(ModelError, match="hunyuan_v1_dense.*keys rebuilt from the projections differ"):
+        verify_adapter(model)
 
 
 # ----- loading --------------------------------------------------------------------------------
@@ -203,9 +245,29 @@ def test_load_model_errors(tmp_path):
         load_model(str(tmp_path / "nope"))
     with pytest.raises(ModelError, match="config.json"):
         load_model(str(tmp_path))  # a directory without config.json
-    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelError, match="not a .gguf file"):
+        load_model(str(tmp_path / "weights.bin"))
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64)).save_pretrained(tmp_path)
     with pytest.raises(ModelError, match="gpt2.*llama"):
-        load_model(str(tmp_path))
+        load_model(str(tmp_path), tokenizer=False)
+
+
+def test_load_model_refuses_mla_before_loading_weights(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("deepseek_v3", num_hidden_layers=1, kv_lora_rank=16).save_pretrained(tmp_path)  # no weights
+    with pytest.raises(ModelError, match="latent attention"):
+        load_model(str(tmp_path), tokenizer=False)
+
+
+def test_load_model_checks_an_untested_family_on_a_forward(tmp_path):
+    _auto_tiny("olmo").save_pretrained(tmp_path / "olmo")
+    model, _ = load_model(str(tmp_path / "olmo"), tokenizer=False)
+    assert model.config.model_type == "olmo"
+    _auto_tiny("hunyuan_v1_dense", head_dim=16).save_pretrained(tmp_path / "hunyuan")
+    with pytest.raises(ModelError, match="does not match what the model computes"):
+        load_model(str(tmp_path / "hunyuan"), tokenizer=False)
 
 
 @needs_stories

@@ -73,7 +73,29 @@ def kvtool_attention(module, query, key, value, attention_mask, scaling=None, dr
     handler = getattr(_state, "handler", None)
     if handler is not None:
         return handler(module, query, key, value, attention_mask, scaling), None
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:  # SDPA has neither: the model's own eager path
+        return eager_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The model family's own ``eager_attention_forward``, fed an additive float mask.
+
+    The fallback (3.) for calls that carry ``softcap`` (Gemma 2) or ``s_aux`` sink logits
+    (GPT-OSS): SDPA can do neither (it refuses softcap and would drop the sinks).
+
+    attention_mask: None, bool (B, 1, t, T) with True = may attend (kvtool's mask), or already additive.
+    Returns (output (B, t, H_q, D), weights) as transformers' attention functions do.
+    """
+    import sys
+
+    from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", llama_eager)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        blocked = torch.finfo(query.dtype).min
+        attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, blocked)
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def _register() -> None:

@@ -1,4 +1,9 @@
-"""Load a Hugging Face causal LM and its tokenizer, with errors a user can act on."""
+"""Load a Hugging Face causal LM and its tokenizer, with errors a user can act on.
+
+`--model` is a local folder, a hub id, or a `.gguf` file (loaded with transformers' GGUF
+support, `gguf_file=`: the weights are dequantized to a float dtype; needs the `gguf`
+extra: `pip install "kvtool[gguf]"`).
+"""
 
 import os
 from pathlib import Path
@@ -7,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvtool.errors import ModelError
-from kvtool.models.adapter import ADAPTERS, adapter_for
+from kvtool.models.adapter import TESTED_FAMILIES, adapter_for, refusal_reason
 from kvtool.quiet import quiet_progress_bars
 
 DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "default_model"
@@ -19,18 +24,21 @@ _LOAD_HINT = "pass a local directory with config.json and weights, or a hub id r
 
 
 def resolve_model_path(model: str | None) -> str:
-    """Where to load from: a local directory (absolute path) or a hub id passed through.
+    """Where to load from: a local directory or .gguf file (absolute path) or a hub id passed through.
 
     None -> DEFAULT_MODEL_DIR if it exists, else $KVTOOL_DEFAULT_MODEL, else ModelError.
-    A string that looks like a path (absolute, ./, ../, ~) must be an existing directory.
+    A string that looks like a path (absolute, ./, ../, ~) must be an existing directory or .gguf file.
     """
     if model is None:
         return _default_model_path()
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and _is_gguf(path)):
         return str(path.resolve())
     if path.exists():
-        raise ModelError(f"model path '{model}' is a file; pass the directory holding config.json and weights")
+        raise ModelError(
+            f"model path '{model}' is a file but not a .gguf file; pass the directory holding config.json and "
+            "weights, or a .gguf file"
+        )
     if _looks_like_path(model):
         raise ModelError(f"model directory '{model}' does not exist; {_LOAD_HINT}")
     return model  # a hub id, e.g. "meta-llama/Llama-3.2-1B"
@@ -56,25 +64,33 @@ def load_model(
     """
     path = resolve_model_path(model)
     _check_device(device)
-    config = _load_config(path)
+    source = _source(path)
+    config = _load_config(path, source)
     on_cpu = torch.device(device).type == "cpu" and (device_map is None or not torch.cuda.is_available())
     torch_dtype = _resolve_dtype(dtype, config, on_cpu)
     try:
         with quiet_progress_bars():
-            loaded = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype, device_map=device_map)
+            loaded = AutoModelForCausalLM.from_pretrained(
+                source["where"], config=config, dtype=torch_dtype, device_map=device_map, **source["kwargs"]
+            )
     except Exception as exc:
         raise ModelError(f"could not load model '{path}': {exc}; {_LOAD_HINT}") from exc
     if device_map is None:
         loaded = loaded.to(device)
     loaded.eval()
-    adapter_for(loaded)  # fail early if the layout is not what the adapter expects
+    adapter = adapter_for(loaded)  # fail early if the layout is not what the adapter expects
+    if adapter.geometry.family not in TESTED_FAMILIES:
+        from kvtool.models.verify import verify_adapter
+
+        verify_adapter(loaded, adapter)  # the generic reading of an untested family, checked on a short forward
     return loaded, (load_tokenizer(path) if tokenizer else None)
 
 
 def load_tokenizer(path: str):
     """The model's tokenizer with padding_side="left" and pad_token (eos if it had none)."""
+    source = _source(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(source["where"], **source["kwargs"])
     except Exception as exc:
         raise ModelError(
             f"could not load the tokenizer of '{path}': {exc}; the model directory needs its "
@@ -101,6 +117,26 @@ def _default_model_path() -> str:
     )
 
 
+def _is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf"
+
+
+def _source(path: str) -> dict:
+    """from_pretrained arguments: {"where": folder or hub id, "kwargs": {"gguf_file": name} for a .gguf file}."""
+    file = Path(path)
+    if not _is_gguf(file):
+        return {"where": path, "kwargs": {}}
+    for package in ("gguf", "accelerate"):
+        try:
+            __import__(package)
+        except ImportError as exc:
+            raise ModelError(
+                f"loading '{path}' needs the '{package}' package, which is not installed; "
+                'install the GGUF extra: pip install "kvtool[gguf]"'
+            ) from exc
+    return {"where": str(file.parent), "kwargs": {"gguf_file": file.name}}
+
+
 def _looks_like_path(model: str) -> bool:
     """True for absolute paths and ./ ../ ~ forms (hub ids are 'name' or 'org/name')."""
     return os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
@@ -116,18 +152,15 @@ def _check_device(device: str) -> None:
         raise ModelError(f"device '{device}' requested but CUDA is not available on this machine; use device 'cpu'")
 
 
-def _load_config(path: str):
-    """The model config, checked to be of a supported family before any weights load."""
+def _load_config(path: str, source: dict):
+    """The model config, checked (refused architectures, e.g. MLA) before any weights load."""
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(source["where"], **source["kwargs"])
     except Exception as exc:
         raise ModelError(f"could not load model '{path}': {exc}; {_LOAD_HINT}") from exc
-    family = getattr(config, "model_type", None)
-    if family not in ADAPTERS:
-        raise ModelError(
-            f"model '{path}' is of type '{family}', which is not supported; kvtool supports these "
-            f"families: {', '.join(ADAPTERS)}"
-        )
+    reason = refusal_reason(config)
+    if reason:
+        raise ModelError(f"model '{path}': {reason}")
     return config
 
 
