@@ -38,7 +38,7 @@ def render_memory(console: Console, memory: dict, seconds_note: str = "") -> Non
         f"{memory['compression_ratio']:.2f}x", f"{memory['bits_per_element']:.2f}",
     )
     console.print(table)
-    if "kept_fraction" in memory:
+    if "policy" in memory:
         console.print(f"eviction ({memory['policy']}): {memory['kept_tokens']} tokens held over all layers, sequences and "
                       f"KV heads = {100 * memory['kept_fraction']:.1f}% of the tokens seen")
     if seconds_note:

@@ -17,8 +17,8 @@ import torch
 from kvtool.errors import RecipeError
 from kvtool.methods.evict.base import registered_policies
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
-from kvtool.runtime import ragged_attention as ragged
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+from kvtool.runtime.store import FLOAT_BLOCK
 from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer_free_inputs
 
 BUDGET_POLICIES = [p for p in registered_policies() if p != "fastgen"]
@@ -40,6 +40,20 @@ def evicting(policy: str, *, bits: int = 16, float_dtype: str = "model", **evict
         )
     spec = EvictionSpec(policy=policy, **{"sink_tokens": 2, "window": 4, **eviction})
     return dataclasses.replace(base, name=f"{policy}-test", eviction=spec)
+
+
+def held(layer):
+    """Per stream (sequence-major), the positions it holds, in the order it holds them."""
+    _, _, positions, valid = layer.decoded()
+    return [[int(p) for p, v in zip(row_p, row_v) if v] for seq_p, seq_v in zip(positions, valid) for row_p, row_v in zip(seq_p, seq_v)]
+
+
+def held_scores(layer):
+    """Per stream, the accumulated attention of the tokens it holds (float slots only)."""
+    store = layer.store
+    ids = store.float_block_ids(0, int(store.float_blocks().max()))
+    scores = store.read_blocks(store.float_pool, ("score",), ids)["score"]
+    return [scores[s, : int(store.float_len[s])] for s in range(store.streams)]
 
 
 def runtime(model, recipe):
@@ -95,7 +109,7 @@ def test_batch_equals_each_sequence_alone(policy, bits):
     assert torch.equal(together[1, 48:], alone[1][0, 33:])
     # the two sequences keep different numbers of tokens: storage is ragged, nothing is padded
     layer = batch_cache.layers[0]
-    assert layer.lengths == [48 + 29, 33 + 29]
+    assert layer.lengths.tolist() == [48 + 29, 33 + 29]
     report = batch_cache.memory_report()
     assert report["cache_bytes"] == report["expected_cache_bytes"]
     if policy != "fastgen":
@@ -110,17 +124,19 @@ def test_bytes_held_match_the_kept_tokens(policy):
     for budget in (1.0, 0.5, 0.25):
         cache = runtime(model, evicting(policy, budget=budget, float_dtype="float16")).new_cache()
         _generate(model, cache, ids, mask, new_tokens=10)
-        held = cache.nbytes()
-        assert held == cache.expected_nbytes()
-        kept = cache.kept_tokens()
-        per_token = 2 * 32 * 2 + 4 + (4 if cache.policy.uses_attention else 0) + (1 if policy == "fastgen" else 0)
-        assert held == kept * per_token  # K + V fp16 and per-token metadata, nothing else
-        # every stream is exactly its own size: no padding to the longest stream
+        total = cache.nbytes()
+        assert total == cache.expected_nbytes()
+        per_token = 2 * 32 * 2 + 4 + (4 if cache.policy.uses_attention else 0) + (4 if cache.policy.uses_feature else 0)
+        per_token += 1 if policy == "fastgen" else 0
+        blocks, metadata = 0, 0
         for layer in cache.layers:
-            for row in layer.streams:
-                for stream in row:
-                    assert stream.tail_k.shape[0] == stream.n == stream.positions.shape[0]
-        sizes[budget] = held
+            tokens = layer.store.tokens()  # every stream holds exactly its own tokens, in whole float blocks
+            blocks += int(((tokens + FLOAT_BLOCK - 1) // FLOAT_BLOCK).sum())
+            metadata += layer.store.metadata_nbytes() + 8 * 2 + 8 * 4
+            assert tokens.tolist() == [len(h) for h in held(layer)]
+        assert total == blocks * FLOAT_BLOCK * per_token + metadata  # K + V fp16, per-token metadata, tables: nothing else
+        assert total - metadata < (cache.kept_tokens() + FLOAT_BLOCK * 8) * per_token  # < one block per stream unused
+        sizes[budget] = total
     if policy != "fastgen":  # fastgen ignores the budget: its profile sets the sizes
         assert sizes[0.25] < sizes[0.5] < sizes[1.0]
 
@@ -138,7 +154,7 @@ def test_decoding_past_an_absolute_budget_keeps_memory_flat(policy):
             token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
             held.append(cache.nbytes())
     assert len(set(held)) == 1, "memory grew while decoding past the budget"
-    assert all(stream.n == 16 for layer in cache.layers for stream in layer.streams[0])
+    assert all(layer.store.tokens().tolist() == [16, 16] for layer in cache.layers)
     assert cache.get_seq_length() == 60  # logical length keeps counting for positions
 
 
@@ -149,7 +165,7 @@ def test_attention_after_eviction_equals_masked_full_attention_at_original_posit
     cache = runtime(model, evicting("streamingllm", budget_tokens=12, sink_tokens=3)).new_cache()
     with torch.no_grad():
         model(ids[:, :40], past_key_values=cache)
-        kept = cache.layers[0].streams[0][0].positions.tolist()
+        kept = held(cache.layers[0])[0]
         assert kept == [0, 1, 2] + list(range(31, 40))
         logits = model(ids[:, 40:], past_key_values=cache).logits[:, -1]
         visible = torch.ones(41, 41, dtype=torch.bool).tril()
@@ -161,13 +177,13 @@ def test_attention_after_eviction_equals_masked_full_attention_at_original_posit
 
 def test_kept_tokens_are_quantized_when_the_recipe_quantizes():
     model = tiny_model("llama")
-    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=120)
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=200)
     float_cache = runtime(model, evicting("h2o", budget=0.5, float_dtype="float16")).new_cache()
     quant_cache = runtime(model, evicting("h2o", bits=4, budget=0.5, float_dtype="float16")).new_cache()
     _generate(model, float_cache, ids, mask, new_tokens=20)
     out = _generate(model, quant_cache, ids, mask, new_tokens=20)
-    assert out.shape == (2, 140)
-    blocks = [s.body_blocks() for layer in quant_cache.layers for row in layer.streams for s in row]
+    assert out.shape == (2, 220)
+    blocks = [int(layer.store.body_len.min()) for layer in quant_cache.layers]
     assert min(blocks) >= 1, "kept tokens were not encoded into 4-bit blocks"
     assert quant_cache.nbytes() == quant_cache.expected_nbytes()
     assert quant_cache.nbytes() < 0.7 * float_cache.nbytes()
@@ -206,11 +222,11 @@ def test_fastgen_heads_keep_what_their_policy_says():
     cache = runtime(model, evicting("fastgen", sink_tokens=1)).new_cache()
     with torch.no_grad():
         model(ids, past_key_values=cache)
-    special, local = cache.layers[0].streams[0]
-    assert special.positions.tolist() == [0]  # special only: BOS
-    assert local.positions.tolist() == [0, 10, 20] + list(range(35, 50))  # + punctuation + last ceil(0.3*50)
-    frequent, full = cache.layers[1].streams[0]
-    assert full.n == 50 and 18 < frequent.n <= 33
+    special, local = held(cache.layers[0])
+    assert special == [0]  # special only: BOS
+    assert local == [0, 10, 20] + list(range(35, 50))  # + punctuation + last ceil(0.3*50)
+    frequent, full = held(cache.layers[1])
+    assert len(full) == 50 and 18 < len(frequent) <= 33
 
 
 def test_fastgen_without_a_profile_is_refused():
@@ -218,27 +234,6 @@ def test_fastgen_without_a_profile_is_refused():
         CompressedRuntime.from_recipe(tiny_model("llama"), evicting("fastgen"))
     with pytest.raises(RecipeError, match="heads.policy"):
         CompressedRuntime.from_recipe(tiny_model("llama"), evicting("fastgen"), profile={"heads.policy": torch.zeros(3, 2)})
-
-
-def test_row_chunking_does_not_change_ragged_attention(monkeypatch):
-    gen = torch.Generator().manual_seed(6)
-    q = torch.randn(2, 4, 9, 16, generator=gen)
-    k, v = torch.randn(2, 2, 14, 16, generator=gen), torch.randn(2, 2, 14, 16, generator=gen)
-    old_valid = torch.rand(2, 2, 5, generator=gen) > 0.3
-    new_mask = torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 9, 9)
-    whole = ragged.ragged_attention(q, k, v, old_valid, new_mask, 0.25, window=3)
-    monkeypatch.setattr(ragged, "ROW_CHUNK", 2)
-    chunked = ragged.ragged_attention(q, k, v, old_valid, new_mask, 0.25, window=3)
-    for a, b in zip(whole, chunked):
-        torch.testing.assert_close(a, b)
-    # the output equals plain attention over the valid keys, query heads sharing their KV head
-    out, received, _ = whole
-    mask = torch.cat([old_valid[:, :, None].expand(2, 2, 9, 5), new_mask[:, None].expand(2, 2, 9, 9)], -1)
-    mask = mask.repeat_interleave(2, dim=1)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.25)
-    torch.testing.assert_close(out, ref.transpose(1, 2))
-    torch.testing.assert_close(received.sum(-1), torch.full((2, 2), 2.0 * 9))  # each row sums to 1, G=2 rows per query
 
 
 def test_an_evicting_cache_on_a_model_without_kvtool_attention_fails_clearly_and_recovers():
@@ -253,7 +248,7 @@ def test_an_evicting_cache_on_a_model_without_kvtool_attention_fails_clearly_and
 
 
 def test_layer_fractions_keep_the_uniform_mean_when_a_layer_is_capped():
-    from kvtool.runtime.evicting import layer_fractions
+    from kvtool.runtime.eviction import layer_fractions
 
     weights = torch.tensor([2.2, 1.2, 0.7, 0.7, 0.7, 0.5], dtype=torch.float64)  # mean 1.0
     fractions = layer_fractions(0.5, weights)
@@ -269,7 +264,7 @@ def test_attention_scores_accumulate_over_prefill_and_every_decoded_token():
     cache = runtime(model, evicting("h2o", budget=1.0)).new_cache()
     run_tokens(model, cache, ids, prefill=20)
     for layer in cache.layers:
-        for stream in layer.streams[0]:
+        for scores in held_scores(layer):
             # every query's attention sums to 1 per query head; nothing evicted, so nothing was lost
-            assert abs(float(stream.attention.sum()) - 2 * 30) < 1e-3
-            assert float(stream.attention[0]) > 0
+            assert abs(float(scores.sum()) - 2 * 30) < 1e-3
+            assert float(scores[0]) > 0

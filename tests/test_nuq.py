@@ -266,7 +266,7 @@ def test_channel_axis_exact_on_codebook_points():
     mid, half = ((lo + hi) / 2)[None, :, None, None, :], ((hi - lo) / 2)[None, :, None, None, :]
     x = CODEBOOK_3BIT[codes] * half + mid
     storage = q.encode(x)
-    assert torch.equal(unpack_codes(storage["codes"], 3).reshape(codes.shape), codes.to(torch.uint8))
+    assert torch.equal(unpack_codes(storage["codes"], 3, S), codes.to(torch.uint8))
     assert torch.equal(q.decode(storage), x)
 
 
@@ -290,9 +290,9 @@ def test_codes_are_packed_at_exactly_bits_per_element(bits):
     q = fitted_quantizer(spec(bits=bits, outlier_fraction=0.0), randn((256, H, D), seed=15))
     storage = q.encode(randn((B, H, N, S, D), seed=16))
     assert set(storage) == {"codes"}
-    assert storage["codes"].dtype == torch.int32 and storage["codes"].shape == (B, H, N, bits * S * D // 32)
+    assert storage["codes"].dtype == torch.uint8 and storage["codes"].shape == (B, H, N, bits * S // 8, D)
     assert q.bits_per_element() == bits  # channel axis without outliers: nothing but codes per block
-    assert unpack_codes(storage["codes"], bits).max() == 2**bits - 1
+    assert unpack_codes(storage["codes"], bits, S).max() == 2**bits - 1
 
 
 # ----- quality -----------------------------------------------------------------------------------

@@ -1,131 +1,115 @@
-"""Bit-plane packing of integer codes: exact round trips, sizes, sign handling and the fixed layout."""
+"""Bit-sliced, token-split packing: exact round trips, the documented byte layout, exact sizes,
+and the raw-value identities the attention algebra relies on."""
 
 import pytest
 import torch
 
-from kvtool.methods.quant.packing import RUN, pack_codes, packed_words, unpack_codes
+from kvtool.methods.quant.packing import (
+    fold_weights,
+    pack_codes,
+    packed_bytes,
+    packed_rows,
+    raw_slices,
+    slice_widths,
+    telescope_scores,
+    unpack_codes,
+)
 
-ALL_BITS = list(range(1, 9))
-LEADING_SHAPES = [(), (3,), (2, 3), (2, 1, 4)]
-
-
-def random_codes(shape, bits, seed=0, dtype=torch.int64):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2**bits, shape, generator=generator).to(dtype)
-
-
-def reference_pack(codes_1d: list[int], bits: int) -> list[int]:
-    """Pure-Python transcription of the documented layout (runs of 32, word j = bit j, code i at bit i)."""
-    words = []
-    for start in range(0, len(codes_1d), RUN):
-        run = codes_1d[start : start + RUN]
-        for j in range(bits):
-            word = sum(((code >> j) & 1) << i for i, code in enumerate(run))
-            words.append(word - 2**32 if word >= 2**31 else word)  # as a signed int32
-    return words
+BITS = list(range(1, 9))
 
 
-@pytest.mark.parametrize("bits", ALL_BITS)
-@pytest.mark.parametrize("leading", LEADING_SHAPES)
+def random_codes(bits, shape, seed=0):
+    return torch.randint(0, 2**bits, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("leading", [(), (3,), (2, 5)])
 def test_round_trip_exact(bits, leading):
-    codes = random_codes((*leading, 96), bits, seed=bits)
-    words = pack_codes(codes, bits)
-    assert words.dtype == torch.int32
-    assert words.shape == (*leading, 96 // 32 * bits)
-    back = unpack_codes(words, bits)
-    assert back.dtype == torch.uint8
-    assert back.shape == codes.shape
-    assert torch.equal(back.to(torch.int64), codes)
+    codes = random_codes(bits, (*leading, 32, 24))
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (*leading, 32 * bits // 8, 24)
+    assert torch.equal(unpack_codes(packed, bits, 32).long(), codes)
 
 
-@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("bits", BITS)
 def test_extreme_codes_round_trip(bits):
-    """All zeros, all max codes, and alternating 0/max (max sets every bit, including bit 31 of each word)."""
-    top = 2**bits - 1
-    for codes in (
-        torch.zeros(2, 64, dtype=torch.int64),
-        torch.full((2, 64), top, dtype=torch.int64),
-        (torch.arange(64) % 2 * top).expand(2, 64),
-    ):
-        assert torch.equal(unpack_codes(pack_codes(codes, bits), bits).long(), codes)
+    for value in (0, 2**bits - 1):
+        codes = torch.full((64, 8), value)
+        assert torch.equal(unpack_codes(pack_codes(codes, bits), bits, 64).long(), codes)
 
 
-@pytest.mark.parametrize("bits", ALL_BITS)
-def test_words_per_code_is_exactly_bits(bits):
-    """A run of 32 b-bit codes costs exactly b int32 words (3-bit codes take 3 bits, not 4)."""
-    n = 32 * 5
-    words = pack_codes(random_codes((n,), bits), bits)
-    assert words.numel() == packed_words(n, bits) == n // 32 * bits
-    assert words.numel() * 32 == n * bits  # bits of storage == bits of payload
+@pytest.mark.parametrize("bits", BITS)
+def test_bytes_per_code_is_exactly_bits(bits):
+    assert packed_bytes(32, 64, bits) * 8 == 32 * 64 * bits  # 3-bit codes take 3 bits, not 4
+    assert packed_rows(32, bits) == 4 * bits
+
+
+def test_slice_widths():
+    assert slice_widths(3) == [2, 1] and slice_widths(7) == [4, 2, 1] and slice_widths(8) == [8]
+    with pytest.raises(ValueError):
+        slice_widths(9)
+
+
+def test_hand_computed_4bit_layout():
+    """4 bits: byte [j, c] holds token j (low nibble) and token j + S/2 (high nibble) of channel c."""
+    codes = torch.zeros(8, 2, dtype=torch.long)
+    codes[0, 0], codes[4, 0], codes[1, 1], codes[7, 1] = 3, 10, 15, 1
+    packed = pack_codes(codes, 4)
+    assert packed.shape == (4, 2)
+    assert int(packed[0, 0]) == 3 + (10 << 4)
+    assert int(packed[1, 1]) == 15 and int(packed[3, 1]) == 1 << 4
+
+
+def test_hand_computed_3bit_layout():
+    """3 bits = a 2-bit slice (rows 0..S/4-1) then a 1-bit slice (S/8 rows) of the high bit."""
+    codes = torch.zeros(8, 1, dtype=torch.long)
+    codes[0, 0], codes[2, 0], codes[7, 0] = 5, 6, 4  # 0b101, 0b110, 0b100
+    packed = pack_codes(codes, 3)
+    assert packed.shape == (3, 1)
+    low = [1, 0, 2, 0, 0, 0, 0, 0]  # low 2 bits of tokens 0..7
+    assert int(packed[0, 0]) == low[0] | low[2] << 2 | low[4] << 4 | low[6] << 6
+    assert int(packed[1, 0]) == low[1] | low[3] << 2 | low[5] << 4 | low[7] << 6
+    high = [1, 0, 1, 0, 0, 0, 0, 1]
+    assert int(packed[2, 0]) == sum(bit << i for i, bit in enumerate(high))
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
 def test_any_integer_input_dtype(dtype):
-    codes = random_codes((4, 64), 4, seed=1, dtype=dtype)
-    assert torch.equal(unpack_codes(pack_codes(codes, 4), 4), codes.to(torch.uint8))
+    codes = random_codes(4, (16, 4)).to(dtype)
+    assert torch.equal(unpack_codes(pack_codes(codes, 4), 4, 16).to(dtype), codes)
 
 
 def test_non_contiguous_input():
-    codes = random_codes((64, 4), 3, seed=2).t()  # (4, 64), not contiguous
-    assert not codes.is_contiguous()
-    assert torch.equal(unpack_codes(pack_codes(codes, 3), 3).long(), codes)
+    codes = random_codes(2, (24, 32)).t()  # (32, 24) non-contiguous
+    assert torch.equal(unpack_codes(pack_codes(codes, 2), 2, 32).long(), codes)
 
 
-@pytest.mark.parametrize("bits", ALL_BITS)
-def test_high_bit_position_31_survives_int32_sign(bits):
-    """Code 31 of a run lands on bit 31 of each word: the int32 words go negative and must unpack intact."""
-    codes = torch.zeros(64, dtype=torch.int64)
-    codes[31] = 2**bits - 1  # last code of run 0: every plane word has bit 31 set
-    codes[63] = 1  # last code of run 1: only plane 0 has bit 31 set
-    words = pack_codes(codes, bits)
-    assert (words[:bits] == torch.iinfo(torch.int32).min).all()  # exactly 0x80000000 in every plane of run 0
-    assert words[bits].item() == torch.iinfo(torch.int32).min
-    assert (words[bits + 1 :] == 0).all()
-    assert torch.equal(unpack_codes(words, bits).long(), codes)
+def test_token_count_not_multiple_of_8_rejected():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_codes(torch.zeros(12, 4), 4)
 
 
-@pytest.mark.parametrize("bits", [1, 3, 8])
-def test_matches_reference_layout_on_random_codes(bits):
-    codes = random_codes((128,), bits, seed=10 + bits)
-    expected = reference_pack(codes.tolist(), bits)
-    assert pack_codes(codes, bits).tolist() == expected
+@pytest.mark.parametrize("bits", BITS)
+def test_raw_values_give_exact_contractions(bits):
+    """q . c_t and sum_t w_t c_t computed from raw (unmasked) slices equal the true ones."""
+    codes = random_codes(bits, (3, 32, 16), seed=bits)
+    packed = pack_codes(codes, bits)
+    q = torch.randn(3, 5, 16, dtype=torch.float64)
+    w = torch.randn(3, 5, 32, dtype=torch.float64)
+    scores = sum(
+        (1 << low) * telescope_scores(q @ raw.double().transpose(-1, -2), width, 32)
+        for width, low, raw in raw_slices(packed, bits, 32)
+    )
+    mixed = sum((1 << low) * (fold_weights(w, width, 32) @ raw.double()) for width, low, raw in raw_slices(packed, bits, 32))
+    torch.testing.assert_close(scores, q @ codes.double().transpose(-1, -2))
+    torch.testing.assert_close(mixed, w @ codes.double())
 
 
-def test_hand_computed_layout():
-    """Pins the documented bit-plane layout: run-major, then plane j = bit j, code i of a run at bit i."""
-    codes = torch.zeros(64, dtype=torch.int64)
-    codes[0] = 1  # 0b001: run 0, plane 0, bit 0
-    codes[1] = 6  # 0b110: run 0, planes 1 and 2, bit 1
-    codes[31] = 7  # 0b111: run 0, all planes, bit 31
-    codes[34] = 5  # 0b101: run 1 (code 2 of the run), planes 0 and 2, bit 2
-    words = pack_codes(codes, 3)
-    # run 0: plane0 = 0x80000001, plane1 = plane2 = 0x80000002 (as int32); run 1: [4, 0, 4]
-    assert words.tolist() == [-2147483647, -2147483646, -2147483646, 4, 0, 4]
-
-
-def test_hand_computed_two_bit_pattern():
-    codes = torch.arange(32) % 4  # 0,1,2,3,0,1,...
-    words = pack_codes(codes, 2)
-    # plane 0 = bit 0 of each code = odd positions = 0xAAAAAAAA; plane 1 = positions 2,3 mod 4 = 0xCCCCCCCC
-    assert words.tolist() == [0xAAAAAAAA - 2**32, 0xCCCCCCCC - 2**32]
-
-
-def test_unpack_hand_words():
-    words = torch.tensor([5, -(2**31)], dtype=torch.int32)  # plane0: bits 0 and 2; plane1: bit 31
-    codes = unpack_codes(words, 2)
-    expected = torch.zeros(32, dtype=torch.uint8)
-    expected[0] = expected[2] = 1
-    expected[31] = 2
-    assert torch.equal(codes, expected)
-
-
-@pytest.mark.parametrize("n", [1, 16, 31, 33, 48, 100])
-def test_length_not_multiple_of_32_rejected(n):
-    with pytest.raises(ValueError, match=rf"last dimension \({n}\) must be a multiple of 32"):
-        pack_codes(torch.zeros(2, n, dtype=torch.int64), 4)
-
-
-@pytest.mark.parametrize("bits", [0, -1, 9, 16])
-def test_bits_out_of_range_rejected(bits):
-    with pytest.raises(ValueError, match=rf"bits must be in 1\.\.8, got {bits}"):
-        pack_codes(torch.zeros(32, dtype=torch.int64), bits)
+def test_raw_identities_hold_per_block_of_a_longer_axis():
+    """Several blocks side by side on the last axis: each block is corrected on its own."""
+    codes = random_codes(2, (4, 32, 8))  # 4 blocks
+    packed = pack_codes(codes, 2)
+    (width, _, raw), = raw_slices(packed, 2, 32)
+    q = torch.randn(8, dtype=torch.float64)
+    raw_scores = (raw.double() @ q).reshape(-1)  # (4 * 32,) blocks concatenated
+    torch.testing.assert_close(telescope_scores(raw_scores, width, 32), (codes.double() @ q).reshape(-1))

@@ -62,8 +62,10 @@ def test_full_rank_keys_rotated_at_gapped_positions_equal_direct_keys():
         step = torch.tensor([[200]])
         ours_next = model(input_ids=ids[:, :1], position_ids=step, past_key_values=cache, use_cache=True).logits
         ref_next = model(input_ids=ids[:, :1], position_ids=step, past_key_values=plain, use_cache=True).logits
-    assert cache.tracker.positions[0].tolist() == positions[0].tolist() + [200]
-    keys, values = cache.layers[1].materialize()
+    recorded = cache.context.sequence_positions
+    assert recorded.table[0, : int(recorded.count[0])].tolist() == positions[0].tolist() + [200]
+    keys, values, held_positions, valid = cache.layers[1].decoded()
+    assert bool(valid.all()) and held_positions[0, 0].tolist() == positions[0].tolist() + [200]
     # 16-bit latents are stored as float16: tolerances are fp16 rounding of the latent, nothing more
     fp16 = dict(rtol=1e-2, atol=2e-3)
     torch.testing.assert_close(keys[:, :, :64], plain.layers[1].keys[:, :, :64], **fp16)
@@ -79,13 +81,16 @@ def test_latent_cache_holds_r_numbers_per_token_per_group():
     ids = torch.randint(3, 128, (2, 96), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
+    latent_bytes = 0
     for layer, fitted in zip(cache.layers, runtime.layer_tensors):
         r_k, r_v = fitted["keys.basis"].shape[-1], fitted["values.basis"].shape[-1]
-        assert layer.body_k["latent"].shape == (2, 2, 3, 32, r_k)  # (B, G, N, S, r)
-        assert layer.body_v["latent"].shape == (2, 2, 3, 32, r_v)
+        pool = layer.store.body_pool
+        assert pool.tensors["k.latent"].shape[1:] == (32, r_k)  # (blocks, S, r): one block = 32 tokens of a group
+        assert pool.tensors["v.latent"].shape[1:] == (32, r_v)
+        assert layer.store.body_len.tolist() == [3, 3, 3, 3]  # 2 sequences x 2 groups, 96 tokens = 3 blocks each
+        latent_bytes += pool.used * 32 * (r_k + r_v) * 2
     total_rank = sum(f["keys.basis"].shape[-1] + f["values.basis"].shape[-1] for f in runtime.layer_tensors)
     assert total_rank == round(0.5 * 2 * 2 * 32)  # ranks searched across layers and K/V hit the budget
-    latent_bytes = sum(t.numel() * 2 for layer in cache.layers for t in (layer.body_k["latent"], layer.body_v["latent"]))
     assert latent_bytes == 2 * 2 * 96 * total_rank * 2  # batch * groups * tokens * rank * fp16
     assert cache.nbytes() == cache.expected_nbytes()
 

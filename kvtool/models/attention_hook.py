@@ -1,4 +1,4 @@
-"""kvtool's attention function: how profiling and the evicting cache see queries and attention.
+"""kvtool's attention function: how profiling and kvtool's cache see queries and attention.
 
 transformers 5.x attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
 with ``(module, query, key, value, attention_mask, scaling=...)`` right after
@@ -6,10 +6,11 @@ with ``(module, query, key, value, attention_mask, scaling=...)`` right after
 padding-aware boolean mask builder for it) and switches a model to it. The function
 dispatches, in this order, to:
 
-1. an *owner* the cache registered during ``update`` for this very call (the
-   evicting cache: it must see the attention probabilities to score tokens and it
-   builds its own per-stream mask because every (sequence, KV head) stream has its
-   own length);
+1. an *owner* the cache registered during ``update`` for this very call (kvtool's
+   cache: attention runs over its compressed blocks, never over a rebuilt float cache;
+   every (sequence, KV head) stream has its own length; eviction policies see the
+   attention probabilities); the model's extra arguments (``softcap``, ``s_aux`` sinks,
+   ``sliding_window``) are passed on;
 2. a *handler* set with `attention_handler` (profiling: attention statistics per head);
 3. PyTorch SDPA, exactly what the model would run without kvtool.
 
@@ -39,7 +40,7 @@ def claim_next_attention(owner: AttentionOwner) -> None:
     if getattr(_state, "owner", None) is not None:
         _state.owner = None  # drop the stale claim so the next correct forward works
         raise RuntimeError(
-            "kvtool's evicting cache was updated but the model did not run kvtool attention; "
+            "kvtool's cache was updated but the model did not run kvtool attention; "
             "build caches with CompressedRuntime.new_cache(), which switches the model to it"
         )
     _state.owner = owner
@@ -68,7 +69,7 @@ def kvtool_attention(module, query, key, value, attention_mask, scaling=None, dr
     owner = getattr(_state, "owner", None)
     if owner is not None:
         _state.owner = None
-        return owner.attend(module, query, key, value, attention_mask, scaling), None
+        return owner.attend(module, query, key, value, attention_mask, scaling, **kwargs), None
     handler = getattr(_state, "handler", None)
     if handler is not None:
         return handler(module, query, key, value, attention_mask, scaling), None

@@ -1,10 +1,12 @@
-"""Attach kvtool's compressed cache to an unmodified transformers model.
+"""Attach kvtool's cache to an unmodified transformers model.
 
 `CompressedRuntime` is the bridge from an artifact (or a bare recipe) to caches:
 it validates the artifact against the model before anything runs, builds the
-per-layer plans, and makes a fresh `CompressedCache` per generation. The model
-is not changed: the cache is passed as ``past_key_values`` to ``forward`` or
-``generate`` and the model's own attention runs over the K/V it returns.
+per-layer plans, resolves the backend once, and makes a fresh `KvtoolCache` per
+generation. The model's weights are not changed: the cache is passed as
+``past_key_values`` to ``forward`` or ``generate``; the model is switched to kvtool's
+attention function (plain SDPA for any other cache), through which the cache computes
+attention over its compressed storage.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from kvtool.calibration import build_quantizers, needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.adapter import ModelAdapter, adapter_for
 from kvtool.recipe import EvictionSpec, Recipe, recipe_from_dict
-from kvtool.runtime.cache import CompressedCache, LayerPlan
 from kvtool.methods.budget.pyramid import layer_budgets
 from kvtool.methods.evict.base import EvictionPolicy, policy_class
 from kvtool.methods.evict.fastgen import choose_policies
 from kvtool.models.attention_hook import install
-from kvtool.runtime.evicting import BudgetRule, EvictingCache, ForwardInfo
-from kvtool.runtime.positions import PositionProbe, PositionTracker, TokenProbe
+from kvtool.runtime.backend import resolve_backend
+from kvtool.runtime.cache import CacheContext, KvtoolCache
+from kvtool.runtime.eviction import BudgetRule
+from kvtool.runtime.layer import LayerPlan
+from kvtool.runtime.positions import ForwardProbes, RopeTable
 
 
 def uncompressed_recipe(float_dtype: str = "model") -> Recipe:
@@ -36,55 +40,76 @@ def uncompressed_recipe(float_dtype: str = "model") -> Recipe:
 
 @dataclass
 class CompressedRuntime:
-    """A model, its adapter, a validated recipe and per-layer fitted tensors."""
+    """A model, its adapter, a validated recipe, per-layer fitted tensors and the backend."""
 
     model: object
     adapter: ModelAdapter
     recipe: Recipe
     layer_tensors: list[dict]
     profile: dict[str, torch.Tensor] | None = None  # `kvtool profile` tensors (FastGen policies, layer budgets)
-    probe: PositionProbe | None = None
-    token_probe: TokenProbe | None = None
+    backend: str = "torch"
+    probes: ForwardProbes | None = None
+    formats: dict = dataclasses.field(default_factory=dict)  # block formats per layer, shared by every cache
 
     @classmethod
     def from_recipe(
-        cls, model, recipe: Recipe, layer_tensors: list[dict] | None = None, profile: dict[str, torch.Tensor] | None = None
+        cls,
+        model,
+        recipe: Recipe,
+        layer_tensors: list[dict] | None = None,
+        profile: dict[str, torch.Tensor] | None = None,
+        backend: str = "auto",
     ) -> "CompressedRuntime":
         adapter = adapter_for(model)
         geometry = adapter.geometry
         if layer_tensors is None and needs_fit(recipe):
             raise RecipeError(
-                f"recipe '{recipe.name}' uses a method that learns from calibration data (nuq); "
+                f"recipe '{recipe.name}' uses a method that learns from calibration data (nuq, palu); "
                 "run `kvtool calibrate` and `kvtool export`, then pass the artifact (--artifact)"
             )
         tensors = layer_tensors or [{} for _ in range(geometry.num_layers)]
-        build_quantizers(recipe, geometry.head_dim, fitted=tensors[0])  # fails early if the recipe cannot fit the model
-        runtime = cls(model=model, adapter=adapter, recipe=recipe, layer_tensors=tensors, profile=profile)
+        quantizers = build_quantizers(recipe, geometry.head_dim, fitted=tensors[0])  # fails early if the recipe cannot fit
+        if recipe.evicts and any(q.heads_per_block != 1 for q in quantizers):
+            raise RecipeError(
+                f"recipe '{recipe.name}': eviction keeps different tokens per KV head, but palu group_heads > 1 stores "
+                "one latent for a group of heads; use group_heads: 1 with eviction"
+            )
+        resolved = resolve_backend(backend, next(model.parameters()).device)
+        runtime = cls(model=model, adapter=adapter, recipe=recipe, layer_tensors=tensors, profile=profile, backend=resolved)
         if recipe.evicts:
             runtime._eviction_parts()  # fails early on a missing or mismatched profile
         return runtime
 
     @classmethod
-    def from_artifact(cls, model, artifact: Artifact) -> "CompressedRuntime":
+    def from_artifact(cls, model, artifact: Artifact, backend: str = "auto") -> "CompressedRuntime":
         """Validate a deployable artifact against the model, then build the runtime."""
         adapter = adapter_for(model)
         check_model(artifact, adapter.fingerprint())
         recipe = recipe_from_dict(artifact.manifest["recipe"])
         tensors = [artifact.layer_tensors(i) for i in range(adapter.geometry.num_layers)]
         profile = {k[len("profile.") :]: v for k, v in artifact.tensors.items() if k.startswith("profile.")}
-        return cls.from_recipe(model, recipe, tensors, profile or None)
+        return cls.from_recipe(model, recipe, tensors, profile or None, backend=backend)
 
-    def new_cache(self) -> CompressedCache | EvictingCache:
-        """A fresh, empty compressed cache for one generate/forward session."""
-        plans = [LayerPlan(self.recipe, fitted) for fitted in self.layer_tensors]
-        if self.recipe.evicts:
-            return self._new_evicting_cache(plans)
-        tracker = None
-        if self.recipe.keys.pre_rope:
-            if self.probe is None:  # one hook per runtime, installed on first need
-                self.probe = PositionProbe(self.adapter.rotary_emb)
-            tracker = PositionTracker(self.probe, lambda pos: self.adapter.rope_cos_sin(pos, torch.float32))
-        return CompressedCache(plans, tracker)
+    def new_cache(self) -> KvtoolCache:
+        """A fresh, empty cache for one generate/forward session (switches the model to kvtool attention)."""
+        install(self.model)
+        policy, budget = self._eviction_parts() if self.recipe.evicts else (None, None)
+        if self.probes is None:  # one set of hooks per runtime, installed on first need
+            self.probes = ForwardProbes(self.model, self.adapter.rotary_emb, record_ids=True)
+        profile = self.profile or {}
+        context = CacheContext(
+            probes=self.probes,
+            rope=RopeTable(self.adapter.rotary_emb),
+            sliding_windows=tuple(self.adapter.geometry.sliding_windows),
+            policy=policy,
+            budget=budget,
+            special_ids=profile.get("tokens.special"),
+            punct_ids=profile.get("tokens.punctuation"),
+            needs_sequence_positions=self.recipe.keys.pre_rope and policy is None,
+            backend=self.backend,
+            shared_formats=self.formats,
+        )
+        return KvtoolCache([LayerPlan(self.recipe, fitted) for fitted in self.layer_tensors], context)
 
     def check_context(self, tokens: int) -> None:
         """Refuse contexts beyond the model's position limit."""
@@ -110,23 +135,6 @@ class CompressedRuntime:
         weights = layer_budgets(spec, geometry.num_layers, profile.get("layers.budget_weight"))
         policy = policy_class(spec.policy)(spec, profile)
         return policy, BudgetRule(spec.budget, spec.budget_tokens, weights)
-
-    def _new_evicting_cache(self, plans: list[LayerPlan]) -> EvictingCache:
-        install(self.model)  # kvtool attention: plain SDPA unless an evicting cache claims the call
-        if self.probe is None:
-            self.probe = PositionProbe(self.adapter.rotary_emb)
-        if self.token_probe is None:
-            self.token_probe = TokenProbe(self.model.get_input_embeddings())
-        policy, budget = self._eviction_parts()
-        profile = self.profile or {}
-        info = ForwardInfo(
-            position_probe=self.probe,
-            token_probe=self.token_probe,
-            rope_cos_sin=lambda pos: self.adapter.rope_cos_sin(pos, torch.float32),
-            special_ids=profile.get("tokens.special"),
-            punct_ids=profile.get("tokens.punctuation"),
-        )
-        return EvictingCache(plans, policy, budget, info)
 
 
 def fastgen_settings(spec: EvictionSpec) -> torch.Tensor:

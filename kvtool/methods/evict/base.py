@@ -1,14 +1,15 @@
 """Base class of token-eviction policies: the plumbing every policy shares.
 
-A policy looks at one (sequence, KV head) stream of n kept tokens (oldest first)
-and says which to keep. Subclasses override `token_scores` (higher = keep) and
-nothing else; `keep` protects the first ``sink_tokens`` positions and the last
-``window`` positions, then fills the rest of the budget with the best-scored
-*units*. A unit is one token, or one quantized block of ``block_size`` tokens when
-the stream stores its body compressed (blocks are freed whole: their codes share
-per-block scales). FastGen overrides `keep` (its per-head policies imply their own
-sizes). Policies never import the runtime; the runtime calls them through the
-registry (`policy_class`).
+A policy looks at every (sequence, KV head) stream of one layer at once, each padded to
+N slots (the stored tokens, then the tokens of the current forward), and says which to
+keep. Subclasses override `token_scores` (higher = keep) and, when they score tokens by
+something fixed at insertion (a key or value norm), `token_feature`; nothing else. `keep`
+protects the first ``sink_tokens`` positions and the last ``window`` positions, then fills
+each stream's budget with the best-scored *units*: a unit is one token, or one quantized
+block of ``block_size`` tokens (its codes share scales, so it is freed whole). Everything
+is batched over streams with tensor ops: no Python loop over sequences or heads. FastGen
+overrides `keep` (its per-head policies imply their own sizes). Policies never import the
+runtime; the runtime calls them through the registry (`policy_class`).
 """
 
 from __future__ import annotations
@@ -24,31 +25,39 @@ from kvtool.recipe import EvictionSpec
 
 @dataclass
 class StreamView:
-    """What a policy may look at for one stream; all tensors are per kept token, oldest first.
+    """What a policy may look at: every stream of one layer, (S, N) per slot unless noted.
 
-    positions (n,) int: original positions; length: tokens the sequence has seen;
-    attention (n,) float32: attention received, summed over the group's query heads
-    and every query so far; window_attention (n,) or None: at prefill only, attention
-    from the last ``window`` prompt queries (SnapKV); keys/values (n, D): float K/V
-    (keys after RoPE; None unless the policy sets ``uses_keys`` / ``uses_values``); is_special / is_punct (n,) bool: FastGen token classes;
-    units (n,) int64: unit id per token (0..U-1, non-decreasing); layer, head: where.
+    positions int64: original positions (garbage where not ``valid``); valid bool: the slot
+    holds a token; length (S,) int64: tokens the stream's sequence has seen; attention
+    float32: attention received so far, summed over the group's query heads and every query
+    (this forward included; zeros when the policy does not use attention); window_attention:
+    at prefill only, attention from the last ``window`` query tokens (SnapKV), else None;
+    feature float32 or None: `token_feature` of each token, computed when it arrived;
+    is_special / is_punct bool: FastGen token classes; units int64: unit id per slot in
+    [0, unit_count), slots of one unit are kept or freed together; layer: the layer index;
+    heads (S,) int64: the KV head of each stream.
     """
 
     positions: torch.Tensor
-    length: int
+    valid: torch.Tensor
+    length: torch.Tensor
     attention: torch.Tensor
     window_attention: torch.Tensor | None
-    keys: torch.Tensor | None
-    values: torch.Tensor | None
+    feature: torch.Tensor | None
     is_special: torch.Tensor
     is_punct: torch.Tensor
     units: torch.Tensor
+    unit_count: int
     layer: int
-    head: int
+    heads: torch.Tensor
 
     @property
-    def n(self) -> int:
-        return self.positions.shape[0]
+    def single_token_units(self) -> bool:
+        return self.unit_count == self.positions.shape[1]
+
+    def latest(self) -> torch.Tensor:
+        """(S,) newest position held per stream."""
+        return self.positions.masked_fill(~self.valid, -1).amax(dim=1)
 
 
 class EvictionPolicy:
@@ -56,8 +65,7 @@ class EvictionPolicy:
 
     name = "base"
     uses_attention = True  # False: the runtime need not accumulate attention for this policy
-    uses_keys = False  # True: the view carries the float keys (n, D)
-    uses_values = False  # True: the view carries the float values (n, D)
+    uses_feature = False  # True: the runtime stores `token_feature` per token
     uses_token_classes = False  # True: the runtime records special/punctuation classes per token
     budgeted = True  # False: the kept set follows rules (FastGen), so it is re-selected every step
 
@@ -66,52 +74,83 @@ class EvictionPolicy:
         self.profile = profile or {}  # tensors of `kvtool profile` (FastGen head policies), when given
 
     def token_scores(self, view: StreamView) -> torch.Tensor:
-        """(n,) float scores, higher = more worth keeping."""
+        """(S, N) float scores, higher = more worth keeping."""
+        raise NotImplementedError
+
+    def token_feature(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """(S, t) a fixed score part of new tokens from their keys/values (S, t, D) float32 (keys after RoPE)."""
         raise NotImplementedError
 
     def protected(self, view: StreamView) -> torch.Tensor:
-        """(n,) bool: sinks (first positions) and the recent window (last positions) are always kept."""
-        latest = int(view.positions.max()) if view.n else 0
-        return (view.positions < self.spec.sink_tokens) | (view.positions > latest - self.spec.window)
+        """(S, N) bool: sinks (first positions) and the recent window (last positions) are always kept."""
+        recent = view.positions > (view.latest() - self.spec.window)[:, None]
+        return view.valid & ((view.positions < self.spec.sink_tokens) | recent)
 
-    def keep(self, view: StreamView, budget: int) -> torch.Tensor:
-        """(n,) bool keep mask with at most ``budget`` tokens (all tokens if they fit)."""
-        if view.n <= budget:
-            return torch.ones(view.n, dtype=torch.bool)
+    def keep(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
+        """(S, N) bool keep mask with at most ``budget`` (S,) tokens per stream (all tokens where they fit)."""
         protected = self.protected(view)
-        if int(protected.sum()) >= budget:
-            return self._sinks_and_newest(view, budget)
-        return _fill_units(self.token_scores(view).float(), protected, view.units, budget)
+        scores = self.token_scores(view).float().masked_fill(~view.valid, -math.inf)
+        over = protected.sum(dim=1) >= budget  # the budget cannot even hold the protected tokens
+        if view.single_token_units:
+            keep = _top_tokens(scores, protected, view.valid, budget)
+        else:
+            keep = _fill_units(scores, protected, view, budget)
+        keep = torch.where(over[:, None], self._sinks_and_newest(view, budget), keep)
+        fits = view.valid.sum(dim=1) <= budget
+        return torch.where(fits[:, None], view.valid, keep)
 
-    def _sinks_and_newest(self, view: StreamView, budget: int) -> torch.Tensor:
-        """Budget smaller than the protected set: keep sinks, then the newest tokens."""
-        sinks = view.positions < self.spec.sink_tokens
-        keep = sinks.clone()
-        room = budget - int(sinks.sum())
-        if room > 0:
-            newest = torch.nonzero(~sinks).flatten()[-room:]
-            keep[newest] = True
+    def _sinks_and_newest(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
+        """Budget smaller than the protected set: keep sinks, then the newest tokens (whole units by majority)."""
+        priority = view.positions.float().masked_fill(view.positions < self.spec.sink_tokens, math.inf)
+        keep = _rank_desc(priority.masked_fill(~view.valid, -math.inf)) < budget[:, None]
+        return whole_units(keep & view.valid, view)
+
+
+def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
+    """(S, N) rank of each entry in its row, 0 = highest (ties: lower index first)."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    return torch.empty_like(order).scatter_(1, order, torch.arange(scores.shape[1], device=scores.device).expand_as(order))
+
+
+def _top_tokens(scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Protected tokens, then the best-scored others while the budget allows."""
+    room = (budget - protected.sum(dim=1)).clamp(min=0)  # (S,)
+    rank = _rank_desc(scores.masked_fill(protected | ~valid, -math.inf))
+    return protected | (valid & ~protected & (rank < room[:, None]))
+
+
+def unit_sums(values: torch.Tensor, view: StreamView) -> torch.Tensor:
+    """(S, U) sum of per-slot values (S, N) over each unit."""
+    out = torch.zeros(values.shape[0], view.unit_count, dtype=values.dtype, device=values.device)
+    return out.scatter_add_(1, view.units, values)
+
+
+def whole_units(keep: torch.Tensor, view: StreamView) -> torch.Tensor:
+    """Make a keep mask uniform per unit: a unit stays when at least half of its tokens stay."""
+    if view.single_token_units:
         return keep
+    kept = unit_sums((keep & view.valid).float(), view)
+    size = unit_sums(view.valid.float(), view)
+    return (kept * 2 >= size).gather(1, view.units) & view.valid & (size.gather(1, view.units) > 0)
 
 
-def _fill_units(scores: torch.Tensor, protected: torch.Tensor, units: torch.Tensor, budget: int) -> torch.Tensor:
-    """Keep protected units, then unprotected units by descending mean score while they fit the budget."""
-    n_units = int(units[-1]) + 1
-    size = torch.zeros(n_units).index_add_(0, units, torch.ones_like(scores))  # (U,)
-    unit_score = torch.zeros(n_units).index_add_(0, units, scores) / size  # (U,)
-    unit_protected = torch.zeros(n_units, dtype=torch.bool).index_put_((units,), protected, accumulate=True)
-    room = budget - float(size[unit_protected].sum())
-    order = torch.argsort(unit_score.masked_fill(unit_protected, -math.inf), descending=True, stable=True)
-    order = order[~unit_protected[order]]
+def _fill_units(scores: torch.Tensor, protected: torch.Tensor, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
+    """Keep protected units, then units by mean score while they fit; leftover room goes to single tokens."""
+    size = unit_sums(view.valid.float(), view)  # (S, U)
+    mean = unit_sums(scores.masked_fill(~view.valid, 0.0), view) / size.clamp(min=1)
+    unit_protected = unit_sums(protected.float(), view) > 0
+    open_units = (size > 0) & ~unit_protected
+    room = budget.float() - (size * unit_protected).sum(dim=1)  # (S,)
+    order = torch.sort(mean.masked_fill(~open_units, -math.inf), dim=1, descending=True, stable=True).indices
+    sorted_size = size.gather(1, order) * open_units.gather(1, order)
+    fits = torch.cumsum(sorted_size, dim=1) <= room[:, None]  # the best prefix that fits
     keep_unit = unit_protected.clone()
-    if bool((size == 1).all()):  # single tokens: plain top-k
-        keep_unit[order[: max(0, int(room))]] = True
-        return keep_unit[units]
-    for unit, unit_size in zip(order.tolist(), size[order].tolist()):  # greedy: a block that does not fit is skipped
-        if unit_size <= room:
-            keep_unit[unit] = True
-            room -= unit_size
-    return keep_unit[units]
+    keep_unit.scatter_(1, order, fits & open_units.gather(1, order) | keep_unit.gather(1, order))
+    left = room - (size * (keep_unit & ~unit_protected)).sum(dim=1)  # room the prefix left unused
+    singles = open_units & ~keep_unit & (size == 1)
+    rank = _rank_desc(mean.masked_fill(~singles, -math.inf))
+    keep_unit |= singles & (rank < left.clamp(min=0)[:, None])
+    return keep_unit.gather(1, view.units) & view.valid
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
@@ -147,6 +186,7 @@ def registered_policies() -> list[str]:
     return sorted(POLICIES)
 
 
-def ratio_budget(ratio: float, length: int) -> int:
-    """Tokens a stream may keep when it keeps ``ratio`` of ``length`` tokens (at least one)."""
-    return max(1, math.ceil(ratio * length))
+def ratio_budget(ratio: float | torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Tokens a stream may keep when it keeps ``ratio`` of ``length`` tokens (at least one), elementwise."""
+    kept = torch.ceil(torch.as_tensor(ratio, dtype=torch.float64) * length.to(torch.float64) - 1e-9)
+    return kept.clamp(min=1).to(torch.int64)

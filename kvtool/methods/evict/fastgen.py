@@ -146,34 +146,33 @@ def token_classes(tokenizer) -> tuple[Tensor, Tensor]:
 
 # --- runtime policy ---------------------------------------------------------------------------
 
-from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_policy  # noqa: E402
+from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_policy, whole_units  # noqa: E402
 
 
 @register_policy("fastgen")
 class FastGen(EvictionPolicy):
     """Apply each KV head's profiled policy (``heads.policy`` (L, H_kv) from `kvtool profile`).
 
-    The stream holds only the tokens kept so far, so the local window and the number
-    of heavy hitters are fractions of the tokens the *sequence* has seen (``view.length``),
-    as in profiling where nothing had been evicted yet; the budget is ignored.
+    The streams hold only the tokens kept so far, so the local window and the number of
+    heavy hitters are fractions of the tokens the *sequence* has seen (``view.length``), as
+    in profiling where nothing had been evicted yet; the budget is ignored. Heavy hitters:
+    most accumulated attention, the older token first among ties.
     """
 
     uses_token_classes = True
     budgeted = False
 
-    def keep(self, view: StreamView, budget: int) -> Tensor:
-        policy = int(self.profile["heads.policy"][view.layer, view.head])
-        if policy == FULL:
-            return torch.ones(view.n, dtype=torch.bool, device=view.positions.device)
+    def keep(self, view: StreamView, budget: Tensor) -> Tensor:
+        policies = self.profile["heads.policy"].to(view.heads.device)[view.layer, view.heads][:, None]  # (S, 1)
         keep = view.is_special.clone()
-        if policy >= PUNCTUATION:
-            keep |= view.is_punct
-        length = torch.tensor(view.length)
-        if policy >= LOCAL:
-            local = int(keep_count(self.spec.local_ratio, length))
-            keep |= view.positions > int(view.positions.max()) - local
-        if policy >= FREQUENT:
-            frequent = min(view.n, int(keep_count(self.spec.frequent_ratio, length)))
-            order = torch.sort(view.attention, descending=True, stable=True).indices
-            keep[order[:frequent]] = True
-        return keep
+        keep |= (policies >= PUNCTUATION) & view.is_punct
+        local = keep_count(self.spec.local_ratio, view.length)  # (S,)
+        keep |= (policies >= LOCAL) & (view.positions > (view.latest() - local)[:, None])
+        frequent = torch.minimum(keep_count(self.spec.frequent_ratio, view.length), view.valid.sum(dim=1))
+        by_age = torch.sort(view.positions.masked_fill(~view.valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
+        attention = view.attention.float().masked_fill(~view.valid, -float("inf")).gather(1, by_age)
+        order = by_age.gather(1, torch.sort(attention, dim=1, descending=True, stable=True).indices)  # older first among ties
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+        keep |= (policies >= FREQUENT) & (rank < frequent[:, None])
+        keep = torch.where(policies == FULL, view.valid, keep & view.valid)
+        return whole_units(keep, view)

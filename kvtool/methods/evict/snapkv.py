@@ -1,21 +1,33 @@
 """SnapKV (Li et al., 2024): prompt tokens scored by the attention of the last ``window`` prompt queries.
 
-The scores are max-pooled over neighbouring tokens (kernel ``pooling``) so that
-clusters survive together. After prefill the runtime keeps accumulating attention
-from generated queries, so decoding past the budget evicts by the same score.
+The scores are max-pooled over neighbouring *positions* (kernel ``pooling``) so that
+clusters survive together; positions no stream holds any more count as -inf. After
+prefill the runtime keeps accumulating attention from generated queries, so decoding past
+the budget evicts by the same (pooled) score.
 """
+
+import math
 
 import torch
 
 from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_policy
 
 
+def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max of ``scores`` (S, N) over tokens within kernel // 2 positions of each token (valid tokens only)."""
+    half = kernel // 2
+    pos = positions.masked_fill(~valid, 0).long()
+    width = int(pos.max()) + 1 + 2 * half if pos.numel() else 1
+    dense = torch.full((scores.shape[0], width), -math.inf, device=scores.device)
+    dense.scatter_reduce_(1, pos + half, scores.float().masked_fill(~valid, -math.inf), reduce="amax")
+    pooled = torch.nn.functional.max_pool1d(dense[:, None], kernel, stride=1)[:, 0]  # (S, width - 2 half)
+    return pooled.gather(1, pos)
+
+
 @register_policy("snapkv")
 class SnapKV(EvictionPolicy):
     def token_scores(self, view: StreamView):
-        scores = view.window_attention if view.window_attention is not None else view.attention  # (n,)
-        kernel = self.spec.pooling
-        if kernel == 1 or view.n < 2:
+        scores = view.window_attention if view.window_attention is not None else view.attention  # (S, N)
+        if self.spec.pooling == 1:
             return scores
-        pooled = torch.nn.functional.max_pool1d(scores[None, None], kernel, stride=1, padding=kernel // 2)
-        return pooled[0, 0, : view.n]
+        return pool_by_position(scores, view.positions, view.valid, self.spec.pooling)

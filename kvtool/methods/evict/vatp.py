@@ -5,6 +5,10 @@ from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_polic
 
 @register_policy("vatp")
 class VATP(EvictionPolicy):
-    uses_values = True
+    uses_feature = True
+
+    def token_feature(self, keys, values):
+        return values.abs().sum(dim=-1)  # (S, t): the value's L1 norm, fixed once the token exists
+
     def token_scores(self, view: StreamView):
-        return view.attention * view.values.float().abs().sum(dim=-1)  # (n,)
+        return view.attention * view.feature

@@ -7,17 +7,20 @@ left singular vectors of the whitened projection, so ``h`` is exactly Palu's ``X
 reconstructs ``K_g ~ h @ U_r^T + b_g``. Ranks are searched across layers and K/V by
 `fit_palu` (`rank_search.py`).
 
-Encode, x (B, H, N, S, D) -> groups (B, G, N, S, g*D) -> minus bias -> latent (B, G, N, S, r):
+Encode, blocks x (N, g, S, D) of group G_i -> (N, S, g*D) -> minus bias -> latent (N, S, r).
 
-* ``bits == 16``: ``latent`` float16 (B, G, N, S, r);
+Storage per block of one (sequence, head group) stream (leading block dim omitted):
+
+* ``bits == 16``: ``latent`` float16 (S, r);
 * otherwise: with ``hadamard`` the latent goes through a block-diagonal Walsh-Hadamard
   transform (blocks of the largest power of two dividing r, at most 64; `fit_palu` rounds
   Hadamard ranks down to multiples of 8 so the blocks mix); L = r; then uniform asymmetric per-token quantization,
   one fp16 ``scale`` and ``zero`` per token and group of q = min(group_size, L) coordinates
-  (a last partial group is allowed): ``codes`` int32 (B, G, N, S*L*bits/32) bit-plane packed,
-  token-major (token s, coordinate j at s*L + j); ``scale``, ``zero`` float16 (B, G, N, S, ceil(L/q)).
+  (a last partial group is allowed): ``codes`` uint8 (S * bits / 8, L), bit-sliced and
+  token-split (`packing.py`); ``scale``, ``zero`` float16 (S, ceil(L/q)).
 
-Storage has leading (B, G, N) dims (G = H_kv when group_heads == 1).
+A stored block spans the g KV heads of its group (``heads_per_block``); attention folds the
+value up-projection into the attention output (`chunk_values`).
 
 ``block_nbytes`` is per block of one (sequence, KV head) stream, i.e. a group block's bytes / g:
 ``S*r*2 / g`` at 16 bits, ``(S*L*bits/8 + 4*S*ceil(L/q)) / g`` quantized (an int when exact,
@@ -40,7 +43,7 @@ from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.lowrank.decompose import group_bases, group_count, reconstruction_error, to_groups
 from kvtool.methods.lowrank.hadamard import block_fwht
 from kvtool.methods.lowrank.rank_search import allocate_ranks, error_curve
-from kvtool.methods.quant.packing import pack_codes, packed_words, unpack_codes
+from kvtool.methods.quant.packing import pack_codes, packed_bytes, packed_rows, unpack_codes
 from kvtool.methods.registry import register
 from kvtool.recipe import Recipe
 
@@ -68,6 +71,7 @@ class PaluQuantizer(BlockQuantizer):
             )
         self.groups, self.width, self.rank = basis.shape
         self.heads_per_group = self.width // head_dim
+        self.heads_per_block = self.heads_per_group  # a stored block holds the latent of one head group
         bias = self.fitted.get("bias")
         bias = torch.zeros(self.groups, self.width) if bias is None else bias.detach().float().cpu()
         if bias.shape != (self.groups, self.width):
@@ -93,27 +97,17 @@ class PaluQuantizer(BlockQuantizer):
     # ----- geometry ------------------------------------------------------------------------
 
     def _tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(basis (G, gD, r), bias (G, 1, 1, gD)) float32 on ``device``."""
+        """(basis (G, gD, r), bias (G, gD)) float32 on ``device``."""
         if device not in self._device_cache:
-            self._device_cache[device] = (self.basis.to(device), self.bias.to(device)[:, None, None, :])
+            self._device_cache[device] = (self.basis.to(device), self.bias.to(device))
         return self._device_cache[device]
 
-    def _to_groups(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, H, N, S, D) -> (B, G, N, S, g*D)."""
-        b, h, n, s, d = x.shape
-        if h != self.groups * self.heads_per_group or d != self.head_dim:
+    def check_kv_heads(self, num_kv_heads: int) -> None:
+        if num_kv_heads != self.groups * self.heads_per_group:
             raise ArtifactError(
                 f"palu basis for '{self.spec.path}' covers {self.groups} x {self.heads_per_group} KV heads of "
-                f"head_dim {self.head_dim}; the model gives {h} heads of {d}: the artifact is for another model"
+                f"head_dim {self.head_dim}; the model has {num_kv_heads} KV heads: the artifact is for another model"
             )
-        g = self.heads_per_group
-        return x.reshape(b, self.groups, g, n, s, d).permute(0, 1, 3, 4, 2, 5).reshape(b, self.groups, n, s, g * d)
-
-    def _to_heads(self, y: torch.Tensor) -> torch.Tensor:
-        """(B, G, N, S, g*D) -> (B, H, N, S, D)."""
-        b, groups, n, s, _ = y.shape
-        g, d = self.heads_per_group, self.head_dim
-        return y.reshape(b, groups, n, s, g, d).permute(0, 1, 4, 2, 3, 5).reshape(b, groups * g, n, s, d)
 
     def _padded(self, v: torch.Tensor) -> torch.Tensor:
         """(..., L) -> (..., qgroups, q): a last partial group is filled with copies of its last coordinate."""
@@ -124,48 +118,74 @@ class PaluQuantizer(BlockQuantizer):
 
     # ----- encode / decode -----------------------------------------------------------------
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def block_spec(self):
+        s = self.block_size
+        if self.spec.bits == 16:
+            return {"latent": ((s, self.rank), torch.float16)}
+        return {
+            "codes": ((packed_rows(s, self.spec.bits), self.length), torch.uint8),
+            "scale": ((s, self.qgroups), torch.float16),
+            "zero": ((s, self.qgroups), torch.float16),
+        }
+
+    def encode_blocks(self, x: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
+        n, g, s, d = x.shape
         basis, bias = self._tensors(x.device)
-        groups = self._to_groups(x.float()) - bias  # (B, G, N, S, gD)
-        b, g, n, s, _ = groups.shape
-        # (B, G, N, S, gD) @ (G, 1, gD, r): one (S, gD) @ (gD, r) product per block, so a block's latent
-        # does not depend on how many blocks are encoded together
-        latent = torch.matmul(groups, basis[:, None])
+        group = group.to(x.device)
+        flat = x.float().permute(0, 2, 1, 3).reshape(n, s, g * d) - bias[group][:, None, :]  # (N, S, gD)
+        # one (S, gD) @ (gD, r) product per block, so a block's latent does not depend on the others
+        latent = torch.bmm(flat, basis[group])  # (N, S, r)
         if self.spec.bits == 16:
             return {"latent": latent.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)}
         if self.spec.hadamard:
             latent = block_fwht(latent, self.hadamard_block)
-        grouped = self._padded(latent)  # (B, G, N, S, qgroups, q)
+        grouped = self._padded(latent)  # (N, S, qgroups, q)
         lo = grouped.amin(dim=-1).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
         hi = grouped.amax(dim=-1).clamp(-_FP16_MAX, _FP16_MAX)
         scale = ((hi - lo.float()) / self.levels).clamp(min=1e-6, max=_FP16_MAX).to(torch.float16)
         # codes against the fp16-rounded scale and zero the decoder will see
         codes = torch.round((grouped - lo.float()[..., None]) / scale.float()[..., None]).clamp_(0, self.levels)
-        codes = codes.reshape(b, g, n, s, -1)[..., : self.length].reshape(b, g, n, s * self.length)
+        codes = codes.reshape(n, s, -1)[..., : self.length]  # (N, S, L)
         return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "zero": lo}
 
-    def decode(self, storage: dict[str, torch.Tensor]) -> torch.Tensor:
+    def decode_latent(self, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Storage {name: (N, ...)} -> latents (N, S, r) float32 (Hadamard undone)."""
         if self.spec.bits == 16:
-            latent = storage["latent"].float()
-        else:
-            codes = unpack_codes(storage["codes"], self.spec.bits)  # (B, G, N, S*L)
-            b, g, n = codes.shape[:3]
-            grouped = self._padded(codes.reshape(b, g, n, self.block_size, self.length).float())
-            values = grouped * storage["scale"].float()[..., None] + storage["zero"].float()[..., None]
-            latent = values.reshape(b, g, n, self.block_size, -1)[..., : self.length]
-            if self.spec.hadamard:
-                latent = block_fwht(latent, self.hadamard_block)
+            return blocks["latent"].float()
+        codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size)  # (N, S, L)
+        grouped = self._padded(codes.float())  # (N, S, qgroups, q)
+        values = grouped * blocks["scale"].float()[..., None] + blocks["zero"].float()[..., None]
+        latent = values.reshape(*codes.shape[:2], -1)[..., : self.length]
+        return block_fwht(latent, self.hadamard_block) if self.spec.hadamard else latent
+
+    def decode_blocks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
+        latent = self.decode_latent(blocks)  # (N, S, r)
         basis, bias = self._tensors(latent.device)
-        groups = torch.matmul(latent, basis.transpose(1, 2)[:, None])  # (B, G, N, S, gD)
+        group = group.to(latent.device)
+        flat = torch.bmm(latent, basis[group].transpose(1, 2)) + bias[group][:, None, :]  # (N, S, gD)
+        n, s = flat.shape[:2]
         limit = torch.finfo(self.dtype).max
-        return self._to_heads(groups + bias).clamp(-limit, limit).to(self.dtype)
+        heads = flat.reshape(n, s, self.heads_per_group, self.head_dim).transpose(1, 2)  # (N, g, S, D)
+        return heads.clamp(-limit, limit).to(self.dtype)
+
+    def chunk_values(self, probs, blocks, group):
+        """Palu's fold: sum_t p_t (U_h h_t + b_h) = U_h (sum_t p_t h_t) + b_h sum_t p_t, never reconstructing V."""
+        sc, nb = next(iter(blocks.values())).shape[:2]
+        flat = {name: t.reshape(sc * nb, *t.shape[2:]) for name, t in blocks.items()}
+        latent = self.decode_latent(flat).reshape(sc, nb * self.block_size, self.rank)  # (Sc, T, r)
+        basis, bias = self._tensors(latent.device)
+        g, d = self.heads_per_group, self.head_dim
+        up = basis[group].reshape(sc, g, d, self.rank)  # (Sc, g, D, r): head h's rows of the group basis
+        mixed = torch.matmul(probs, latent[:, None])  # (Sc, g, R, r)
+        out = torch.matmul(mixed, up.transpose(-1, -2))  # (Sc, g, R, D)
+        return out + probs.sum(dim=-1, keepdim=True) * bias[group].reshape(sc, g, 1, d)
 
     def block_nbytes(self) -> int | float:
         s = self.block_size
         if self.spec.bits == 16:
             group_bytes = s * self.rank * 2
         else:
-            group_bytes = packed_words(s * self.length, self.spec.bits) * 4 + 2 * 2 * s * self.qgroups
+            group_bytes = packed_bytes(s, self.length, self.spec.bits) + 2 * 2 * s * self.qgroups
         per_head, rest = divmod(group_bytes, self.heads_per_group)
         return per_head if rest == 0 else group_bytes / self.heads_per_group
 

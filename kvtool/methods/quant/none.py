@@ -1,4 +1,7 @@
-"""No compression: blocks are stored in the model's float dtype (the 16-bit baseline)."""
+"""No compression: blocks are stored as floats in the cache's float dtype (the 16-bit baseline).
+
+Storage per block of one (sequence, KV head) stream: ``data`` (S, D) in the store's float dtype.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +13,13 @@ from kvtool.methods.registry import register
 
 @register("none")
 class NoQuantizer(BlockQuantizer):
-    """Stores the float block as is; `decode(encode(x))` returns ``x`` exactly."""
+    """Stores the float block as is; `decode(encode(x))` returns ``x`` exactly (in the store dtype)."""
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"data": x.to(self.dtype).contiguous()}  # (B, H_kv, N, S, D)
+    def block_spec(self):
+        return {"data": ((self.block_size, self.head_dim), self.dtype)}
 
-    def decode(self, storage: dict[str, torch.Tensor]) -> torch.Tensor:
-        return storage["data"]
+    def encode_blocks(self, x: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"data": x[:, 0].to(self.dtype)}  # (N, S, D)
 
-    def block_nbytes(self) -> int:
-        return self.block_size * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+    def decode_blocks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
+        return blocks["data"][:, None]  # (N, 1, S, D)

@@ -17,7 +17,7 @@ the token group's range so the range is tight).
 
 Storage per block of one (sequence, KV head) stream:
 
-* ``codes``: (S * D * bits / 32) int32, token-major (s * D + d), bit-plane packed;
+* ``codes``: (S * bits / 8, D) uint8, bit-sliced and token-split (`packing.py`);
 * ``scale``, ``zero``: float16 (S, D / g), token axis only;
 * ``outlier_index``: int16 (k,) flat index minus 32768; ``outlier_value``: float16 (k,)
   (both absent when k == 0).
@@ -42,7 +42,7 @@ from kvtool.methods.quant.outliers import (
     token_zscore,
     top_outliers,
 )
-from kvtool.methods.quant.packing import pack_codes, packed_words, unpack_codes
+from kvtool.methods.quant.packing import pack_codes, packed_bytes, packed_rows, unpack_codes
 from kvtool.methods.registry import register
 
 _FP16_MAX = 65504.0
@@ -50,24 +50,24 @@ _EPS = 1e-6
 
 
 def _token_normalise(x: torch.Tensor, group: int, k: int):
-    """Per-token-group normalisation of x (B, H, N, S, D) float32 with k outliers per block.
+    """Per-token-group normalisation of x (..., S, D) float32 with k outliers per block.
 
-    Returns (x_n flat (B, H, N, S*D) unclamped, outlier index (B, H, N, k) or None,
-    outlier mask like x_n or None, scale fp16 (B, H, N, S, D/g), zero fp16 (same)).
+    Returns (x_n flat (..., S*D) unclamped, outlier index (..., k) or None,
+    outlier mask like x_n or None, scale fp16 (..., S, D/g), zero fp16 (same)).
     """
-    b, h, n, s, d = x.shape
-    grouped = x.reshape(b, h, n, s, d // group, group)
+    *lead, s, d = x.shape
+    grouped = x.reshape(*lead, s, d // group, group)
     index = mask = None
     outlier = torch.zeros_like(grouped, dtype=torch.bool)
     if k:
-        index, mask = top_outliers(token_zscore(grouped).reshape(b, h, n, s * d), k)
+        index, mask = top_outliers(token_zscore(grouped).reshape(*lead, s * d), k)
         outlier = mask.reshape(grouped.shape)
     lo, hi = dense_range(grouped, outlier)
     zero = ((lo + hi) / 2).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
     scale = ((hi - lo) / 2).clamp(min=_EPS, max=_FP16_MAX).to(torch.float16)
     # Normalise against the fp16-rounded scale and zero the decoder will see.
     xn = (grouped - zero.float()[..., None]) / scale.float()[..., None]
-    return xn.reshape(b, h, n, s * d), index, mask, scale, zero
+    return xn.reshape(*lead, s * d), index, mask, scale, zero
 
 
 def _channel_quantiles(samples: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,65 +128,78 @@ class NuqQuantizer(BlockQuantizer):
         self._device_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(codebook, mid (1, H, 1, 1, D), half) on ``device`` (mid/half only for the channel axis)."""
+        """(codebook, mid (H, D), half (H, D)) on ``device`` (mid/half only for the channel axis)."""
         if device not in self._device_cache:
             tensors = [self.codebook.to(device)]
             if self.spec.axis == "channel":
-                tensors += [t.to(device)[None, :, None, None, :] for t in (self.mid, self.half)]
+                tensors += [self.mid.to(device), self.half.to(device)]
             self._device_cache[device] = tuple(tensors)
         return self._device_cache[device]
 
-    def _channel_ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, mid, half = self._tensors(x.device)
-        if x.shape[1] != mid.shape[1]:
+    def check_kv_heads(self, num_kv_heads: int) -> None:
+        if self.spec.axis == "channel" and self.mid.shape[0] != num_kv_heads:
             raise ArtifactError(
-                f"nuq channel ranges for '{self.spec.path}' cover {mid.shape[1]} KV heads, the model has "
-                f"{x.shape[1]}: the artifact is for another model; run kvtool calibrate again"
+                f"nuq channel ranges for '{self.spec.path}' cover {self.mid.shape[0]} KV heads, the model has "
+                f"{num_kv_heads}: the artifact is for another model; run kvtool calibrate again"
             )
-        return mid, half
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = x.float()
-        b, h, n, s, d = x.shape
+    def _channel_ranges(self, group: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per block (N, 1, D) mid and half of its KV head's calibrated channel ranges."""
+        _, mid, half = self._tensors(device)
+        group = group.to(device)
+        return mid[group][:, None, :], half[group][:, None, :]
+
+    def block_spec(self):
+        s, d = self.block_size, self.head_dim
+        spec = {"codes": ((packed_rows(s, self.spec.bits), d), torch.uint8)}
+        if self.spec.axis == "token":
+            spec["scale"] = spec["zero"] = ((s, d // self.group), torch.float16)
+        if self.k:
+            spec["outlier_index"] = ((self.k,), torch.int16)
+            spec["outlier_value"] = ((self.k,), torch.float16)
+        return spec
+
+    def encode_blocks(self, x: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = x[:, 0].float()  # (N, S, D)
+        n, s, d = x.shape
         storage: dict[str, torch.Tensor] = {}
         if self.spec.axis == "channel":
-            mid, half = self._channel_ranges(x)
-            xn = ((x - mid) / half).reshape(b, h, n, s * d)
+            mid, half = self._channel_ranges(group, x.device)
+            xn = ((x - mid) / half).reshape(n, s * d)
             index, mask = top_outliers(xn.abs(), self.k) if self.k else (None, None)
         else:
             xn, index, mask, storage["scale"], storage["zero"] = _token_normalise(x, self.group, self.k)
         xn = xn.clamp(-1.0, 1.0)
         if mask is not None:
             xn = xn.masked_fill(mask, 0.0)  # any code: overwritten by the sparse value on decode
-        codes = nearest_codes(xn, self._tensors(x.device)[0])
+        codes = nearest_codes(xn, self._tensors(x.device)[0]).reshape(n, s, d)
         storage = {"codes": pack_codes(codes, self.spec.bits), **storage}
         if index is not None:
-            values = x.reshape(b, h, n, s * d).gather(-1, index)
+            values = x.reshape(n, s * d).gather(-1, index)
             storage["outlier_index"] = encode_index(index)
             storage["outlier_value"] = values.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
         return storage
 
-    def decode(self, storage: dict[str, torch.Tensor]) -> torch.Tensor:
-        codes = unpack_codes(storage["codes"], self.spec.bits)  # (B, H, N, S*D)
-        b, h, n = codes.shape[:3]
-        s, d = self.block_size, self.head_dim
+    def decode_blocks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
+        codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size)  # (N, S, D)
+        n, s, d = codes.shape
         codebook = self._tensors(codes.device)[0]
-        xn = codebook[codes.long()]
+        xn = codebook[codes.long()]  # the codebook read as a lookup
         if self.spec.axis == "channel":
-            mid, half = self._channel_ranges(xn.view(b, h, n, s, d))
-            x = xn.view(b, h, n, s, d) * half + mid
+            mid, half = self._channel_ranges(group, codes.device)
+            x = xn * half + mid
         else:
-            grouped = xn.view(b, h, n, s, d // self.group, self.group)
-            x = grouped * storage["scale"].float()[..., None] + storage["zero"].float()[..., None]
-        flat = x.reshape(b, h, n, s * d)
-        if "outlier_index" in storage:
-            scatter_outliers(flat, storage["outlier_index"], storage["outlier_value"])
+            grouped = xn.view(n, s, d // self.group, self.group)
+            x = grouped * blocks["scale"].float()[..., None] + blocks["zero"].float()[..., None]
+        flat = x.reshape(n, s * d)
+        if "outlier_index" in blocks:
+            scatter_outliers(flat, blocks["outlier_index"], blocks["outlier_value"])
         limit = torch.finfo(self.dtype).max
-        return flat.view(b, h, n, s, d).clamp(-limit, limit).to(self.dtype)
+        return flat.view(n, 1, s, d).clamp(-limit, limit).to(self.dtype)
 
     def block_nbytes(self) -> int:
         s, d = self.block_size, self.head_dim
-        nbytes = packed_words(s * d, self.spec.bits) * 4
+        nbytes = packed_bytes(s, d, self.spec.bits)
         if self.spec.axis == "token":
             nbytes += 2 * 2 * s * (d // self.group)  # fp16 scale + fp16 zero per token group
         return nbytes + self.k * (2 + 2)  # int16 position + fp16 value per outlier

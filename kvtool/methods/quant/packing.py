@@ -1,64 +1,125 @@
-"""Bit-plane packing of integer codes into 32-bit words.
+"""Bit-sliced, token-split packing of integer codes into bytes (the layout kernels read).
 
-Layout (fixed, kernels rely on it): the last dimension of a code tensor is cut
-into runs of 32 consecutive codes. A run of 32 ``b``-bit codes becomes ``b``
-int32 words; word ``j`` of the run holds bit ``j`` of every code, code ``i`` of
-the run at bit position ``i``. So a run costs exactly ``b`` words for any
-``b`` in 1..8: 3-bit codes take 3 bits each, not 4.
+A block holds S tokens x C channels of ``b``-bit codes. ``b`` is split into *slices* of
+width w in {8, 4, 2, 1}, lowest bits first (8 -> [8], 4 -> [4], 3 -> [2, 1], 2 -> [2],
+1 -> [1], 5 -> [4, 1], 6 -> [4, 2], 7 -> [4, 2, 1]). A w-bit slice packs k = 8 / w codes per
+byte, *token-split*: byte ``[j, c]`` of the slice (j < S / k) holds the slice's bits of
+token ``j + i * S / k``, channel c, at bit ``i * w``, for i = 0 .. k-1. The slices are
+stacked along the row axis:
 
-    codes (..., N)  with N % 32 == 0   ->   words (..., N // 32 * b)  int32
+    codes (..., S, C) uint8 in [0, 2**b)   ->   bytes (..., S * b / 8, C) uint8
 
-Unpacking code ``i`` of a run: ``sum_j ((word[j] >> i) & 1) << j``.
+so a block costs exactly ``S * C * b / 8`` bytes (3-bit codes take 3 bits), rows of one
+slice are contiguous, and a block's bytes can be read as int32 words (S >= 32).
+
+Why token-split: shifting a slice's bytes right by ``i * w`` gives, for the tokens of
+sub-row i, the *raw* value ``P_t = c_t + 2**w * P_{t + S/k}`` (the bits above are not
+masked). Attention can contract raw values and correct afterwards, on the small
+result, instead of masking every element (`raw_slices`, `telescope_scores`,
+`fold_weights`): ``q . c_t = q . P_t - 2**w * q . P_{t+S/k}`` and
+``sum_t w_t c_t = sum_t (w_t - 2**w * w_{t-S/k}) P_t``. Triton kernels mask in registers.
 """
 
 from __future__ import annotations
 
 import torch
 
-RUN = 32  # codes per run (one bit plane = one 32-bit word)
+WIDTHS = (8, 4, 2, 1)
 
 
-def _bit_positions(device: torch.device) -> torch.Tensor:
-    return torch.arange(RUN, device=device, dtype=torch.int64)
+def slice_widths(bits: int) -> list[int]:
+    """Widths of the slices of a ``bits``-bit code, lowest bits first (3 -> [2, 1])."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    out, rest = [], bits
+    for width in WIDTHS:
+        while rest >= width:
+            out.append(width)
+            rest -= width
+    return sorted(out, reverse=True)
+
+
+def packed_rows(tokens: int, bits: int) -> int:
+    """Byte rows a block of ``tokens`` tokens occupies: tokens * bits / 8."""
+    _check_tokens(tokens)
+    return tokens * bits // 8
+
+
+def packed_bytes(tokens: int, channels: int, bits: int) -> int:
+    """Bytes of one packed block: tokens * channels * bits / 8."""
+    return packed_rows(tokens, bits) * channels
+
+
+def _check_tokens(tokens: int) -> None:
+    if tokens % 8:
+        raise ValueError(f"a packed block needs a multiple of 8 tokens, got {tokens}")
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes in ``[0, 2**bits)`` into int32 bit-plane words.
+    """(..., S, C) integer codes in [0, 2**bits) -> (..., S * bits / 8, C) uint8 (see the module docstring)."""
+    tokens = codes.shape[-2]
+    _check_tokens(tokens)
+    codes = codes.to(torch.int32)
+    rows, low = [], 0
+    for width in slice_widths(bits):
+        k = 8 // width
+        part = (codes >> low) & ((1 << width) - 1)  # (..., S, C) this slice's bits
+        part = part.reshape(*codes.shape[:-2], k, tokens // k, codes.shape[-1])  # (..., k, S/k, C)
+        shifts = (torch.arange(k, device=codes.device, dtype=torch.int32) * width).view(k, 1, 1)
+        rows.append((part << shifts).sum(dim=-3).to(torch.uint8))  # (..., S/k, C)
+        low += width
+    return torch.cat(rows, dim=-2)
 
-    codes: (..., N) any integer dtype, N a multiple of 32. Returns (..., N // 32 * bits) int32.
+
+def raw_slices(packed: torch.Tensor, bits: int, tokens: int) -> list[tuple[int, int, torch.Tensor]]:
+    """Per slice: (width, lowest bit, raw values P (..., S, C) uint8), P_t = c_t + 2**w * P_{t+S/k} (unmasked).
+
+    Cheap on CPU: k scalar shifts and one concatenation per slice.
     """
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
-    n = codes.shape[-1]
-    if n % RUN:
-        raise ValueError(f"the last dimension ({n}) must be a multiple of {RUN} to pack")
-    runs = codes.to(torch.int64).reshape(*codes.shape[:-1], n // RUN, RUN)  # (..., G, 32)
-    shifts = _bit_positions(codes.device)
-    planes = []
-    for j in range(bits):
-        bit_j = (runs >> j) & 1  # (..., G, 32)
-        planes.append((bit_j << shifts).sum(dim=-1))  # (..., G) in [0, 2**32)
-    words = torch.stack(planes, dim=-1)  # (..., G, bits)
-    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement into int32 range
-    return words.to(torch.int32).reshape(*codes.shape[:-1], n // RUN * bits)
+    out, row, low = [], 0, 0
+    for width in slice_widths(bits):
+        k = 8 // width
+        part = packed[..., row : row + tokens // k, :]  # (..., S/k, C)
+        pieces = [part] + [part >> (i * width) for i in range(1, k)]
+        out.append((width, low, torch.cat(pieces, dim=-2) if k > 1 else part))
+        row += tokens // k
+        low += width
+    return out
 
 
-def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: (..., G * bits) int32 -> (..., G * 32) uint8 codes.
+def unpack_codes(packed: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: (..., S * bits / 8, C) uint8 -> (..., S, C) uint8 codes."""
+    codes = None
+    for width, low, raw in raw_slices(packed, bits, tokens):
+        part = raw & ((1 << width) - 1) if width < 8 else raw
+        codes = part << low if codes is None else codes | (part << low)
+    return codes
 
-    Shifts every word by 0..31 to read one bit plane per word, then ORs the planes
-    together in uint8 (the torch reference path; kernels unpack in registers).
+
+def telescope_scores(raw_scores: torch.Tensor, width: int, tokens: int) -> torch.Tensor:
+    """Scores against raw values -> scores against codes, along the last dim (blocks of ``tokens``).
+
+    raw_scores (..., N * S): ``x . P_t`` per token; returns ``x . c_t = x . P_t - 2**w x . P_{t+S/k}``
+    within each block of S tokens.
     """
-    g = words.shape[-1] // bits
-    planes = words.reshape(*words.shape[:-1], g, bits, 1)  # (..., G, bits, 1) int32
-    shifts = torch.arange(RUN, device=words.device, dtype=torch.int32)
-    bit_values = ((planes >> shifts) & 1).to(torch.uint8)  # (..., G, bits, 32)
-    codes = bit_values[..., 0, :].clone()
-    for j in range(1, bits):
-        codes |= bit_values[..., j, :] << j
-    return codes.reshape(*words.shape[:-1], g * RUN)
+    if width == 8:
+        return raw_scores
+    sub = tokens // (8 // width)
+    blocks = raw_scores.reshape(*raw_scores.shape[:-1], -1, tokens)  # (..., N, S)
+    out = blocks.clone()
+    out[..., : tokens - sub] -= (1 << width) * blocks[..., sub:]
+    return out.reshape(raw_scores.shape)
 
 
-def packed_words(num_codes: int, bits: int) -> int:
-    """Number of int32 words that `pack_codes` produces for ``num_codes`` codes."""
-    return num_codes // RUN * bits
+def fold_weights(weights: torch.Tensor, width: int, tokens: int) -> torch.Tensor:
+    """Token weights for a contraction with raw values: ``w'_t = w_t - 2**w w_{t-S/k}`` per block (last dim).
+
+    ``sum_t w_t c_t == sum_t w'_t P_t`` for every slice channel.
+    """
+    if width == 8:
+        return weights
+    sub = tokens // (8 // width)
+    blocks = weights.reshape(*weights.shape[:-1], -1, tokens)  # (..., N, S)
+    out = blocks.clone()
+    out[..., sub:] -= (1 << width) * blocks[..., : tokens - sub]
+    return out.reshape(weights.shape)

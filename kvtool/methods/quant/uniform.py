@@ -5,13 +5,17 @@ S tokens gets its own scale and zero point, which keeps outlier channels from
 spoiling the others. Values are quantized per token (``axis: token``): each
 token gets a scale and zero point per group of ``group_size`` channels.
 
-Storage per block of one (sequence, KV head) stream:
+Storage per block of one (sequence, KV head) stream (leading block dim omitted):
 
-* ``codes``: (S * D * bits / 32) int32 words, codes in token-major order
-  (token s, channel d at index s * D + d), bit-plane packed (see `packing.py`);
+* ``codes``: (S * bits / 8, D) uint8, bit-sliced and token-split (see `packing.py`);
 * ``scale`` and ``zero``: float16, (D,) for ``channel`` or (S, D / group) for ``token``.
 
 Dequantization: ``x = code * scale + zero``.
+
+Attention never dequantizes (`chunk_scores`, `chunk_values`): per-channel key scales fold
+into the query, ``q . (s * c + z) = (q * s) . c + q . z``; per-token value scales fold into
+the probabilities, ``sum_t p_t (s_t * c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t``; the
+packed bytes are contracted raw and corrected on the small result (`packing.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvtool.methods.base import BlockQuantizer
-from kvtool.methods.quant.packing import pack_codes, packed_words, unpack_codes
+from kvtool.methods.quant.packing import fold_weights, pack_codes, packed_rows, raw_slices, telescope_scores, unpack_codes
 from kvtool.methods.registry import register
 
 _FP16_MAX = 65504.0
@@ -34,40 +38,87 @@ class UniformQuantizer(BlockQuantizer):
         self.group = self.token_group()
         self.levels = 2**spec.bits - 1
 
+    def block_spec(self):
+        s, d, bits = self.block_size, self.head_dim, self.spec.bits
+        scales = (d,) if self.spec.axis == "channel" else (s, d // self.group)
+        return {
+            "codes": ((packed_rows(s, bits), d), torch.uint8),
+            "scale": (scales, torch.float16),
+            "zero": (scales, torch.float16),
+        }
+
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """View x (B, H, N, S, D) so that the reduction dim of a scale group is last."""
+        """View x (N, S, D) so that the reduction dim of a scale group is last."""
         if self.spec.axis == "channel":
-            return x.transpose(-1, -2)  # (B, H, N, D, S): one group = one channel over S tokens
-        b, h, n, s, d = x.shape
-        return x.reshape(b, h, n, s, d // self.group, self.group)  # (B, H, N, S, D/g, g)
+            return x.transpose(-1, -2)  # (N, D, S): one group = one channel over S tokens
+        n, s, d = x.shape
+        return x.reshape(n, s, d // self.group, self.group)  # (N, S, D/g, g)
 
     def _ungrouped(self, g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        if self.spec.axis == "channel":
-            return g.transpose(-1, -2)
-        return g.reshape(shape)
+        return g.transpose(-1, -2) if self.spec.axis == "channel" else g.reshape(shape)
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        grouped = self._grouped(x.float())
+    def encode_blocks(self, x: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = x[:, 0].float()  # (N, S, D)
+        grouped = self._grouped(x)
         lo = grouped.amin(dim=-1).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
         hi = grouped.amax(dim=-1).clamp(-_FP16_MAX, _FP16_MAX)
         scale = ((hi - lo.float()) / self.levels).clamp(min=1e-6, max=_FP16_MAX).to(torch.float16)
         # Codes are computed against the fp16-rounded scale and zero the decoder will see.
         codes = torch.round((grouped - lo.float()[..., None]) / scale.float()[..., None]).clamp_(0, self.levels)
-        codes = self._ungrouped(codes, x.shape)  # (B, H, N, S, D)
-        flat = codes.reshape(*x.shape[:3], -1)  # (B, H, N, S*D) token-major
-        return {"codes": pack_codes(flat, self.spec.bits), "scale": scale, "zero": lo}
+        codes = self._ungrouped(codes, x.shape)  # (N, S, D)
+        return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "zero": lo}
 
-    def decode(self, storage: dict[str, torch.Tensor]) -> torch.Tensor:
-        codes = unpack_codes(storage["codes"], self.spec.bits)  # (B, H, N, S*D)
-        b, h, n = codes.shape[:3]
-        shape = torch.Size((b, h, n, self.block_size, self.head_dim))
-        grouped = self._grouped(codes.reshape(shape).float())
-        x = grouped * storage["scale"].float()[..., None] + storage["zero"].float()[..., None]
+    def decode_blocks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
+        codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size)  # (N, S, D)
+        grouped = self._grouped(codes.float())
+        x = grouped * blocks["scale"].float()[..., None] + blocks["zero"].float()[..., None]
         limit = torch.finfo(self.dtype).max  # fp16 scale rounding can push the top code just past the range
-        return self._ungrouped(x, shape).clamp(-limit, limit).to(self.dtype)
+        return self._ungrouped(x, codes.shape).clamp(-limit, limit).to(self.dtype)[:, None]
 
-    def block_nbytes(self) -> int:
+    # --- attention algebra ---------------------------------------------------------------------
+    def chunk_scores(self, query, blocks, group, keys_to_attention=None):
+        if keys_to_attention is not None or self.spec.axis != "channel":
+            return super().chunk_scores(query, blocks, group, keys_to_attention)
+        q = query[:, 0]  # (Sc, R, D)
+        sc, nb = blocks["codes"].shape[:2]
+        s = self.block_size
+        q_scaled = q[:, None] * blocks["scale"].float()[:, :, None, :]  # (Sc, nb, R, D): per-block channel scales
+        scores = None
+        for width, low, raw in raw_slices(blocks["codes"], self.spec.bits, s):  # raw (Sc, nb, S, D)
+            part = torch.matmul(q_scaled, raw.float().transpose(-1, -2))  # (Sc, nb, R, S)
+            part = telescope_scores(part, width, s) * float(1 << low)
+            scores = part if scores is None else scores + part
+        scores = scores + torch.matmul(blocks["zero"].float()[:, :, None, :], q.transpose(-1, -2)[:, None]).transpose(-1, -2)
+        return scores.permute(0, 2, 1, 3).reshape(sc, 1, q.shape[1], nb * s)  # (Sc, 1, R, nb*S)
+
+    def chunk_values(self, probs, blocks, group):
+        p = probs[:, 0]  # (Sc, R, T)
+        sc, nb = blocks["codes"].shape[:2]
         s, d = self.block_size, self.head_dim
-        words = packed_words(s * d, self.spec.bits)
-        groups = d if self.spec.axis == "channel" else s * (d // self.group)
-        return words * 4 + 2 * groups * 2  # codes + fp16 scale + fp16 zero
+        scale, zero = blocks["scale"].float(), blocks["zero"].float()
+        if self.spec.axis == "channel":
+            return self._channel_values(p, blocks["codes"], scale, zero)[:, None]
+        groups = d // self.group
+        scale_t = scale.reshape(sc, nb * s, groups).transpose(1, 2)  # (Sc, groups, T)
+        weights = p[:, :, None, :] * scale_t[:, None]  # (Sc, R, groups, T): p_t * s_t per channel group
+        out = None
+        for width, low, raw in raw_slices(blocks["codes"], self.spec.bits, s):
+            folded = fold_weights(weights, width, s).reshape(sc, -1, nb * s)  # (Sc, R*groups, T)
+            part = torch.matmul(folded, raw.float().reshape(sc, nb * s, d)) * float(1 << low)  # (Sc, R*groups, D)
+            out = part if out is None else out + part
+        out = out.reshape(sc, p.shape[1], groups, groups, self.group).diagonal(dim1=2, dim2=3)  # (Sc, R, g_size, groups)
+        out = out.transpose(-1, -2).reshape(sc, p.shape[1], d)  # channel d took the weights of its own group
+        zeros = torch.matmul(p, zero.reshape(sc, nb * s, groups))  # (Sc, R, groups)
+        return (out + zeros.repeat_interleave(self.group, dim=-1))[:, None]
+
+    def _channel_values(self, p, codes, scale, zero):
+        """Values with per-channel scales (per block): block partial sums, then scaled."""
+        sc, nb = codes.shape[:2]
+        s = self.block_size
+        pb = p.reshape(sc, p.shape[1], nb, s).transpose(1, 2)  # (Sc, nb, R, S)
+        acc = None
+        for width, low, raw in raw_slices(codes, self.spec.bits, s):
+            part = torch.matmul(fold_weights(pb, width, s), raw.float()) * float(1 << low)  # (Sc, nb, R, D)
+            acc = part if acc is None else acc + part
+        out = (acc * scale[:, :, None, :]).sum(dim=1)  # (Sc, R, D)
+        return out + torch.matmul(pb.sum(dim=-1).transpose(1, 2), zero)  # + sum_blocks (sum_t p_t) z_blk

@@ -1,0 +1,224 @@
+"""Decode speed of the compressed cache against transformers' own caches.
+
+    python -m benchmarks.decode_speed                      # the full grid (long on a small CPU)
+    python -m benchmarks.decode_speed --quick              # kvref-5m and SmolLM2 at 512/2K, batch 1
+    python -m benchmarks.decode_speed --models smollm2-135m --contexts 2048 --batches 1 --recipes kivi-4bit h2o
+
+Every row runs in its own subprocess, so its peak RSS is its own: the model is loaded, a random-token
+context of `context` tokens is prefilled (in chunks of 1024, as a server would), then `steps` decode
+steps are timed one by one (the first two are warm-up). Reported per row: ms per decode step (median and
+best of the timed steps), decode tokens/s (batch x 1000 / median ms), the ratio of the median to
+`DynamicCache`'s in the same invocation, bytes the cache holds (`nbytes`) and reserves, the bytes found
+by walking the cache's tensors from outside, and the process' peak RSS.
+
+Baselines: `DynamicCache` (transformers' default cache, in the model's dtype) and,
+when `optimum-quanto` imports, transformers' `QuantizedCache` (quanto, 4-bit), the peer users compare with.
+Recipes that need calibration (kvquant, palu, fastgen) are fitted on 4 windows of WikiText-2 first
+(that time is not part of the decode figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+MODELS = {
+    "smollm2-135m": "test-models:smollm2-135m",  # materialized by ../shared/models/fetch_pretrained.py
+    "kvref-5m": str(SHARED / "models" / "kvref-5m"),
+}
+DEFAULT_RECIPES = ["kivi-4bit", "kivi-2bit", "int8", "h2o", "snapkv", "streamingllm", "budget-256"]
+CALIBRATED_RECIPES = ["kvquant-4bit-1pct", "palu-30-3bit"]
+BASELINES = ["DynamicCache", "QuantizedCache-quanto-4bit"]
+CALIBRATION_TEXT = SHARED / "data" / "text" / "wikitext2_valid.txt"
+
+
+def model_path(name: str) -> str:
+    target = MODELS[name]
+    if target.startswith("test-models:"):
+        import os
+
+        root = Path(os.environ.get("KVTOOL_TEST_MODELS", Path.home() / ".cache" / "kvtool-test-models"))
+        path = root / target.split(":", 1)[1]
+        if not (path / "config.json").exists():
+            raise SystemExit(f"{path} is missing: run `python ../shared/models/fetch_pretrained.py --install-deps` first")
+        return str(path)
+    return target
+
+
+def fixed_budget_recipe():
+    """A recipe that keeps a fixed number of tokens per stream (256) whatever the context: its per-step
+    cost must stay flat in context."""
+    from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
+
+    return Recipe(
+        name="budget-256", keys=QuantSpec(method="none", bits=16, path="keys"),
+        values=QuantSpec(method="none", bits=16, axis="token", path="values"),
+        cache=CacheSpec(float_dtype="float16"),
+        eviction=EvictionSpec(policy="h2o", budget_tokens=256, sink_tokens=4, window=32),
+    )
+
+
+def make_cache(label: str, model, tokenizer):
+    """The cache a row measures, and the kvtool runtime behind it (None for transformers' caches)."""
+    from transformers import DynamicCache
+
+    if label == "DynamicCache":
+        return DynamicCache(config=model.config), None
+    if label == "QuantizedCache-quanto-4bit":
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend="quanto", config=model.config, nbits=4), None
+    from kvtool.api import calibrate_loaded
+    from kvtool.recipe import load_recipe
+    from kvtool.runtime.attach import CompressedRuntime
+
+    recipe = fixed_budget_recipe() if label == "budget-256" else load_recipe(label)
+    if label in CALIBRATED_RECIPES:
+        import dataclasses
+
+        recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=4, seq_len=512))
+        runtime = CompressedRuntime.from_artifact(model, calibrate_loaded(model, tokenizer, str(CALIBRATION_TEXT), recipe))
+    else:
+        runtime = CompressedRuntime.from_recipe(model, recipe)
+    return runtime.new_cache(), runtime
+
+
+def measure_row(model_name: str, label: str, context: int, batch: int, steps: int, threads: int) -> dict:
+    """One row, in this process: prefill, then time `steps` single-token decode steps."""
+    import torch
+
+    from kvtool.models.loading import load_model
+    from kvtool.runtime.memory import walked_nbytes
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_path(model_name))
+    limit = model.config.max_position_embeddings
+    if context + steps > limit:
+        return {"skipped": f"context {context} + {steps} steps is beyond the model's {limit} positions"}
+    cache, runtime = make_cache(label, model, tokenizer)
+    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    vocab = model.config.vocab_size
+    ids = torch.randint(100, min(vocab, 20000), (batch, context + steps), generator=torch.Generator().manual_seed(0))
+    times = []
+    with torch.no_grad():
+        for start in range(0, context, 1024):
+            model(ids[:, start:min(context, start + 1024)], past_key_values=cache, use_cache=True)
+        for step in range(steps):
+            token = ids[:, context + step:context + step + 1]
+            begin = time.perf_counter()
+            model(token, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - begin)
+    timed = sorted(times[2:])
+    median = timed[len(timed) // 2]
+    row = {
+        "ms_per_step": 1e3 * median, "best_ms_per_step": 1e3 * timed[0],
+        "tokens_per_s": batch / median, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_after_load_bytes": rss_loaded, "walked_bytes": walked_nbytes(cache),
+    }
+    if runtime is not None:
+        report = cache.memory_report()
+        row.update(cache_bytes=report["cache_bytes"], reserved_bytes=report["reserved_bytes"],
+                   fp16_cache_bytes=report["fp16_cache_bytes"], kept_fraction=report["kept_fraction"], backend=report["backend"],
+                   walked_bytes=walked_nbytes(cache) - cache.constant_nbytes())
+    return row
+
+
+def run_row(model_name: str, label: str, context: int, batch: int, steps: int, threads: int) -> dict:
+    """One row in a fresh subprocess (its own peak RSS); errors become a row with the message."""
+    args = [sys.executable, "-m", "benchmarks.decode_speed", "--row", json.dumps([model_name, label, context, batch, steps, threads])]
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": tail}
+    return json.loads(lines[-1][4:])
+
+
+def quanto_available() -> bool:
+    try:
+        import optimum.quanto  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="decode speed (ms per step, median of timed steps; ratio to DynamicCache in the same run)")
+    for column in ("model", "context", "batch", "cache", "ms/step", "tokens/s", "x DynamicCache", "held MB", "reserved MB",
+                   "walked MB", "kept", "peak RSS MB"):
+        table.add_column(column, justify="right")
+    mb = lambda x: "" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            table.add_row(r["model"], str(r["context"]), str(r["batch"]), r["cache"], r.get("error") or r.get("skipped"), *[""] * 7)
+            continue
+        ratio = r.get("ratio_to_dynamic")
+        table.add_row(
+            r["model"], str(r["context"]), str(r["batch"]), r["cache"], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:.1f}",
+            "" if ratio is None else f"{ratio:.2f}", mb(r.get("cache_bytes")), mb(r.get("reserved_bytes")), mb(r.get("walked_bytes")),
+            "" if r.get("kept_fraction") is None else f"{r['kept_fraction']:.2f}", mb(r["peak_rss_bytes"]),
+        )
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES + CALIBRATED_RECIPES)
+    parser.add_argument("--steps", type=int, default=10, help="decode steps per row (the first two are warm-up)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-batch-tokens", type=int, default=16384,
+                        help="skip rows whose batch x context exceeds this (prefill time on a small CPU)")
+    parser.add_argument("--quick", action="store_true", help="contexts 512 and 2048, batch 1, no calibrated recipes")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "decode_speed.json")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row:
+        print("ROW " + json.dumps(measure_row(*json.loads(args.row))), flush=True)
+        return
+    if args.quick:
+        args.contexts, args.batches = [512, 2048], [1]
+        args.recipes = [r for r in args.recipes if r not in CALIBRATED_RECIPES]
+    caches = ["DynamicCache"] + (["QuantizedCache-quanto-4bit"] if quanto_available() else []) + args.recipes
+    rows = []
+    for model_name in args.models:
+        for context in args.contexts:
+            for batch in args.batches:
+                if batch * context > args.max_batch_tokens:
+                    continue
+                base = None
+                for label in caches:
+                    row = {"model": model_name, "context": context, "batch": batch, "cache": label}
+                    row.update(run_row(model_name, label, context, batch, args.steps, args.threads))
+                    if label == "DynamicCache" and "ms_per_step" in row:
+                        base = row["ms_per_step"]
+                    if base and "ms_per_step" in row:
+                        row["ratio_to_dynamic"] = row["ms_per_step"] / base
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+    print_table(rows)
+    import torch
+
+    from kvtool.fileio import write_json_atomic
+
+    machine = {"platform": platform.platform(), "processor": platform.processor(), "cpus": len(__import__("os").sched_getaffinity(0)),
+               "threads": args.threads, "torch": torch.__version__, "device": "cpu"}
+    write_json_atomic(args.out, {"machine": machine, "steps": args.steps, "rows": rows})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Eviction on the paged store: budgets per layer and stream, the policies' view, applying their choice.
+
+Every forward of a layer whose recipe evicts: the attention each stored and new token
+received is added to its score, a `StreamView` of all streams (stored slots, then the new
+tokens) goes to the policy with a budget per stream, and the keep mask comes back split
+into float slots (freed one by one), body blocks (freed whole) and new tokens (stored or
+not). All batched over streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtool.methods.evict.base import EvictionPolicy, StreamView, ratio_budget
+
+
+class BudgetRule:
+    """Tokens each stream of ``layer`` may keep when its sequence has seen ``length`` (S,) tokens."""
+
+    def __init__(self, ratio: float, tokens: int | None, layer_weights: torch.Tensor) -> None:
+        self.ratio, self.tokens, self.weights = ratio, tokens, layer_weights.double()
+        self.fractions = layer_fractions(ratio, self.weights)  # (L,) per-layer fraction kept, mean = ratio
+
+    def __call__(self, layer: int, length: torch.Tensor) -> torch.Tensor:
+        if self.tokens is not None:
+            return torch.full_like(length, max(1, round(self.tokens * float(self.weights[layer]))))
+        return ratio_budget(float(self.fractions[layer]), length)
+
+
+def layer_fractions(ratio: float, weights: torch.Tensor) -> torch.Tensor:
+    """Per-layer fractions ratio x w_l capped at 1, the excess of capped layers handed to the others.
+
+    Keeps the mean at ``ratio`` (the uniform allocation's) whenever that is possible (ratio <= 1).
+    """
+    fractions = (ratio * weights).clamp(max=1.0)
+    for _ in range(len(weights)):
+        missing = ratio * len(weights) - float(fractions.sum())
+        open_layers = fractions < 1.0
+        if missing <= 1e-12 or not bool(open_layers.any()):
+            break
+        share = weights * open_layers / float((weights * open_layers).sum())
+        fractions = (fractions + missing * share).clamp(max=1.0)
+    return fractions
+
+
+@dataclass
+class SlotTable:
+    """Per-slot values (S, N) of the view in its order: float slots, body slots, new tokens."""
+
+    float_width: int  # F
+    body_blocks: int  # Bn
+    block_size: int
+    new_width: int  # t
+
+    @property
+    def width(self) -> int:
+        return self.float_width + self.body_blocks * self.block_size + self.new_width
+
+    def units(self, streams: int, device) -> tuple[torch.Tensor, int]:
+        """(S, N) unit ids (each float/new token its own unit, each body block one) and the unit count."""
+        f, bn, bs, t = self.float_width, self.body_blocks, self.block_size, self.new_width
+        ids = torch.cat([
+            torch.arange(f, device=device),
+            f + torch.arange(bn * bs, device=device) // bs,
+            f + bn + torch.arange(t, device=device),
+        ])
+        return ids.expand(streams, -1), f + bn + t
+
+    def split(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(S, N) -> float (S, F), body blocks (S, Bn) (first slot of each block), new (S, t)."""
+        f, bn, bs = self.float_width, self.body_blocks, self.block_size
+        body = mask[:, f : f + bn * bs].reshape(mask.shape[0], bn, bs)[:, :, 0] if bn else mask[:, :0]
+        return mask[:, :f], body, mask[:, f + bn * bs :]
+
+
+def choose(policy: EvictionPolicy, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
+    """The policy's keep mask (S, N), never more than the valid slots."""
+    return policy.keep(view, budget) & view.valid

@@ -1,0 +1,471 @@
+"""One decoder layer of kvtool's cache: transformers' contract, attention over the store, storing.
+
+Each forward, for one layer:
+
+1. ``update`` (called by the attention module with the new K/V after RoPE) keeps them for
+   the attention call that follows and claims that call (`claim_next_attention`);
+2. kvtool's attention function hands the call to `KvtoolLayer.attend`, which computes the
+   attention of the new queries over the tokens the store holds (read in their storage
+   format, chunk by chunk, never rebuilt as a float cache) and over the new tokens
+   themselves, in float, as in a real prefill;
+3. when the recipe evicts, the policy decides per stream what stays (new tokens included);
+4. the kept new tokens are written into the store (padding never is), where full blocks
+   beyond the recent window are encoded once.
+
+Shapes: B sequences, H KV heads of head_dim D in S = B x H/g streams of g heads, H_q =
+G x H query heads; a stream's query rows are R = G x t (its G query heads x t new tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvtool.methods.evict.base import StreamView
+from kvtool.methods.registry import quantizer_class
+from kvtool.models.attention_hook import claim_next_attention
+from kvtool.recipe import Recipe
+from kvtool.runtime.eviction import SlotTable, choose
+from kvtool.runtime.formats import lift_format
+from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend, attend_scored, chunk_tokens
+from kvtool.runtime.positions import SequencePositions, rotate
+from kvtool.runtime.store import LayerStore, StoreLayout
+
+SPECIAL, PUNCT = 1, 2  # bits of the FastGen token-class byte
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer's cache stores: the recipe plus this layer's fitted tensors (keys./values. prefixed)."""
+
+    recipe: Recipe
+    fitted: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def fitted_for(self, part: str) -> dict[str, torch.Tensor]:
+        prefix = f"{part}."
+        return {k[len(prefix) :]: v for k, v in self.fitted.items() if k.startswith(prefix)}
+
+
+def storage_dtype(recipe: Recipe, model_dtype: torch.dtype) -> torch.dtype:
+    """The float dtype the cache stores (``cache.float_dtype``; ``model`` = the model's own)."""
+    name = recipe.cache.float_dtype
+    return model_dtype if name == "model" else getattr(torch, name)
+
+
+def build_formats(recipe: Recipe, fitted_for, head_dim: int, num_kv_heads: int, dtype: torch.dtype):
+    """(key format, value format, heads per stream g) for one layer, both lifted to g heads per block."""
+    formats = []
+    for spec, part in ((recipe.keys, "keys"), (recipe.values, "values")):
+        quantizer = quantizer_class(spec.method)(spec, head_dim, recipe.cache.block_size, dtype, fitted_for(part))
+        quantizer.check_kv_heads(num_kv_heads)
+        formats.append(quantizer)
+    g = math.lcm(*(f.heads_per_block for f in formats))
+    return lift_format(formats[0], g), lift_format(formats[1], g), g
+
+
+def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """((B, t, t) bool: which new tokens each new query may see, (B, t) bool real tokens or None = all).
+
+    kvtool's cache asks transformers for a mask over the new tokens only (`get_mask_sizes`);
+    padding tokens see nothing, not even themselves, so the diagonal marks the real ones.
+    """
+    if attention_mask is None:
+        return torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t), None
+    mask = attention_mask[:, 0, :, -t:]
+    if mask.dtype != torch.bool:  # additive float mask
+        mask = mask == 0
+    mask = mask.expand(b, t, t)
+    real = mask.diagonal(dim1=1, dim2=2)
+    return mask, (None if bool(real.all()) else real)
+
+
+class KvtoolLayer(CacheLayerMixin):
+    """One decoder layer of `KvtoolCache` (see the module docstring)."""
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, index: int, plan: LayerPlan, context) -> None:
+        super().__init__()
+        self.index, self.plan, self.context = index, plan, context
+        self.seen = 0  # token slots seen, padding included: transformers' logical length
+        self._pending = None
+        self.store: LayerStore | None = None
+
+    # --- transformers' CacheLayerMixin contract -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        recipe, context = self.plan.recipe, self.context
+        store_dtype = storage_dtype(recipe, key_states.dtype)
+        self.key_format, self.value_format, self.g = context.formats(self.index, self.plan, d, h, store_dtype)
+        self.heads, self.groups = h, h // self.g
+        policy = context.policy
+        meta = []
+        if context.slot_positions:
+            meta.append("pos")
+        if policy is not None and policy.uses_attention:
+            meta.append("score")
+        if policy is not None and policy.uses_feature:
+            meta.append("feature")
+        if policy is not None and policy.uses_token_classes:
+            meta.append("cls")
+        layout = StoreLayout(
+            block_size=recipe.cache.block_size, heads_per_stream=self.g, head_dim=d, float_dtype=store_dtype,
+            quantized=recipe.quantizes or recipe.keys.pre_rope, sink_tokens=recipe.cache.sink_tokens, recent_tokens=recipe.cache.recent_tokens,
+            meta=tuple(meta),
+        )
+        self.store = LayerStore(layout, self.key_format, self.value_format, b * self.groups, self.device)
+        self.lengths = torch.zeros(b, dtype=torch.int64, device=self.device)  # real tokens each sequence has seen
+        self.group_of_stream = torch.arange(self.groups, device=self.device).repeat(b)
+        context.begin(b, self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Keep the new K/V (B, H, t, D) for the attention call that follows; return them as they came."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._pending = (key_states, value_states, self.seen)
+        self.seen += key_states.shape[2]
+        claim_next_attention(self)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen  # a mask over the new tokens only: the store holds no padding
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.store is not None:
+            self.store.reset(0)
+        self.is_initialized = False
+        self.seen = 0
+        self._pending = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(torch.arange(self.lengths.shape[0], device=self.device)[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(torch.arange(self.lengths.shape[0], device=self.device).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("kvtool's cache cannot be cropped (assisted decoding is not supported)")
+
+    def _select(self, sequences: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        sequences = sequences.to(self.device).long()
+        streams = (sequences[:, None] * self.groups + torch.arange(self.groups, device=self.device)).flatten()
+        self.store.select_streams(streams)
+        self.store.shrink()
+        self.lengths = self.lengths[sequences]
+        self.group_of_stream = torch.arange(self.groups, device=self.device).repeat(sequences.shape[0])
+        if self.index == 0:
+            self.context.select(sequences)
+
+    # --- attention ----------------------------------------------------------------------------------
+    def attend(self, module, query, key, value, attention_mask, scaling: float, **kwargs) -> torch.Tensor:
+        """Attention of the new queries (B, H_q, t, D) over the store and the new tokens; then store. (B, t, H_q, D)."""
+        new_k, new_v, seen_before = self._pending
+        self._pending = None
+        b, hq, t, d = query.shape
+        g, groups, G = self.g, self.groups, hq // self.heads
+        s, r = b * groups, G * t
+        mask, real = new_token_mask(attention_mask, b, t, query.device)
+        positions = self.context.positions(b, t, seen_before, query.device)  # (B, t)
+        options = LayerOptions(
+            scaling=scaling, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+            sliding_window=kwargs.get("sliding_window") or self.context.sliding_window(self.index),
+        )
+        policy = self.context.policy
+        scoring = policy is not None and policy.uses_attention
+        nk = new_k.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
+        nv = new_v.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
+        received = None
+        if self._empty() and not scoring and options.softcap is None and options.sinks is None:
+            out = _sdpa(query, new_k, new_v, mask, scaling)
+        else:
+            q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
+            stream_mask = mask[:, None].expand(b, G, t, t).reshape(b, r, t).repeat_interleave(groups, dim=0)  # (S, R, t)
+            query_pos = positions[:, None].expand(b, G, t).reshape(b, r).repeat_interleave(groups, dim=0)
+            sink_logits = self._sink_logits(options.sinks, b, t)
+            if scoring:
+                window_rows = (torch.arange(r, device=q.device) % t >= t - policy.spec.window) if t > 1 else None
+                out, received = attend_scored(
+                    q, nk, nv, stream_mask, lambda: self._chunks(s, r, options), options, window_rows, query_pos, sink_logits,
+                )
+            else:
+                out = attend(q, nk, nv, stream_mask, self._chunks(s, r, options), options, query_pos, sink_logits)
+            out = out.reshape(b, groups, g, G, t, d).reshape(b, hq, t, d).transpose(1, 2).to(query.dtype)
+        self._store_new(nk, nv, real, positions, received, t)
+        return out
+
+    def _empty(self) -> bool:
+        return not self.store.float_pool.used and (self.store.body_pool is None or not self.store.body_pool.used)
+
+    def _sink_logits(self, sinks: torch.Tensor | None, b: int, t: int) -> torch.Tensor | None:
+        """Learned per-query-head sink logits (H_q,) -> (S, g, R)."""
+        if sinks is None:
+            return None
+        per_head = sinks.float().reshape(self.groups, self.g, -1)  # (H/g, g, G)
+        rows = per_head[..., None].expand(-1, -1, -1, t).reshape(self.groups, self.g, -1)  # (H/g, g, G*t)
+        return rows.repeat(b, 1, 1)
+
+    def _chunks(self, s: int, r: int, options: LayerOptions):
+        """The stored tokens of every stream, chunk by chunk (float blocks, then body blocks), whole blocks at a time."""
+        store, context = self.store, self.context
+        fbs, bs = store.fbs, store.bs
+        d, g = store.layout.head_dim, self.g
+        per_chunk = chunk_tokens(s, g, r, d, bs)
+        needs_pos = bool(options.sliding_window)
+        float_blocks = int(store.float_blocks().max()) if s else 0
+        shortest = int(store.float_len.min()) if s else 0
+        step = max(1, per_chunk // fbs)
+        for c0 in range(0, float_blocks, step):
+            c1 = min(float_blocks, c0 + step)
+            ids = store.float_block_ids(c0, c1)  # (S, nb)
+            kv = store.read_blocks(store.float_pool, ("k", "v"), ids)  # (S, nb*fbs, g, D)
+            k, v = kv["k"].float().transpose(1, 2), kv["v"].float().transpose(1, 2)  # (S, g, c, D)
+            valid = None
+            if c1 * fbs > shortest:  # some stream ends inside this chunk
+                valid = torch.arange(c0 * fbs, c1 * fbs, device=self.device) < store.lengths("float_len")[:, None]
+            pos = context.float_block_positions(self, ids, c0) if needs_pos else None
+            yield Chunk(
+                scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),
+                values=lambda p, v=v: torch.matmul(p, v),
+                valid=valid, positions=pos, region="float", start=c0 * fbs,
+            )
+        if store.body_pool is None:
+            return
+        blocks = int(store.body_len.max()) if s else 0
+        fewest = int(store.body_len.min()) if s else 0
+        step = max(1, per_chunk // bs)
+        pre_rope = self.plan.recipe.keys.pre_rope
+        for c0 in range(0, blocks, step):
+            c1 = min(blocks, c0 + step)
+            ids = store.body_block_ids(c0, c1)  # (S, nb)
+            kb, vb = store.read_body("k", ids), store.read_body("v", ids)
+            valid = None
+            if c1 > fewest:
+                valid = (torch.arange(c0, c1, device=self.device) < store.lengths("body_len")[:, None]).repeat_interleave(bs, dim=1)
+            pos = context.body_positions(self, c0, c1, ids) if (needs_pos or pre_rope) else None
+            to_attention = None
+            if pre_rope:
+                cos, sin = context.rope.cos_sin(pos)  # (S, T, R)
+                to_attention = lambda keys, cos=cos, sin=sin: rotate(keys, cos, sin)  # noqa: E731
+            yield Chunk(
+                scores=lambda q, kb=kb, fn=to_attention: self.key_format.chunk_scores(q, kb, self.group_of_stream, fn),
+                values=lambda p, vb=vb: self.value_format.chunk_values(p, vb, self.group_of_stream),
+                valid=valid, positions=pos, region="body", start=c0 * bs,
+            )
+
+    # --- storing ------------------------------------------------------------------------------------
+    def _store_new(self, nk, nv, real, positions, received, t: int) -> None:
+        """Accumulate scores, let the policy choose, then write the kept new tokens into the store."""
+        b = self.lengths.shape[0]
+        groups, store, context = self.groups, self.store, self.context
+        if real is None:
+            counts = np.full(b, t, dtype=np.int64)
+            order = None
+        else:
+            counts = real.sum(dim=1).cpu().numpy()
+            order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices  # real tokens first, in order
+        self.lengths = self.lengths + torch.from_numpy(counts).to(self.device)
+        stream_counts = np.repeat(counts, groups)
+        stream_order = None if order is None else order.repeat_interleave(groups, dim=0)
+
+        def compact(x):  # (S, t, ...) real tokens first
+            if stream_order is None:
+                return x
+            return x[torch.arange(x.shape[0], device=x.device)[:, None], stream_order]
+
+        data = {"k": compact(nk.transpose(1, 2)), "v": compact(nv.transpose(1, 2))}  # (S, t, g, D)
+        stream_pos = compact(positions.repeat_interleave(groups, dim=0))  # (S, t)
+        policy = context.policy
+        if "pos" in store.layout.meta:
+            data["pos"] = stream_pos
+        if received is not None:
+            self._accumulate(received)
+            data["score"] = compact(received.new)
+            if received.new_window is not None:
+                received.new_window = compact(received.new_window)  # aligned with the compacted new tokens
+        if policy is not None and policy.uses_feature:
+            data["feature"] = policy.token_feature(data["k"][:, :, 0], data["v"][:, :, 0])
+        if policy is not None and policy.uses_token_classes:
+            data["cls"] = compact(context.token_classes(b, t, positions, policy.spec.sink_tokens).repeat_interleave(groups, dim=0))
+        if policy is not None and self._evict(data, stream_counts, stream_pos, received):
+            pass  # the policy placed the kept new tokens
+        else:
+            store.append(data, stream_counts, stream_pos, self._float_positions_for_encode, self._encode)
+        if self.index == 0:
+            context.record(positions if order is None else positions.gather(1, order), torch.from_numpy(counts).to(self.device))
+
+    def _accumulate(self, received) -> None:
+        """Add the attention stored slots received this forward to their scores (whole blocks at a time)."""
+        store = self.store
+        for region, start, values in received.chunks:
+            pool, tokens = (store.float_pool, store.fbs) if region == "float" else (store.body_pool, store.bs)
+            c0 = start // tokens
+            ids = (store.float_block_ids if region == "float" else store.body_block_ids)(c0, c0 + values.shape[1] // tokens)
+            # masked slots received exactly 0 and table entries past a stream's blocks are 0: adding is safe
+            pool.tensors["score"].index_add_(0, ids.flatten(), values.reshape(-1, tokens))
+
+    def _evict(self, data, counts: np.ndarray, positions, received) -> bool:
+        """Let the policy choose among stored and new tokens and free what it drops.
+
+        Returns True when it also stored the kept new tokens (a float store: they fill the
+        freed slots), False when they still have to be appended (nothing to evict).
+        """
+        store, policy = self.store, self.context.policy
+        length = self.lengths.repeat_interleave(self.groups)  # (S,)
+        budget = self.context.budget(self.index, length)
+        if policy.budgeted and bool((torch.from_numpy(store.tokens() + counts).to(self.device) <= budget).all()):
+            return False
+        t = positions.shape[1]
+        fbs = store.fbs
+        table = SlotTable(int(store.float_blocks().max()) * fbs, int(store.body_len.max()) if store.body_pool else 0, store.bs, t)
+        view = self._view(table, data, counts, positions, received, length)
+        keep = choose(policy, view, budget)
+        keep_float, keep_body, keep_new = table.split(keep)
+        if store.body_pool is None:
+            store.fill_holes(keep_float, data, keep_new)
+            return True
+        store.keep(keep_float, keep_body)
+        order = torch.sort((~keep_new).to(torch.int8), dim=1, stable=True).indices  # kept new tokens first
+        rows = torch.arange(order.shape[0], device=self.device)[:, None]
+        kept = {name: values[rows, order] for name, values in data.items()}
+        store.append(kept, keep_new.sum(dim=1).cpu().numpy(), positions[rows, order], self._float_positions_for_encode, self._encode)
+        return True
+
+    def _view(self, table: SlotTable, data, counts: np.ndarray, positions, received, length) -> StreamView:
+        store, bs, fbs = self.store, table.block_size, self.store.fbs
+        s, f, bn, t = store.streams, table.float_width, table.body_blocks, table.new_width
+        float_ids = store.float_block_ids(0, f // fbs)
+        body_ids = store.body_block_ids(0, bn) if bn else None
+        valid = torch.cat([
+            torch.arange(f, device=self.device) < store.lengths("float_len")[:, None],
+            (torch.arange(bn, device=self.device) < store.lengths("body_len")[:, None]).repeat_interleave(bs, dim=1),
+            torch.arange(t, device=self.device) < torch.from_numpy(counts).to(self.device)[:, None],
+        ], dim=1)
+
+        def gather(name, new):
+            parts = [store.read_blocks(store.float_pool, (name,), float_ids)[name]]
+            if bn:
+                parts.append(store.read_blocks(store.body_pool, (name,), body_ids)[name])
+            return torch.cat(parts + [new.to(parts[0].dtype)], dim=1)
+
+        zeros = torch.zeros(s, table.width, device=self.device)
+        classes = gather("cls", data["cls"]) if "cls" in data else torch.zeros_like(zeros, dtype=torch.uint8)
+        units, unit_count = table.units(s, self.device)
+        return StreamView(
+            positions=gather("pos", positions).long(),
+            valid=valid,
+            length=length,
+            attention=gather("score", data["score"]) if "score" in data else zeros,
+            window_attention=self._window_attention(table, received, t) if received is not None else None,
+            feature=gather("feature", data["feature"]) if "feature" in data else None,
+            is_special=(classes & SPECIAL) > 0,
+            is_punct=(classes & PUNCT) > 0,
+            units=units,
+            unit_count=unit_count,
+            layer=self.index,
+            heads=self.group_of_stream,
+        )
+
+    def _window_attention(self, table: SlotTable, received, t: int) -> torch.Tensor | None:
+        """(S, N) attention from the last ``window`` query tokens (prefill only), in the view's order."""
+        if received.new_window is None or t == 1:
+            return None
+        out = torch.zeros(self.store.streams, table.width, device=self.device)
+        offsets = {"float": 0, "body": table.float_width}
+        for region, start, values in received.chunks_window:
+            lo = offsets[region] + start
+            out[:, lo : lo + values.shape[1]] = values
+        out[:, table.width - t :] = received.new_window
+        return out
+
+    # --- encoding ------------------------------------------------------------------------------------
+    def _encode(self, k, v, rows, positions) -> dict[str, torch.Tensor]:
+        """Blocks k, v (N, bs, g, D) of streams ``rows`` -> body storage (keys before RoPE when the recipe says)."""
+        group = self.group_of_stream[rows]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (N, g, bs, D)
+        if self.plan.recipe.keys.pre_rope:
+            cos, sin = self.context.rope.cos_sin(positions)  # (N, bs, R)
+            k = rotate(k.float(), cos, sin, inverse=True)
+        keys = self.key_format.encode_blocks(k, group)
+        values = self.value_format.encode_blocks(v, group)
+        return {**{f"k.{n}": x for n, x in keys.items()}, **{f"v.{n}": x for n, x in values.items()}}
+
+    def _float_positions_for_encode(self, start: np.ndarray, width: int) -> torch.Tensor:
+        if width == 0 or not self.plan.recipe.keys.pre_rope:
+            return torch.zeros(self.store.streams, width, dtype=torch.int64, device=self.device)
+        slot = torch.from_numpy(start).to(self.device)[:, None] + torch.arange(width, device=self.device)
+        return self.context.float_positions_at(self, slot)
+
+    # --- inspection (tests, debugging; attention never does this) ---------------------------------
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every held token decoded to float, in token order (by position where the store keeps no
+        order): keys (post-RoPE), values (B, H, T, D), positions and valid (B, H, T) (shorter streams padded)."""
+        store, bs, fbs = self.store, self.store.bs, self.store.fbs
+        s, g = store.streams, self.g
+        fb = int(store.float_blocks().max()) if s else 0
+        ids = store.float_block_ids(0, fb)
+        flo = store.read_blocks(store.float_pool, ("k", "v"), ids)
+        keys, values = [flo["k"].float().transpose(1, 2)], [flo["v"].float().transpose(1, 2)]  # (S, g, F, D)
+        pos = [self.context.float_block_positions(self, ids, 0)]
+        f = fb * fbs
+        if store.body_pool is not None:
+            bn = int(store.body_len.max())
+            ids = store.body_block_ids(0, bn)
+            if bn:
+                keys.append(self.key_format._decode_chunk(store.read_body("k", ids), self.group_of_stream))
+                values.append(self.value_format._decode_chunk(store.read_body("v", ids), self.group_of_stream))
+                pos.append(self.context.body_positions(self, 0, bn, ids))
+                if self.plan.recipe.keys.pre_rope:
+                    keys[-1] = rotate(keys[-1], *self.context.rope.cos_sin(pos[-1]))
+        keys, values, pos = torch.cat(keys, 2), torch.cat(values, 2), torch.cat(pos, 1)
+        total = torch.from_numpy(store.tokens()).to(self.device)
+        j = torch.arange(int(total.max()) if s else 0, device=self.device)[None]
+        n_sink, body = store.lengths("n_sink")[:, None], (store.lengths("body_len") * bs)[:, None]
+        column = torch.where(j < n_sink, j, torch.where(j < n_sink + body, f + j - n_sink, j - body))
+        column = column.clamp(max=max(keys.shape[2] - 1, 0))
+        valid = j < total[:, None]
+        pos = pos.gather(1, column)
+        if self.context.slot_positions:  # unordered float slots: present by position
+            column = column.gather(1, torch.sort(pos.masked_fill(~valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices)
+            pos = pos.gather(1, torch.sort(pos.masked_fill(~valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices)
+        rows = torch.arange(s, device=self.device)[:, None]
+        keys = keys.transpose(1, 2)[rows, column].transpose(1, 2)
+        values = values.transpose(1, 2)[rows, column].transpose(1, 2)
+        shape = (self.lengths.shape[0], self.heads, column.shape[1])
+        expand = lambda x: x.repeat_interleave(g, dim=0).reshape(shape)  # noqa: E731
+        return keys.reshape(*shape, -1), values.reshape(*shape, -1), expand(pos), expand(valid)
+
+    # --- accounting ---------------------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        if not self.is_initialized:
+            return []
+        return self.store.tensors() + [self.lengths, self.group_of_stream]
+
+
+def _sdpa(query, key, value, mask, scaling) -> torch.Tensor:
+    """Plain attention of the new tokens among themselves (empty store): (B, t, H_q, D)."""
+    t = query.shape[2]
+    attn_mask = None if t == 1 else mask[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key.to(query.dtype), value.to(query.dtype), attn_mask=attn_mask, scale=scaling, enable_gqa=True
+    )
+    return out.nan_to_num(0.0).transpose(1, 2)

@@ -1,0 +1,248 @@
+"""Attention over a layer's paged store, without rebuilding the float cache (the torch reference).
+
+The queries of one forward attend to the tokens the store holds and to the new tokens of
+this forward (which the store does not hold yet). Per stream (sequence, KV-head group):
+
+    q (S, g, R, D) float32, R = G x t rows: the G query heads of each KV head, t new tokens
+    stored tokens: walked chunk by chunk (`Chunk`), each at most a bounded number of
+                   tokens per stream, read in its storage format (float blocks, or packed
+                   codes through `BlockQuantizer.chunk_scores` / `chunk_values`)
+    new tokens:    (S, g, t, D) float, with a per-sequence (t, t) causal/padding mask
+
+GQA: the G query heads of a KV head are rows against that head's keys, which are read
+once (never expanded). Softmax is online (flash-decoding): a running max ``m``, sum ``l``
+and output ``acc`` per row, so temporaries are O(chunk), not O(tokens held). Policies
+that score tokens by the attention they receive need the normalised probabilities:
+`attend_scored` keeps one chunk's logits at a time twice over (max/sum pass, then the
+output pass) and returns the attention each stored slot and each new token received,
+summed over the rows of its stream (and over the last ``window`` query tokens).
+
+Options per layer: attention-logit soft-capping (Gemma 2: ``cap * tanh(x / cap)``),
+learned sink logits per query head (gpt-oss: an extra softmax term without a value) and
+a sliding window (a stored token at position p is visible to a query at q when
+p > q - window).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 20  # float32 elements of one chunk's largest temporary (4 MiB)
+ROW_CHUNK = 512  # query rows per pass when all probabilities must be kept (scoring policies)
+
+
+@dataclass
+class Chunk:
+    """A piece of the stored tokens of every stream.
+
+    scores(q (S, g, R, D)) -> (S, g, R, C) float32 logits (q already scaled);
+    values(p (S, g, R, C)) -> (S, g, R, D) float32; valid (S, C) bool, or None when every
+    slot holds a token;
+    positions (S, C) int or None (needed for sliding windows); region/start locate it
+    in the store for scores the caller accumulates.
+    """
+
+    scores: Callable[[torch.Tensor], torch.Tensor]
+    values: Callable[[torch.Tensor], torch.Tensor]
+    valid: torch.Tensor | None
+    positions: torch.Tensor | None
+    region: str
+    start: int
+
+
+@dataclass
+class LayerOptions:
+    """What the model's attention does beyond softmax(q k^T * scaling) v."""
+
+    scaling: float
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # (H_q,) learned sink logits
+    sliding_window: int | None = None
+
+
+@dataclass
+class Received:
+    """Attention received per stored slot and per new token, summed over a stream's rows."""
+
+    chunks: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)  # (region, start, (S, C))
+    new: torch.Tensor | None = None  # (S, t)
+    chunks_window: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+    new_window: torch.Tensor | None = None
+
+
+def chunk_tokens(streams: int, heads: int, rows: int, head_dim: int, block: int) -> int:
+    """Tokens per stream per chunk: a multiple of ``block`` keeping temporaries near CHUNK_ELEMENTS."""
+    per_token = streams * heads * max(rows, head_dim)
+    return max(block, CHUNK_ELEMENTS // per_token // block * block)
+
+
+def _logits(scores: torch.Tensor, options: LayerOptions) -> torch.Tensor:
+    if options.softcap:
+        scores = options.softcap * torch.tanh(scores / options.softcap)
+    return scores
+
+
+def _masked_logits(chunk: Chunk, q: torch.Tensor, query_pos, options: LayerOptions) -> torch.Tensor:
+    """(S, g, R, C) logits of the rows against a stored chunk, -inf where a row may not see a token."""
+    logits = _logits(chunk.scores(q), options)
+    visible = None if chunk.valid is None else chunk.valid[:, None, None, :]
+    if options.sliding_window and chunk.positions is not None and query_pos is not None:
+        window = chunk.positions[:, None, None, :] > query_pos[:, None, :, None] - options.sliding_window  # (S,1,R,C)
+        visible = window if visible is None else visible & window
+    return logits if visible is None else logits.masked_fill(~visible, -math.inf)
+
+
+def _new_logits(q, new_k, new_mask, options) -> torch.Tensor:
+    """(S, g, R, t) logits of the rows against the new tokens, -inf where masked."""
+    logits = _logits(torch.matmul(q, new_k.transpose(-1, -2)), options)
+    return logits.masked_fill(~new_mask[:, None], -math.inf)
+
+
+class OnlineSoftmax:
+    """Running max, sum and output per row; absorbs groups of logit pieces at once."""
+
+    def __init__(self, shape, device, sink_logits: torch.Tensor | None) -> None:
+        s, g, r, d = shape
+        self.m = torch.full((s, g, r, 1), -math.inf, device=device)
+        self.l = torch.zeros((s, g, r, 1), device=device)
+        self.acc = torch.zeros((s, g, r, d), device=device)
+        if sink_logits is not None:  # a learned sink: one more softmax term, with no value
+            self.m, self.l = sink_logits[..., None].clone(), torch.ones_like(self.l)
+
+    def absorb(self, pieces: list[tuple[torch.Tensor, Callable]]) -> None:
+        """pieces: (logits (S, g, R, C_i), values(p (S, g, R, C_i)) -> (S, g, R, D))."""
+        logits = pieces[0][0] if len(pieces) == 1 else torch.cat([p[0] for p in pieces], dim=-1)
+        m_new = torch.maximum(self.m, logits.amax(dim=-1, keepdim=True))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(logits - safe)
+        correction = torch.exp(self.m - safe)
+        self.l = self.l * correction + p.sum(dim=-1, keepdim=True)
+        self.acc = self.acc * correction
+        offset = 0
+        for piece, values in pieces:
+            width = piece.shape[-1]
+            self.acc = self.acc + values(p[..., offset : offset + width])
+            offset += width
+        self.m = m_new
+
+    def result(self) -> torch.Tensor:
+        return self.acc / self.l.clamp(min=1e-30)
+
+
+def attend(
+    q: torch.Tensor,  # (S, g, R, D) float32, scaled
+    new_k: torch.Tensor,  # (S, g, t, D) float32
+    new_v: torch.Tensor,
+    new_mask: torch.Tensor,  # (S, R, t) bool: row may see new token
+    chunks: Iterator[Chunk],
+    options: LayerOptions,
+    query_pos: torch.Tensor | None = None,  # (S, R) positions of each row's token
+    sink_logits: torch.Tensor | None = None,  # (S, g, R)
+) -> torch.Tensor:
+    """Online-softmax attention of the rows over stored chunks and the new tokens: (S, g, R, D) float32.
+
+    Chunks are absorbed in groups whose logits stay under CHUNK_ELEMENTS (one softmax update
+    per group), so a decode step over a short cache is one update, a long one a few.
+    """
+    state = OnlineSoftmax(q.shape, q.device, sink_logits)
+    pending, elements = [], 0
+    for chunk in chunks:
+        logits = _masked_logits(chunk, q, query_pos, options)
+        pending.append((logits, chunk.values))
+        elements += logits.numel()
+        if elements >= CHUNK_ELEMENTS:
+            state.absorb(pending)
+            pending, elements = [], 0
+    pending.append((_new_logits(q, new_k, new_mask, options), lambda p: torch.matmul(p, new_v)))
+    state.absorb(pending)
+    return state.result()
+
+
+def attend_scored(
+    q: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    new_mask: torch.Tensor,
+    chunks: Callable[[], Iterator[Chunk]],
+    options: LayerOptions,
+    window_rows: torch.Tensor | None = None,  # (R,) bool: rows of the last ``window`` query tokens
+    query_pos: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Received]:
+    """Attention with normalised probabilities: output (S, g, R, D) and the attention every token received.
+
+    Two passes per block of rows: the first finds each row's max and sum (online), the second
+    forms the probabilities chunk by chunk, accumulates the output and sums them per token.
+    Logits of the first pass are kept for the second when they are small (decoding), else the
+    second pass recomputes them, so memory stays O(chunk).
+    """
+    s, g, r, d = q.shape
+    out = torch.empty((s, g, r, d), device=q.device)
+    totals: dict[tuple[str, int], torch.Tensor] = {}
+    totals_window: dict[tuple[str, int], torch.Tensor] = {}
+    new_total = torch.zeros(s, new_k.shape[2], device=q.device)
+    new_window = torch.zeros_like(new_total)
+    for lo in range(0, r, ROW_CHUNK):
+        hi = min(r, lo + ROW_CHUNK)
+        qr, mask_r = q[:, :, lo:hi], new_mask[:, lo:hi]
+        pos_r = None if query_pos is None else query_pos[:, lo:hi]
+        sink_r = None if sink_logits is None else sink_logits[:, :, lo:hi]
+        kept, elements = [], 0
+        for chunk in chunks():  # pass 1: logits (kept while small)
+            logits = _masked_logits(chunk, qr, pos_r, options)
+            elements += logits.numel()
+            kept.append(logits if elements <= CHUNK_ELEMENTS else None)
+        new_logits = _new_logits(qr, new_k, mask_r, options)
+        m, l = _max_and_sum([x for x in kept if x is not None] + [new_logits], sink_r)
+        if any(x is None for x in kept):  # large: the maxima of the chunks not kept, chunk by chunk
+            m, l = _rescan(chunks(), kept, qr, pos_r, options, m, l)
+        inv = 1.0 / l.clamp(min=1e-30)
+        p_new = torch.exp(new_logits - m) * inv
+        acc = torch.matmul(p_new, new_v)
+        in_window = None if window_rows is None else window_rows[lo:hi].to(q.dtype)[None, None, :, None]
+        for chunk, logits in zip(chunks(), kept):  # pass 2: probabilities, output, received
+            p = torch.exp((_masked_logits(chunk, qr, pos_r, options) if logits is None else logits) - m) * inv
+            acc = acc + chunk.values(p)
+            key = (chunk.region, chunk.start)
+            totals[key] = totals.get(key, 0) + p.sum(dim=(1, 2))
+            if in_window is not None:
+                totals_window[key] = totals_window.get(key, 0) + (p * in_window).sum(dim=(1, 2))
+        new_total += p_new.sum(dim=(1, 2))
+        if in_window is not None:
+            new_window += (p_new * in_window).sum(dim=(1, 2))
+        out[:, :, lo:hi] = acc
+    received = Received(chunks=[(region, start, t) for (region, start), t in totals.items()], new=new_total)
+    if window_rows is not None:
+        received.chunks_window = [(region, start, t) for (region, start), t in totals_window.items()]
+        received.new_window = new_window
+    return out, received
+
+
+def _max_and_sum(pieces: list[torch.Tensor], sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row max and sum of exp over logit pieces (S, g, R, C_i) (and a sink logit (S, g, R))."""
+    logits = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+    m = logits.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink[..., None])
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    l = torch.exp(logits - m).sum(dim=-1, keepdim=True)
+    if sink is not None:
+        l = l + torch.exp(sink[..., None] - m)
+    return m, l
+
+
+def _rescan(chunks, kept, q, query_pos, options, m, l):
+    """Fold the chunks whose logits were not kept into the running (max, sum)."""
+    for chunk, logits in zip(chunks, kept):
+        if logits is not None:
+            continue
+        logits = _masked_logits(chunk, q, query_pos, options)
+        m_new = torch.maximum(m, logits.amax(dim=-1, keepdim=True))
+        m_new = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        l = l * torch.exp(m - m_new) + torch.exp(logits - m_new).sum(dim=-1, keepdim=True)
+        m = m_new
+    return m, l

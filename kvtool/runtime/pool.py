@@ -1,0 +1,108 @@
+"""A pool of fixed-size blocks for one decoder layer: every tensor has a leading block dimension.
+
+A `BlockPool` holds named tensors ``{name: (capacity, *shape)}`` (for example the float K/V
+of ``block_size`` tokens, or packed codes with their scales beside them) and a byte
+``in_use`` (capacity,) marking which block ids belong to some stream. Block ids are rows.
+
+* `allocate(n)` hands out the lowest free ids; when too few are free the pool grows to
+  ``ceil(1.25 x needed)`` blocks (geometric, so appends are amortized O(1): a growth copies
+  every block once, and the next growth needs a quarter more blocks first).
+* `release(ids)` returns blocks; `shrink_plan` + `apply_moves` compact the pool when many
+  blocks were freed (beam search, finished sequences), so reserved bytes stay within
+  1.25 x the bytes in use plus a block per stream.
+
+No Python object per block or per stream: ids are int64 tensors on the pool's device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+GROWTH = 1.25
+
+
+class BlockPool:
+    """Named block tensors, a free map, geometric growth; see the module docstring."""
+
+    def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
+        self.spec = dict(spec)
+        self.device = torch.device(device)
+        self.tensors = {name: torch.empty((0, *shape), dtype=dtype, device=self.device) for name, (shape, dtype) in self.spec.items()}
+        self.in_use = torch.zeros(0, dtype=torch.bool, device=self.device)
+        self.used = 0  # blocks in use (a Python int: no device sync to read it)
+
+    # --- sizes ---------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.in_use.shape[0]
+
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all named tensors."""
+        total = 0
+        for shape, dtype in self.spec.values():
+            total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    def used_nbytes(self) -> int:
+        return self.used * self.block_nbytes()
+
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated: every block row (free or not) and the free map."""
+        return self.capacity * (self.block_nbytes() + 1)
+
+    # --- allocation ----------------------------------------------------------------------------
+    def allocate(self, n: int) -> torch.Tensor:
+        """(n,) int64 ids of free blocks (lowest first), growing the pool when needed."""
+        if n <= 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if self.capacity - self.used < n:
+            self._grow(math.ceil(GROWTH * (self.used + n)))
+        ids = torch.nonzero(~self.in_use).flatten()[:n]
+        self.in_use[ids] = True
+        self.used += n
+        return ids
+
+    def release(self, ids: torch.Tensor) -> None:
+        """Return blocks (ids must be in use, each once)."""
+        if ids.numel() == 0:
+            return
+        self.in_use[ids] = False
+        self.used -= ids.numel()
+
+    def clear(self) -> None:
+        """Free every block and the memory behind them."""
+        self.tensors = {name: t[:0].clone() for name, t in self.tensors.items()}
+        self.in_use = self.in_use[:0].clone()
+        self.used = 0
+
+    def _grow(self, capacity: int) -> None:
+        extra = capacity - self.capacity
+        self.tensors = {
+            name: torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) for name, t in self.tensors.items()
+        }
+        self.in_use = torch.cat([self.in_use, self.in_use.new_zeros(extra)])
+
+    # --- compaction ----------------------------------------------------------------------------
+    def shrink_plan(self, slack_blocks: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(old ids, new ids, new capacity) compacting the pool when capacity > 1.25 x used + slack; else None.
+
+        The target keeps ``used + max(slack, used / 8)`` rows, so a shrink is followed by many
+        allocations or frees before the next resize (amortized O(1)).
+        """
+        if self.capacity <= math.ceil(GROWTH * self.used) + slack_blocks:
+            return None
+        target = self.used + max(slack_blocks, self.used // 8)
+        movers = torch.nonzero(self.in_use[target:]).flatten() + target
+        holes = torch.nonzero(~self.in_use[:target]).flatten()[: movers.numel()]
+        return movers, holes, target
+
+    def apply_moves(self, old: torch.Tensor, new: torch.Tensor, capacity: int) -> None:
+        """Copy blocks ``old`` to free rows ``new`` and cut the pool to ``capacity`` rows."""
+        for name, t in self.tensors.items():
+            t[new] = t[old]
+            self.tensors[name] = t[:capacity].clone()
+        self.in_use[new] = True
+        self.in_use[old] = False
+        self.in_use = self.in_use[:capacity].clone()

@@ -1,0 +1,482 @@
+"""The paged store of one decoder layer: fixed-size blocks in pools, a block table per stream.
+
+A *stream* is one (sequence, storage group) pair: S = batch x H_kv / g streams per layer,
+stream ``s = b * (H_kv / g) + j``; g = heads per stream (1, except Palu latents that span a
+group of KV heads). Every stream holds its own tokens at its own length: never padded to
+the longest stream, never expanded to query heads. Layout (what the Triton kernels read):
+
+* **float pool** (`BlockPool`): ``k``, ``v`` (cap, fbs, g, D) in the cache's float dtype,
+  plus per-slot metadata where the cache needs it: ``pos`` (cap, fbs) int32 original
+  positions, ``score`` (cap, fbs) float32 accumulated attention, ``feature`` (cap, fbs)
+  float32 a policy's static token score, ``cls`` (cap, fbs) uint8 FastGen token classes.
+  Float blocks hold ``fbs = FLOAT_BLOCK`` (16) tokens. A stream's float region holds its
+  sinks (the first ``sink_tokens`` tokens, never encoded) then its newest tokens (the KIVI
+  recent window and the last, partly filled block); for recipes that quantize nothing it
+  holds every token.
+* **body pool** (quantized recipes): the key and the value format's tensors side by side,
+  ``k.<name>`` / ``v.<name>`` (cap, *shape) as `BlockQuantizer.block_spec` defines them
+  (packed codes with their scales beside them, sparse outliers, latents), plus the same
+  per-slot metadata (cap, bs); one block = ``bs = cache.block_size`` tokens of one stream.
+* **tables** per stream: ``float_table`` (S, F) and ``body_table`` (S, Bn) int32 block ids
+  (entries past a stream's blocks are 0); lengths ``float_len`` (tokens), ``body_len``
+  (blocks), ``n_sink`` (sinks at the front of the float region), each (S,) int64, kept on
+  the host (numpy) so that every decision about sizes is made without device work, with
+  device copies made on demand (`lengths`).
+
+Token order: sinks at float slots [0, n_sink), body blocks in table order, then float
+slots [n_sink, float_len); in a cache that evicts nothing, token index = slot for sinks,
+``n_sink + j * bs + o`` for body block j offset o, ``i + body_len * bs`` for float slot
+i >= n_sink. A cache that evicts stores positions per slot and keeps no order among the
+float slots of a stream that quantizes nothing: an evicted token's slot is reused by a
+new token (`fill_holes`), so eviction moves O(1) tokens per step.
+
+Writes are in place: appending writes one slot of the stream's open float block (a new
+block when it is full); when the float region holds ``recent_tokens + bs`` non-sink tokens,
+its oldest ``bs`` are encoded into a new body block and the rest of the window is
+rewritten (O(recent) once per ``bs`` tokens). Freed blocks go back to the pool. Nothing
+here loops in Python over streams or tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvtool.runtime.pool import BlockPool
+
+FLOAT_BLOCK = 16  # tokens per float block
+META_DTYPES = {"pos": torch.int32, "score": torch.float32, "feature": torch.float32, "cls": torch.uint8}
+LENGTHS = ("float_len", "body_len", "n_sink")
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """Geometry and options of one layer's store."""
+
+    block_size: int  # body block: tokens sharing per-block scales
+    heads_per_stream: int  # g
+    head_dim: int
+    float_dtype: torch.dtype
+    quantized: bool  # True: a body of encoded blocks exists
+    sink_tokens: int  # float sinks (quantized recipes)
+    recent_tokens: int  # float recent window (quantized recipes)
+    meta: tuple[str, ...] = ()  # per-slot metadata kept: subset of META_DTYPES
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _grow_columns(table: torch.Tensor, needed: int) -> torch.Tensor:
+    """Widen a (S, W) table to at least ``needed`` columns (doubling)."""
+    if needed <= table.shape[1]:
+        return table
+    width = max(needed, 2 * table.shape[1], 4)
+    return torch.cat([table, table.new_zeros(table.shape[0], width - table.shape[1])], dim=1)
+
+
+def _pairs(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, j) for j < counts[row], row-major: the entries of a ragged (S, counts) array."""
+    rows = np.repeat(np.arange(counts.shape[0]), counts)
+    j = np.arange(rows.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    return rows, j
+
+
+class LayerStore:
+    """Pools and tables of one layer (see the module docstring)."""
+
+    def __init__(self, layout: StoreLayout, key_format, value_format, streams: int, device) -> None:
+        self.layout, self.key_format, self.value_format = layout, key_format, value_format
+        self.device = torch.device(device)
+        g, d = layout.heads_per_stream, layout.head_dim
+        self.fbs, self.bs = FLOAT_BLOCK, layout.block_size
+        meta = lambda tokens: {name: ((tokens,), META_DTYPES[name]) for name in layout.meta}  # noqa: E731
+        kv = {"k": ((self.fbs, g, d), layout.float_dtype), "v": ((self.fbs, g, d), layout.float_dtype)}
+        self.float_pool = BlockPool({**kv, **meta(self.fbs)}, device)
+        self.body_pool = None
+        if layout.quantized:
+            spec = {f"k.{n}": s for n, s in key_format.block_spec().items()}
+            spec.update({f"v.{n}": s for n, s in value_format.block_spec().items()})
+            self.body_pool = BlockPool({**spec, **meta(self.bs)}, device)
+        self._reset_tables(streams)
+
+    def _reset_tables(self, streams: int) -> None:
+        self.float_table = torch.zeros(streams, 0, dtype=torch.int32, device=self.device)
+        self.body_table = torch.zeros(streams, 0, dtype=torch.int32, device=self.device)
+        self._device: dict[str, torch.Tensor] = {}
+        for name in LENGTHS:
+            self._set(name, np.zeros(streams, dtype=np.int64))
+
+    def _set(self, name: str, values: np.ndarray) -> None:
+        """Replace a host length array (never mutated in place: device copies may share its memory)."""
+        setattr(self, name, np.asarray(values, dtype=np.int64).copy())
+        self._device.pop(name, None)
+
+    def lengths(self, name: str) -> torch.Tensor:
+        """Device copy (S,) int64 of a host length array, cached until it changes."""
+        if name not in self._device:
+            self._device[name] = torch.from_numpy(getattr(self, name)).to(self.device)
+        return self._device[name]
+
+    @property
+    def streams(self) -> int:
+        return self.float_len.shape[0]
+
+    # --- sizes -----------------------------------------------------------------------------------
+    def tokens(self) -> np.ndarray:
+        """(S,) tokens held per stream."""
+        return self.float_len + self.body_len * self.bs
+
+    def float_blocks(self) -> np.ndarray:
+        return _ceil_div(self.float_len, self.fbs)
+
+    def metadata_nbytes(self) -> int:
+        """Tables, host lengths and their device copies (shared with the host arrays on CPU)."""
+        tables = sum(t.numel() * t.element_size() for t in (self.float_table, self.body_table))
+        host = sum(getattr(self, name).nbytes for name in LENGTHS)
+        device = 0 if self.device.type == "cpu" else sum(t.numel() * 8 for t in self._device.values())
+        return tables + host + device
+
+    def used_nbytes(self) -> int:
+        """Bytes of blocks in use plus tables and lengths."""
+        body = self.body_pool.used_nbytes() if self.body_pool is not None else 0
+        return self.float_pool.used_nbytes() + body + self.metadata_nbytes()
+
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated: every pool row (free or not), the free maps, tables and lengths."""
+        body = self.body_pool.reserved_nbytes() if self.body_pool is not None else 0
+        return self.float_pool.reserved_nbytes() + body + self.metadata_nbytes()
+
+    def expected_nbytes(self) -> int:
+        """Analytic bytes from the token counts: ceil(float tokens / fbs) float blocks + body blocks + tables."""
+        total = int(self.float_blocks().sum()) * self.float_pool.block_nbytes() + self.metadata_nbytes()
+        if self.body_pool is not None:
+            total += int(self.body_len.sum()) * self.body_pool.block_nbytes()
+        return total
+
+    def tensors(self) -> list:
+        """Every array the store holds between forwards (for outside accounting)."""
+        out = [self.float_table, self.body_table, *list(self._device.values())]
+        out += [getattr(self, name) for name in LENGTHS]
+        for pool in (self.float_pool, self.body_pool):
+            if pool is not None:
+                out += list(pool.tensors.values()) + [pool.in_use]
+        return out
+
+    # --- reading ----------------------------------------------------------------------------------
+    def flat(self, pool: BlockPool, name: str) -> torch.Tensor:
+        """A pool tensor viewed per slot: (cap * tokens per block, ...)."""
+        t = pool.tensors[name]
+        return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+    def float_flat(self, name: str) -> torch.Tensor:
+        return self.flat(self.float_pool, name)
+
+    def body_flat(self, name: str) -> torch.Tensor:
+        return self.flat(self.body_pool, name)
+
+    def float_block_ids(self, c0: int, c1: int) -> torch.Tensor:
+        """(S, c1 - c0) int64 float block ids of table columns [c0, c1) (0 past a stream's blocks)."""
+        self.float_table = _grow_columns(self.float_table, c1)
+        return self.float_table[:, c0:c1].long()
+
+    def body_block_ids(self, c0: int, c1: int) -> torch.Tensor:
+        self.body_table = _grow_columns(self.body_table, c1)
+        return self.body_table[:, c0:c1].long()
+
+    def read_blocks(self, pool: BlockPool, names, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: (S, nb * tokens per block, ...)} of block ids (S, nb), token order within blocks."""
+        out = {}
+        for name in names:
+            t = pool.tensors[name][ids]  # (S, nb, tokens, ...)
+            out[name] = t.reshape(ids.shape[0], -1, *t.shape[3:])
+        return out
+
+    def read_body(self, part: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: (S, nb, *shape)} of part ``k`` or ``v`` for block ids (S, nb)."""
+        prefix = f"{part}."
+        return {name[2:]: t[ids] for name, t in self.body_pool.tensors.items() if name.startswith(prefix)}
+
+    def float_slot_ids(self, slots: torch.Tensor) -> torch.Tensor:
+        """Flat float-pool ids of region slots (S, W) (garbage, but in range, past a stream's length)."""
+        column = (slots // self.fbs).clamp(max=max(self.float_table.shape[1] - 1, 0))
+        if self.float_table.shape[1] == 0:
+            return torch.zeros_like(slots)
+        return self.float_table.long().gather(1, column) * self.fbs + slots % self.fbs
+
+    def read_float_at(self, names, start: np.ndarray, width: int) -> dict[str, torch.Tensor]:
+        """{name: (S, width, ...)} from float slots [start[s], start[s] + width) of each stream."""
+        slots = torch.from_numpy(start).to(self.device)[:, None] + torch.arange(width, device=self.device)
+        ids = self.float_slot_ids(slots)
+        return {name: self.float_flat(name)[ids] for name in names}
+
+    # --- float region: writing ----------------------------------------------------------------------
+    def _ensure_float_blocks(self, new_len: np.ndarray) -> None:
+        """Allocate the float blocks streams need to hold ``new_len`` tokens."""
+        have, need = self.float_blocks(), _ceil_div(new_len, self.fbs)
+        extra = np.maximum(need - have, 0)
+        total = int(extra.sum())
+        if total == 0:
+            return
+        self.float_table = _grow_columns(self.float_table, int(need.max()))
+        ids = self.float_pool.allocate(total)
+        rows, j = _pairs(extra)
+        rows_t, cols_t = torch.from_numpy(rows).to(self.device), torch.from_numpy(have[rows] + j).to(self.device)
+        self.float_table[rows_t, cols_t] = ids.to(torch.int32)
+
+    def _release_float_beyond(self, new_len: np.ndarray) -> None:
+        """Free float blocks past ``new_len`` tokens, then set the lengths."""
+        have, keep = self.float_blocks(), _ceil_div(new_len, self.fbs)
+        drop = np.maximum(have - keep, 0)
+        if drop.sum():
+            rows, j = _pairs(drop)
+            rows_t, cols_t = torch.from_numpy(rows).to(self.device), torch.from_numpy(keep[rows] + j).to(self.device)
+            self.float_pool.release(self.float_table[rows_t, cols_t].long())
+            self.float_table[rows_t, cols_t] = 0
+        self._set("float_len", new_len)
+        if drop.sum():
+            self.shrink()
+
+    def write_float(self, start: np.ndarray, count: np.ndarray, data: dict[str, torch.Tensor]) -> None:
+        """Write the first count[s] entries of each row of data {name: (S, W, ...)} into float slots
+        [start[s], start[s] + count[s]) (blocks allocated as needed); lengths become max(float_len, end)."""
+        width = next(iter(data.values())).shape[1]
+        total = int(count.sum())
+        end = start + count
+        self._ensure_float_blocks(np.maximum(self.float_len, end))
+        if total:
+            if (count == width).all():  # every row written whole: no gather of the sources
+                rows_t = torch.arange(self.streams, device=self.device).repeat_interleave(width)
+                j_t = torch.arange(width, device=self.device).repeat(self.streams)
+                source = {name: values.reshape(-1, *values.shape[2:]) for name, values in data.items()}
+            else:
+                rows, j = _pairs(count)
+                rows_t, j_t = torch.from_numpy(rows).to(self.device), torch.from_numpy(j).to(self.device)
+                source = {name: values[rows_t, j_t] for name, values in data.items()}
+            slot = torch.from_numpy(start).to(self.device)[rows_t] + j_t
+            target = self.float_table[rows_t, slot // self.fbs].long() * self.fbs + slot % self.fbs
+            for name, values in source.items():
+                flat = self.float_flat(name)
+                flat[target] = values.to(flat.dtype)
+        self._set("float_len", np.maximum(self.float_len, end))
+
+    def fill_holes(self, keep: torch.Tensor, data: dict[str, torch.Tensor], keep_new: torch.Tensor) -> None:
+        """Evict from an unordered float region: slots where ``keep`` (S, F) is False are freed, kept new
+        tokens (``keep_new`` (S, t) of data {name: (S, t, ...)}) take their places first, then the
+        stream's last tokens; a stream with more new tokens than holes grows at its end."""
+        width = keep.shape[1]
+        slots = torch.arange(width, device=self.device)
+        keep = keep & (slots < self.lengths("float_len")[:, None])
+        kept_held, kept_new = keep.sum(dim=1), keep_new.sum(dim=1)
+        new_len = (kept_held + kept_new).cpu().numpy()
+        n_new = torch.from_numpy(new_len).to(self.device)
+        grow = int((new_len - self.float_len).max()) if self.streams else 0
+        span = max(width, width + grow)
+        j = torch.arange(span, device=self.device)
+        held = torch.zeros(keep.shape[0], span, dtype=torch.bool, device=self.device)
+        held[:, :width] = keep
+        target = (j < n_new[:, None]) & ~held  # free slots of the final region
+        movers = held & (j >= n_new[:, None])  # kept tokens outside it
+        targets = int(target.sum(dim=1).max()) if self.streams else 0
+        if targets == 0:
+            self._release_float_beyond(new_len)
+            return
+        self._ensure_float_blocks(np.maximum(self.float_len, new_len))
+        order_t = torch.sort((~target).to(torch.int8), dim=1, stable=True).indices[:, :targets]  # target slots, ascending
+        order_m = torch.sort((~movers).to(torch.int8), dim=1, stable=True).indices[:, :targets]
+        n_movers = movers.sum(dim=1)
+        rank = torch.arange(targets, device=self.device)[None]
+        from_mover = rank < n_movers[:, None]
+        from_new = (rank >= n_movers[:, None]) & (rank < (n_movers + kept_new)[:, None])
+        dst = self.float_slot_ids(order_t)
+        src = self.float_slot_ids(order_m)
+        new_order = torch.sort((~keep_new).to(torch.int8), dim=1, stable=True).indices  # kept new tokens first
+        new_index = (rank - n_movers[:, None]).clamp(min=0, max=max(keep_new.shape[1] - 1, 0))
+        new_index = new_order.gather(1, new_index) if keep_new.shape[1] else new_index
+        rows = torch.arange(keep.shape[0], device=self.device)[:, None].expand(-1, targets)
+        for name in self.float_pool.tensors:
+            flat = self.float_flat(name)
+            moved = flat[src[from_mover]]
+            flat[dst[from_mover]] = moved
+            if name in data and keep_new.shape[1]:
+                flat[dst[from_new]] = data[name][rows[from_new], new_index[from_new]].to(flat.dtype)
+        self._release_float_beyond(new_len)
+
+    # --- appending ---------------------------------------------------------------------------------
+    def append(
+        self,
+        data: dict[str, torch.Tensor],
+        counts: np.ndarray,
+        positions: torch.Tensor,
+        float_positions: Callable[[np.ndarray, int], torch.Tensor],
+        encode: Callable[..., dict[str, torch.Tensor]],
+    ) -> None:
+        """Store the first counts[s] new tokens of each stream (data {name: (S, t, ...)}, k/v (S, t, g, D)).
+
+        Float recipes append in place. Quantized recipes: the first tokens of an empty stream
+        become sinks; then, once the float window holds ``recent + bs`` or more non-sink tokens,
+        its oldest full blocks are encoded with ``encode(k (N, bs, g, D), v, rows (N,),
+        positions (N, bs))`` (positions of new tokens: ``positions`` (S, t); of stored float
+        tokens: ``float_positions(start (S,), width)``) and only the rest stays in float.
+        """
+        if not self.layout.quantized:
+            self.write_float(self.float_len, counts, data)
+            return
+        bs, recent, t = self.bs, self.layout.recent_tokens, positions.shape[1]
+        empty = (self.float_len == self.n_sink) & (self.body_len == 0)
+        new_sinks = np.minimum(np.maximum(self.layout.sink_tokens - self.n_sink, 0) * empty, counts)
+        rest, rest_pos = data, positions
+        if new_sinks.any():
+            self.write_float(self.n_sink, new_sinks, data)
+            self._set("n_sink", self.n_sink + new_sinks)
+            shift = (torch.arange(t, device=self.device)[None] + torch.from_numpy(new_sinks).to(self.device)[:, None]).clamp(max=t - 1)
+            rest = {name: _take(values, shift) for name, values in data.items()}
+            rest_pos = _take(positions, shift)
+        rest_count = counts - new_sinks
+        old = self.float_len - self.n_sink  # non-sink float tokens held
+        flush = np.maximum((old + rest_count - recent) // bs, 0)  # blocks to encode per stream
+        if flush.sum() == 0:
+            self.write_float(self.float_len, rest_count, rest)
+            return
+        self._flush(rest, rest_pos, rest_count, old, flush, float_positions, encode)
+
+    def _flush(self, rest, rest_pos, rest_count, old, flush, float_positions, encode) -> None:
+        """Encode the oldest ``flush`` blocks of [held non-sink float tokens, new tokens]; rewrite the rest."""
+        bs, t = self.bs, rest_pos.shape[1]
+        width = int(old.max())
+        names = list(rest)
+        held = self.read_float_at(names, self.n_sink, width)
+        held_pos = float_positions(self.n_sink, width)
+        total = old + rest_count
+        v = torch.arange(int(total.max()), device=self.device)[None]
+        old_t = torch.from_numpy(old).to(self.device)[:, None]
+        column = torch.where(v < old_t, v, width + v - old_t).clamp(max=width + t - 1)  # -> cat([held, new])
+        joined = {name: torch.cat([held[name], rest[name]], dim=1) for name in names}
+        joined_pos = torch.cat([held_pos.long(), rest_pos.long()], dim=1)
+        rows_np, block_np = _pairs(flush)
+        rows = torch.from_numpy(rows_np).to(self.device)
+        token = column[rows[:, None], torch.from_numpy(block_np).to(self.device)[:, None] * bs + torch.arange(bs, device=self.device)]
+        blocks = encode(joined["k"][rows[:, None], token], joined["v"][rows[:, None], token], rows, joined_pos[rows[:, None], token])
+        meta = {name: joined[name][rows[:, None], token] for name in self.layout.meta}
+        self.add_body_blocks(rows_np, {**blocks, **meta})
+        remain = total - flush * bs  # the rest stays in the float window
+        keep_cols = torch.from_numpy(flush * bs).to(self.device)[:, None] + torch.arange(max(int(remain.max()), 1), device=self.device)
+        kept = column.gather(1, keep_cols.clamp(max=column.shape[1] - 1))
+        self.write_float(self.n_sink, remain, {name: _take(values, kept) for name, values in joined.items()})
+        self._release_float_beyond(self.n_sink + remain)
+
+    # --- body --------------------------------------------------------------------------------------
+    def add_body_blocks(self, rows: np.ndarray, blocks: dict[str, torch.Tensor]) -> None:
+        """Append encoded blocks: rows (N,) stream of each block (grouped per stream, in token order)."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        ids = self.body_pool.allocate(n)
+        for name, values in blocks.items():
+            self.body_pool.tensors[name][ids] = values.to(self.body_pool.tensors[name].dtype)
+        counts = np.bincount(rows, minlength=self.streams)
+        _, rank = _pairs(counts)
+        column = self.body_len[rows] + rank
+        self.body_table = _grow_columns(self.body_table, int((self.body_len + counts).max()))
+        self.body_table[torch.from_numpy(rows).to(self.device), torch.from_numpy(column).to(self.device)] = ids.to(torch.int32)
+        self._set("body_len", self.body_len + counts)
+
+    # --- eviction of ordered regions (quantized streams) --------------------------------------------
+    def keep(self, keep_float: torch.Tensor | None, keep_body: torch.Tensor | None) -> None:
+        """Free what is not kept: float slots (S, F) one by one (compacting in order), body blocks (S, Bn) whole."""
+        if keep_body is not None and self.body_pool is not None and keep_body.shape[1]:
+            cols = torch.arange(keep_body.shape[1], device=self.device)
+            held = cols < self.lengths("body_len")[:, None]
+            keep_body = keep_body & held
+            table = self.body_table[:, : keep_body.shape[1]]
+            self.body_pool.release(table[held & ~keep_body].long())
+            order = torch.sort((~keep_body).to(torch.int8), dim=1, stable=True).indices  # kept columns first, in order
+            body_len = keep_body.sum(dim=1)
+            self.body_table[:, : keep_body.shape[1]] = table.gather(1, order).masked_fill(cols >= body_len[:, None], 0)
+            self._set("body_len", body_len.cpu().numpy())
+            self.shrink()
+        if keep_float is None or keep_float.shape[1] == 0:
+            return
+        width = keep_float.shape[1]
+        slots = torch.arange(width, device=self.device)
+        keep_float = keep_float & (slots < self.lengths("float_len")[:, None])
+        self._set("n_sink", (keep_float & (slots < self.lengths("n_sink")[:, None])).sum(dim=1).cpu().numpy())
+        order = torch.sort((~keep_float).to(torch.int8), dim=1, stable=True).indices  # kept slots first, in order
+        new_len = keep_float.sum(dim=1).cpu().numpy()
+        ids = self.float_slot_ids(order)
+        data = {name: self.float_flat(name)[ids] for name in self.float_pool.tensors}
+        self.write_float(np.zeros_like(new_len), new_len, data)
+        self._release_float_beyond(new_len)
+
+    # --- batch -----------------------------------------------------------------------------------------
+    def select_streams(self, rows: torch.Tensor) -> None:
+        """Streams become ``rows`` (S',) of the old ones (beams, finished sequences): duplicates are copied."""
+        rows_np = rows.cpu().numpy().astype(np.int64)
+        old = self.streams
+        _, first_index = np.unique(rows_np, return_index=True)
+        first = np.zeros(rows_np.shape[0], dtype=bool)
+        first[first_index] = True
+        unselected = np.ones(old, dtype=bool)
+        unselected[rows_np] = False
+        pools = [(self.float_pool, "float_table", self.float_blocks())]
+        if self.body_pool is not None:
+            pools.append((self.body_pool, "body_table", self.body_len))
+        rows_t = torch.from_numpy(rows_np).to(self.device)
+        for pool, attr, blocks in pools:
+            table = getattr(self, attr)
+            self._release_rows(pool, table, blocks, unselected)
+            setattr(self, attr, self._copy_duplicates(pool, table[rows_t], blocks[rows_np], ~first))
+        for name in LENGTHS:
+            self._set(name, getattr(self, name)[rows_np])
+        self.shrink()
+
+    def _release_rows(self, pool: BlockPool, table: torch.Tensor, blocks: np.ndarray, rows: np.ndarray) -> None:
+        counts = np.where(rows, blocks, 0)
+        if counts.sum():
+            r, j = _pairs(counts)
+            pool.release(table[torch.from_numpy(r).to(self.device), torch.from_numpy(j).to(self.device)].long())
+
+    def _copy_duplicates(self, pool: BlockPool, table: torch.Tensor, blocks: np.ndarray, dup: np.ndarray) -> torch.Tensor:
+        """Give rows marked ``dup`` fresh copies of their blocks."""
+        counts = np.where(dup, blocks, 0)
+        n = int(counts.sum())
+        if n == 0:
+            return table
+        table = table.clone()
+        r, j = _pairs(counts)
+        r_t, j_t = torch.from_numpy(r).to(self.device), torch.from_numpy(j).to(self.device)
+        source = table[r_t, j_t].long()
+        ids = pool.allocate(n)
+        for t in pool.tensors.values():
+            t[ids] = t[source]
+        table[r_t, j_t] = ids.to(torch.int32)
+        return table
+
+    def shrink(self) -> None:
+        """Compact pools whose reserved rows exceed 1.25 x used + one block per stream."""
+        for pool, attr in ((self.float_pool, "float_table"), (self.body_pool, "body_table")):
+            if pool is None:
+                continue
+            plan = pool.shrink_plan(self.streams)
+            if plan is None:
+                continue
+            old, new, capacity = plan
+            remap = torch.arange(pool.capacity, device=self.device)
+            remap[old] = new
+            setattr(self, attr, remap[getattr(self, attr).long()].to(torch.int32))
+            pool.apply_moves(old, new, capacity)
+
+    def reset(self, streams: int) -> None:
+        self.float_pool.clear()
+        if self.body_pool is not None:
+            self.body_pool.clear()
+        self._reset_tables(streams)
+
+
+def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values (S, T, ...) gathered along dim 1 at index (S, W)."""
+    rows = torch.arange(values.shape[0], device=values.device)[:, None]
+    return values[rows, index]
