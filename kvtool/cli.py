@@ -423,6 +423,9 @@ def run(
     render_summary(console, summary)
 
 
+from kvtool import cli_scale  # noqa: E402,F401  registers plan, push, pull
+
+
 def main() -> None:  # console-script entry point
     app()
 
