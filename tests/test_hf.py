@@ -75,3 +75,30 @@ def test_pipeline_matches_generate_and_is_registered(kvref):
     assert registered(PROMPT, max_new_tokens=12, kvtool="kivi-4bit") == [{"generated_text": expected}]
     with pytest.raises(RuntimeConfigError, match="give the pipeline a compression"):
         transformers.pipeline("kvtool-text-generation", model=model, tokenizer=tokenizer)(PROMPT)
+
+
+def test_threads_generating_on_one_attached_model_match_serial_calls(kvref):
+    """Each thread has its own cache; the runtime (formats, probes) is shared by all of them."""
+    import threading
+
+    model, tokenizer = kvref
+    kv = kvtool.load(model, "kivi-2bit")
+    prompts = ["Once upon a time there was " * 20, "The history of the city " * 25, "In 1990 the team " * 30, "She said that " * 22]
+
+    def run(prompt):
+        enc = tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            return model.generate(**enc, past_key_values=kv.new_cache(), max_new_tokens=16, do_sample=False)[0, -16:]
+
+    serial = [run(p) for p in prompts]
+    threaded = [None] * len(prompts)
+
+    def work(i):
+        threaded[i] = run(prompts[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(a, b) for a, b in zip(serial, threaded))
