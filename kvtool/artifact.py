@@ -116,7 +116,11 @@ def load_artifact(path: str | Path, expect_kind: str | tuple[str, ...] | None = 
 
     path = Path(path)
     if not path.is_file():
-        raise ArtifactError(f"artifact '{path}' does not exist")
+        from kvtool.hub import parse_hub_spec, resolve_artifact
+
+        if parse_hub_spec(str(path)) is None:
+            raise ArtifactError(f"artifact '{path}' does not exist")
+        path = resolve_artifact(str(path))
     manifest = _parse_manifest(path, _read_header(path))
     try:
         tensors = load_file(str(path))

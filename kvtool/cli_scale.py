@@ -59,3 +59,50 @@ def plan(
     )
     for name, path in report["files"].items():
         console.print(f"wrote {name}: {path}")
+
+
+@app.command()
+@_friendly
+def push(
+    artifact: Annotated[Path, typer.Argument(help="A kvtool artifact (usually the deployable one from `kvtool export`).")],
+    repo_id: Annotated[str, typer.Argument(help="Hub repository, owner/name (created if missing).")],
+    filename: Annotated[Optional[str], typer.Option(help="File name in the repository. Default: the artifact's.")] = None,
+    private: Annotated[bool, typer.Option(help="Create the repository private.")] = False,
+):
+    """Upload an artifact and its model card to a Hugging Face hub repository."""
+    from kvtool.hub import push as push_artifact
+
+    spec = push_artifact(artifact, repo_id, filename=filename, private=private)
+    console.print(f"pushed: load it with --artifact {spec}")
+
+
+@app.command()
+@_friendly
+def pull(
+    spec: Annotated[str, typer.Argument(help="owner/name:file.safetensors[@revision]")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Also copy it here (atomically).")] = None,
+):
+    """Download a hub artifact (validated) into the hub cache, and optionally copy it to --out."""
+    import shutil
+
+    from kvtool.artifact import load_artifact
+    from kvtool.fileio import atomic_write
+    from kvtool.hub import resolve_artifact
+
+    path = resolve_artifact(spec)
+    loaded = load_artifact(path)
+    if out is not None:
+        atomic_write(out, lambda tmp: shutil.copyfile(path, tmp))
+    console.print(f"{loaded.kind} artifact for {loaded.manifest.get('model_source', '?')}: {out or path}")
+
+
+@app.command()
+@_friendly
+def card(
+    artifact: Annotated[str, typer.Argument(help="A kvtool artifact path or owner/name:file.safetensors.")],
+):
+    """Print an artifact's model-card section (Markdown): recipe, model, calibration data, measured quality."""
+    from kvtool.artifact import load_artifact
+    from kvtool.hub import model_card
+
+    print(model_card(load_artifact(artifact).manifest))
