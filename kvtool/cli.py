@@ -423,7 +423,10 @@ def run(
     render_summary(console, summary)
 
 
-from kvtool import cli_scale  # noqa: E402,F401  registers plan, push, pull
+if __name__ != "__main__":  # under `python -m kvtool.cli` the imported module registers them (below)
+    from kvtool.cli_scale import register as _register_scale_commands
+
+    _register_scale_commands(app)  # plan, push, pull, card
 
 
 def main() -> None:  # console-script entry point
@@ -431,4 +434,6 @@ def main() -> None:  # console-script entry point
 
 
 if __name__ == "__main__":
-    main()
+    from kvtool.cli import main as _main  # the imported module: every command registered
+
+    _main()

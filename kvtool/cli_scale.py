@@ -1,6 +1,6 @@
 """CLI commands for scale and sharing: ``kvtool plan``, ``kvtool push``, ``kvtool pull``.
 
-Registered on `kvtool.cli.app` (imported at the end of `kvtool.cli`); thin like the rest:
+Registered on the CLI's app by `register(app)` (called at the end of `kvtool.cli`); thin like the rest:
 options, one call into `kvtool.plan` / `kvtool.hub`, Rich output.
 """
 
@@ -12,10 +12,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from kvtool.cli import DataOpt, DtypeOpt, DeviceOpt, ModelOpt, _friendly, _load_options, _quiet_libraries, app, console, err_console
+from kvtool.cli import DataOpt, DtypeOpt, DeviceOpt, ModelOpt, _friendly, _load_options, _quiet_libraries, console, err_console
 
 
-@app.command()
 @_friendly
 def plan(
     data: DataOpt,
@@ -61,7 +60,6 @@ def plan(
         console.print(f"wrote {name}: {path}")
 
 
-@app.command()
 @_friendly
 def push(
     artifact: Annotated[Path, typer.Argument(help="A kvtool artifact (usually the deployable one from `kvtool export`).")],
@@ -76,7 +74,6 @@ def push(
     console.print(f"pushed: load it with --artifact {spec}")
 
 
-@app.command()
 @_friendly
 def pull(
     spec: Annotated[str, typer.Argument(help="owner/name:file.safetensors[@revision]")],
@@ -96,7 +93,6 @@ def pull(
     console.print(f"{loaded.kind} artifact for {loaded.manifest.get('model_source', '?')}: {out or path}")
 
 
-@app.command()
 @_friendly
 def card(
     artifact: Annotated[str, typer.Argument(help="A kvtool artifact path or owner/name:file.safetensors.")],
@@ -106,3 +102,9 @@ def card(
     from kvtool.hub import model_card
 
     print(model_card(load_artifact(artifact).manifest))
+
+
+def register(app: typer.Typer) -> None:
+    """Add plan, push, pull and card to the ``kvtool`` app."""
+    for command in (plan, push, pull, card):
+        app.command()(command)

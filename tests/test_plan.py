@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 
-from kvtool import api
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.plan import Candidate, default_candidates, pareto_front, plan, predict_cache_bytes
 from kvtool.recipe import load_recipe
@@ -72,7 +71,6 @@ def test_pareto_front_keeps_the_undominated():
 def test_plan_chooses_the_best_fitting_recipe_and_checks_it(kvref, tmp_path):
     model = str(shared_path("models/kvref-5m"))
     recipes = ["kivi-2bit", "kivi-4bit", "int8", "uncompressed"]
-    fp16 = None
     report = plan(model, tmp_path / "p", context=512, batch=2, target_ratio=2.0, data=data(), recipes=recipes,
                   samples=1, seq_len=96)
     fp16 = report["fp16_cache_bytes"]
