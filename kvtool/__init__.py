@@ -7,3 +7,17 @@ with a cache that really holds fewer bytes. The plain-function API lives in
 """
 
 __version__ = "0.1.0"
+
+
+def load(model, artifact_or_recipe=None, **kwargs):
+    """Bind kvtool's compressed cache to a loaded transformers model; see `kvtool.hf.load`."""
+    from kvtool.hf import load as _load
+
+    return _load(model, artifact_or_recipe, **kwargs)
+
+
+def text_generation_pipeline(model, tokenizer, artifact_or_recipe=None, **kwargs):
+    """A text-generation pipeline with kvtool's cache; see `kvtool.hf.text_generation_pipeline`."""
+    from kvtool.hf import text_generation_pipeline as _pipeline
+
+    return _pipeline(model, tokenizer, artifact_or_recipe, **kwargs)

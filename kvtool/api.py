@@ -45,15 +45,26 @@ FIT_SAMPLE_TOKENS = 4096  # token vectors per layer kept for fitting codebooks (
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to load the model: dtype (auto|float32|float16|bfloat16), device, device_map."""
+    """How to load the model: dtype (auto|float32|float16|bfloat16), device, device_map.
+
+    max_memory ("cpu=2GiB,0=20GiB"; a bare size caps the CPU) implies device_map "auto" and
+    offloads what does not fit to disk (offload_folder where the weights must be rewritten).
+    """
 
     dtype: str = "auto"
     device: str = "cpu"
     device_map: str | None = None
+    max_memory: str | None = None
+    offload_folder: str | None = None
 
 
 def _load(model: str | None, options: LoadOptions, tokenizer: bool = True):
-    return load_model(model, dtype=options.dtype, device=options.device, device_map=options.device_map, tokenizer=tokenizer)
+    from kvtool.models.offload import parse_max_memory
+
+    return load_model(
+        model, dtype=options.dtype, device=options.device, device_map=options.device_map, tokenizer=tokenizer,
+        max_memory=parse_max_memory(options.max_memory), offload_folder=options.offload_folder,
+    )
 
 
 def model_source(model: str | None) -> str:
@@ -179,21 +190,40 @@ def calibrate(
     batch_size: int = 4,
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
+    layer_by_layer: bool = False,
+    resume: bool = False,
+    on_step: Callable[[str, int], None] | None = None,
 ) -> Artifact:
     """Measure (and, for methods that learn, fit) the recipe's quantizers on calibration data -> calibration artifact.
 
     samples / seq_len / seed override the recipe's ``calibration`` section.
+    layer_by_layer: one decoder layer in memory at a time (`kvtool.layer_by_layer`; pair it with
+    ``load.max_memory`` for models that do not fit), with checkpoints in ``<out>.ckpt/``;
+    resume: continue from them after an interruption. on_step(phase, layer): after each saved step.
     """
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size)
     check_output_path(out)
+    if resume and not layer_by_layer:
+        raise RuntimeConfigError("--resume continues an interrupted --layer-by-layer calibration: add --layer-by-layer")
     resolved = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     overrides = {k: v for k, v in (("samples", samples), ("seq_len", seq_len), ("seed", seed)) if v is not None}
     resolved = dataclasses.replace(resolved, calibration=dataclasses.replace(resolved.calibration, **overrides))
     data = _checked_data(data)
     hf_model, tokenizer = _load(model, load)
-    artifact = calibrate_loaded(hf_model, tokenizer, data, resolved, batch_size=batch_size, progress=progress)
+    staged = None
+    if layer_by_layer:
+        from kvtool.calibration_checkpoint import checkpoint_dir_for
+        from kvtool.layer_by_layer import LayerByLayer
+
+        staged = LayerByLayer(checkpoint=checkpoint_dir_for(out), resume=resume, on_step=on_step)
+    artifact = calibrate_loaded(hf_model, tokenizer, data, resolved, batch_size=batch_size, progress=progress,
+                                layer_by_layer=staged)
     artifact.manifest["model_source"] = model_source(model)
     save_artifact(out, artifact)
+    if staged is not None:
+        from kvtool.calibration_checkpoint import remove_checkpoint
+
+        remove_checkpoint(staged.checkpoint)  # the artifact is written: nothing left to resume
     return artifact
 
 
@@ -205,24 +235,39 @@ def calibrate_loaded(
     *,
     batch_size: int = 4,
     progress: Progress = no_progress,
+    layer_by_layer=None,
 ) -> Artifact:
-    """`calibrate` on a model already in memory; returns the calibration artifact without writing it."""
+    """`calibrate` on a loaded model; returns the calibration artifact without writing it.
+
+    layer_by_layer: a `kvtool.layer_by_layer.LayerByLayer` to run one decoder layer at a time.
+    """
     adapter = adapter_for(hf_model)
     geometry = adapter.geometry
     cal = recipe.calibration
     check_context(adapter, cal.seq_len)
     windows = _windows(tokenizer, data, cal.samples, cal.seq_len, cal.seed, "random")
-    fitted = _fit(hf_model, adapter, recipe, windows, batch_size, progress) if needs_fit(recipe) else None
-    errors = QuantErrorStats(recipe, geometry.head_dim, fitted)
-    tokens = stream_batches(hf_model, adapter, windows, [errors], batch_size, progress)
+    if layer_by_layer is not None:
+        from kvtool.layer_by_layer import calibrate_layer_by_layer
+
+        run = calibrate_layer_by_layer(hf_model, adapter, recipe, windows, batch_size=batch_size,
+                                       max_fit_tokens=FIT_SAMPLE_TOKENS, options=layer_by_layer, progress=progress)
+        fitted, errors, tokens, fingerprint = run.fitted, run.errors, run.tokens, run.fingerprint
+    else:
+        fitted = _fit(hf_model, adapter, recipe, windows, batch_size, progress) if needs_fit(recipe) else None
+        errors = QuantErrorStats(recipe, geometry.head_dim, fitted)
+        tokens = stream_batches(hf_model, adapter, windows, [errors], batch_size, progress)
+        fingerprint = adapter.fingerprint()
     tensors = errors.sqnr_db()
     for layer, layer_fitted in enumerate(fitted or []):
         tensors.update({f"layers.{layer}.{name}": t for name, t in layer_fitted.items()})
+    provenance = {**_provenance(data, windows, cal.seed, tokens), "fisher": needs_fisher(recipe)}
+    if layer_by_layer is not None:
+        provenance["layer_by_layer"] = True
     manifest = {
-        "model": adapter.fingerprint(),
+        "model": fingerprint,
         "model_source": "(in memory)",
         "recipe": recipe.to_dict(),
-        "calibration": {**_provenance(data, windows, cal.seed, tokens), "fisher": needs_fisher(recipe)},
+        "calibration": provenance,
         "expected_bits_per_element": _body_bits(recipe, geometry.head_dim, fitted or [None] * geometry.num_layers),
         "quality": errors.summary(),
     }

@@ -102,9 +102,12 @@ def _parse_manifest(path: Path, metadata: dict[str, str]) -> dict[str, Any]:
             "upgrade kvtool or re-export the artifact"
         )
     try:
-        return json.loads(metadata["manifest"])
+        manifest = json.loads(metadata["manifest"])
     except (KeyError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"'{path}' has a missing or corrupt manifest ({exc}); re-export the artifact") from exc
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"'{path}' has a corrupt manifest (a JSON {type(manifest).__name__}, not an object); re-export the artifact")
+    return manifest
 
 
 def load_artifact(path: str | Path, expect_kind: str | tuple[str, ...] | None = None) -> Artifact:
@@ -113,7 +116,11 @@ def load_artifact(path: str | Path, expect_kind: str | tuple[str, ...] | None = 
 
     path = Path(path)
     if not path.is_file():
-        raise ArtifactError(f"artifact '{path}' does not exist")
+        from kvtool.hub import parse_hub_spec, resolve_artifact
+
+        if parse_hub_spec(str(path)) is None:
+            raise ArtifactError(f"artifact '{path}' does not exist")
+        path = resolve_artifact(str(path))
     manifest = _parse_manifest(path, _read_header(path))
     try:
         tensors = load_file(str(path))
@@ -122,6 +129,8 @@ def load_artifact(path: str | Path, expect_kind: str | tuple[str, ...] | None = 
     if tensors_sha256(tensors) != manifest.get("tensors_sha256"):
         raise ArtifactError(f"'{path}' is corrupt: its tensors do not match the checksum in its manifest")
     kind = manifest.get("kind")
+    if kind not in KINDS:
+        raise ArtifactError(f"'{path}' has artifact kind {json.dumps(kind)}, not one of {list(KINDS)}: its manifest is corrupt; re-export it")
     kinds = (expect_kind,) if isinstance(expect_kind, str) else expect_kind
     if kinds and kind not in kinds:
         raise ArtifactError(f"'{path}' is a {kind} artifact; this command needs a {' or '.join(kinds)} artifact")

@@ -53,25 +53,33 @@ def fit_palu_layers(recipe: Recipe, adapter, reservoir, moments) -> list[dict[st
     """Palu: per-layer K/V samples, projection weights and input second moments -> bases with searched ranks."""
     from kvtool.methods.lowrank.palu import fit_palu
 
-    layers = []
-    for layer in range(adapter.geometry.num_layers):
-        weights = dict(zip(("keys", "values"), adapter.kv_projection_weights(layer)))
-        biases = dict(zip(("keys", "values"), adapter.kv_projection_biases(layer)))
-        entry = {}
-        for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
-            if spec.method != "palu":
-                continue
-            samples, fisher = reservoir.samples(layer, "keys_pre_rope" if part == "keys" else "values")
-            linear = part == "values" or adapter.keys_linear_in_input
-            entry[part] = {
-                "samples": samples,
-                "weights": fisher,
-                "weight": weights[part].detach().float().cpu() if linear else None,
-                "bias": None if biases[part] is None or not linear else biases[part].detach().float().cpu(),
-                "input_second_moment": moments.moment(layer) if linear else None,
-            }
-        layers.append(entry)
+    layers = [palu_entry(recipe, adapter, layer, reservoir, moments.moment) for layer in range(adapter.geometry.num_layers)]
     return fit_palu(recipe, layers)
+
+
+def palu_entry(recipe: Recipe, adapter, layer: int, reservoir, moment, reservoir_layer: int | None = None) -> dict:
+    """One layer's input to `fit_palu`: per palu part, samples, Fisher weights, projection weight, bias, input moment.
+
+    moment: layer -> E[x x^T] of the projection input; reservoir_layer: the reservoir's index of
+    the layer's samples (default ``layer``).
+    """
+    weights = dict(zip(("keys", "values"), adapter.kv_projection_weights(layer)))
+    biases = dict(zip(("keys", "values"), adapter.kv_projection_biases(layer)))
+    source = layer if reservoir_layer is None else reservoir_layer
+    entry = {}
+    for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
+        if spec.method != "palu":
+            continue
+        samples, fisher = reservoir.samples(source, "keys_pre_rope" if part == "keys" else "values")
+        linear = part == "values" or adapter.keys_linear_in_input
+        entry[part] = {
+            "samples": samples,
+            "weights": fisher,
+            "weight": weights[part].detach().float().cpu() if linear else None,
+            "bias": None if biases[part] is None or not linear else biases[part].detach().float().cpu(),
+            "input_second_moment": moment(layer) if linear else None,
+        }
+    return entry
 
 
 def fit_layers(recipe: Recipe, head_dim: int, num_layers: int, reservoir) -> list[dict[str, torch.Tensor]]:

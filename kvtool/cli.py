@@ -59,6 +59,11 @@ EvalArtifactOpt = Annotated[Optional[Path], typer.Option("--artifact", "-a", hel
 EvalRecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")]
 JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="Attention over the compressed cache: auto (triton where it can run, else torch), torch (pure-torch reference, any device) or triton (fused GPU kernels; not in this release yet).")]
+# models bigger than the machine (calibrate)
+LayerByLayerOpt = Annotated[bool, typer.Option("--layer-by-layer", help="Calibrate one decoder layer at a time (peak memory: one layer plus activations), with resumable checkpoints in OUT.ckpt/.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted --layer-by-layer run from its checkpoint (starts afresh if there is none).")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option("--max-memory", help="Memory cap per device, e.g. 'cpu=2GiB' or '0=20GiB,cpu=64GiB' (a bare size caps the CPU); implies --device-map auto, the rest is offloaded to disk.")]
+OffloadFolderOpt = Annotated[Optional[Path], typer.Option("--offload-folder", help="Folder for offloaded weights when the checkpoint is not safetensors (safetensors are read in place).")]
 PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Also write the FastGen policy map as a PNG heatmap here (needs the plots extra).")]
 
 
@@ -92,10 +97,12 @@ def _progress(items, description: str, total: int):
     return track(items, description=description, total=total, console=err_console, transient=True)
 
 
-def _load_options(dtype: str, device: str, device_map: Optional[str]):
+def _load_options(dtype: str, device: str, device_map: Optional[str], max_memory: Optional[str] = None,
+                  offload_folder: Optional[Path] = None):
     from kvtool.api import LoadOptions
 
-    return LoadOptions(dtype=dtype, device=device, device_map=device_map)
+    folder = None if offload_folder is None else str(offload_folder)
+    return LoadOptions(dtype=dtype, device=device, device_map=device_map, max_memory=max_memory, offload_folder=folder)
 
 
 def _data(data: str, text_column: str):
@@ -201,6 +208,10 @@ def calibrate(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
+    layer_by_layer: LayerByLayerOpt = False,
+    resume: ResumeOpt = False,
+    max_memory: MaxMemoryOpt = None,
+    offload_folder: OffloadFolderOpt = None,
 ):
     """Fit and measure the recipe's quantizers on calibration text."""
     spec = _data(data, text_column)
@@ -211,7 +222,8 @@ def calibrate(
     _quiet_libraries()
     artifact = api.calibrate(
         spec, out, model, recipe, samples=samples, seq_len=seq_len, seed=seed,
-        batch_size=batch_size, load=_load_options(dtype, device, device_map), progress=_progress,
+        batch_size=batch_size, load=_load_options(dtype, device, device_map, max_memory, offload_folder),
+        progress=_progress, layer_by_layer=layer_by_layer, resume=resume,
     )
     render_calibration(console, artifact)
     console.print(f"wrote calibration [bold]{out}[/]")
@@ -439,9 +451,17 @@ def run(
     render_summary(console, summary)
 
 
+if __name__ != "__main__":  # under `python -m kvtool.cli` the imported module registers them (below)
+    from kvtool.cli_scale import register as _register_scale_commands
+
+    _register_scale_commands(app)  # plan, push, pull, card
+
+
 def main() -> None:  # console-script entry point
     app(prog_name="kvtool")
 
 
 if __name__ == "__main__":
-    main()
+    from kvtool.cli import main as _main  # the imported module: every command registered
+
+    _main()

@@ -396,9 +396,11 @@ def load_recipe(source: str | Path | None) -> Recipe:
             raise RecipeError(f"recipe '{source}' not found: give a YAML path or one of the bundled recipes: {names}")
         path = bundled
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe file '{path}' is not valid YAML: {exc}") from exc
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"recipe file '{path}' is not valid YAML text: {exc}") from exc
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe file '{path}': {exc}") from exc
     try:
         return recipe_from_dict(raw)
     except RecipeError as exc:

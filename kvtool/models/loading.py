@@ -51,6 +51,8 @@ def load_model(
     device: str = "cpu",
     device_map: str | None = None,
     tokenizer: bool = True,
+    max_memory: dict | None = None,
+    offload_folder: str | None = None,
 ) -> tuple:
     """Load (model, tokenizer) in eval mode; the tokenizer pads on the left and has a pad token.
 
@@ -60,18 +62,24 @@ def load_model(
     dtype: "auto" (float32 on CPU; the checkpoint's dtype, or bfloat16, on CUDA),
     "float32", "float16" or "bfloat16". device: "cpu", "cuda", "cuda:N", ... ;
     device_map (e.g. "auto") is passed to from_pretrained instead of moving to `device`.
+    max_memory ({"cpu": "2GiB", 0: "20GiB"}, see `kvtool.models.offload.parse_max_memory`)
+    caps what each device holds (it implies device_map="auto"); the rest is offloaded to
+    disk, read back from the checkpoint's safetensors or from offload_folder.
     Raises ModelError for a missing model, an unsupported family or an unavailable device.
     """
     path = resolve_model_path(model)
     _check_device(device)
     source = _source(path)
     config = _load_config(path, source)
+    if max_memory is not None and device_map is None:
+        device_map = "auto"  # a memory cap means: place what fits, offload the rest
     on_cpu = torch.device(device).type == "cpu" and (device_map is None or not torch.cuda.is_available())
     torch_dtype = _resolve_dtype(dtype, config, on_cpu)
+    offload = {k: v for k, v in (("max_memory", max_memory), ("offload_folder", offload_folder)) if v is not None}
     try:
         with quiet_progress_bars():
             loaded = AutoModelForCausalLM.from_pretrained(
-                source["where"], config=config, dtype=torch_dtype, device_map=device_map, **source["kwargs"]
+                source["where"], config=config, dtype=torch_dtype, device_map=device_map, **source["kwargs"], **offload
             )
     except Exception as exc:
         raise ModelError(f"could not load model '{path}': {exc}; {_LOAD_HINT}") from exc

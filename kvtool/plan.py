@@ -1,0 +1,273 @@
+"""`kvtool plan`: which recipe fits a cache budget at a context and batch, and what it costs in quality.
+
+For every candidate recipe (the bundled ones by default) the plan
+
+1. **predicts the bytes** the runtime's cache will hold after ``context`` tokens for ``batch``
+   sequences, from the same rules the paged store follows (`kvtool.runtime.store`): sinks and the
+   recent window in float blocks of 16 tokens, the rest in encoded body blocks of
+   ``cache.block_size`` tokens whose size comes from the recipe's own block formats
+   (`BlockQuantizer.block_nbytes`, fitted ranks included), plus block tables and lengths;
+2. **measures the quality**: perplexity through the real runtime on a few windows of the
+   first half of ``data`` (recipes that learn from data, nuq and palu, are calibrated on
+   that half first), as a delta against the uncompressed cache on the same windows;
+3. keeps the candidates that fit (``budget_bytes``, or ``fp16 bytes / target_ratio``) and, when
+   ``max_ppl_delta`` is given, whose delta is at most that; chooses the one with the best
+   measured delta (ties: fewer bytes);
+4. **checks** the choice once on held-out windows (second half of ``data``): a real perplexity
+   evaluation, and the bytes the cache really holds there against the prediction for that length.
+
+Not yet planned (they raise a clear error if named): recipes that evict tokens, whose kept
+tokens depend on a profile and per-layer budgets, and per-layer mixes (bits per layer): the
+search is over whole recipes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtool.calibration import needs_fit
+from kvtool.errors import RecipeError, RuntimeConfigError
+from kvtool.recipe import Recipe, bundled_recipe_dir, load_recipe
+from kvtool.runtime.layer import build_formats, storage_dtype
+from kvtool.runtime.store import FLOAT_BLOCK, LayerStore, StoreLayout
+
+INDEX_BYTES = 4  # int32 block-table entries
+LENGTH_BYTES = 8  # int64 lengths
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_candidates() -> list[str]:
+    """Bundled recipes the plan can predict (everything that does not evict)."""
+    names = sorted(p.stem for p in bundled_recipe_dir().glob("*.yaml"))
+    return [name for name in names if not load_recipe(name).evicts]
+
+
+def stream_split(recipe: Recipe, tokens: int) -> tuple[int, int]:
+    """(float tokens, body blocks) one stream holds after ``tokens`` tokens, as `LayerStore.append` leaves them."""
+    quantized = recipe.quantizes or recipe.keys.pre_rope
+    if not quantized:
+        return tokens, 0
+    sinks = min(recipe.cache.sink_tokens, tokens)
+    rest = tokens - sinks
+    body = max(rest - recipe.cache.recent_tokens, 0) // recipe.cache.block_size
+    return sinks + rest - body * recipe.cache.block_size, body
+
+
+def predict_cache_bytes(runtime, context: int, batch: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes the runtime's cache holds after ``context`` tokens of ``batch`` unpadded sequences.
+
+    runtime: a `CompressedRuntime` (its recipe and fitted tensors); dtype: the K/V dtype the model
+    produces (default: the model's parameter dtype).
+    """
+    recipe = runtime.recipe
+    if recipe.evicts:
+        raise RecipeError(f"kvtool plan cannot predict recipe '{recipe.name}' yet: it evicts tokens (use a recipe that does not)")
+    geometry = runtime.adapter.geometry
+    dtype = dtype or next(runtime.model.parameters()).dtype
+    store_dtype = storage_dtype(recipe, dtype)
+    quantized = recipe.quantizes or recipe.keys.pre_rope
+    float_tokens, body_blocks = stream_split(recipe, context)
+    total = 0
+    for fitted in runtime.layer_tensors:
+        prefix = lambda part: {k[len(part) + 1 :]: v for k, v in fitted.items() if k.startswith(f"{part}.")}  # noqa: E731
+        key_format, value_format, g = build_formats(recipe, prefix, geometry.head_dim, geometry.num_kv_heads, store_dtype)
+        layout = StoreLayout(block_size=recipe.cache.block_size, heads_per_stream=g, head_dim=geometry.head_dim,
+                             float_dtype=store_dtype, quantized=quantized, sink_tokens=recipe.cache.sink_tokens,
+                             recent_tokens=recipe.cache.recent_tokens)
+        store = LayerStore(layout, key_format, value_format, 0, "cpu")  # empty pools: their block sizes
+        streams = batch * (geometry.num_kv_heads // g)
+        float_blocks = _ceil_div(float_tokens, FLOAT_BLOCK)
+        total += streams * float_blocks * store.float_pool.block_nbytes()
+        if store.body_pool is not None:
+            total += streams * body_blocks * store.body_pool.block_nbytes()
+        total += streams * (float_blocks + body_blocks) * INDEX_BYTES  # block tables (at least this wide)
+        total += streams * 3 * LENGTH_BYTES + (batch + streams) * LENGTH_BYTES  # store lengths, layer lengths
+    if recipe.keys.pre_rope:  # positions of each sequence's tokens, to rotate pre-RoPE keys
+        total += batch * context * 4 + batch * LENGTH_BYTES
+    return total
+
+
+def fp16_cache_bytes(geometry, context: int, batch: int) -> int:
+    """A 16-bit K and V cache of every layer for the same tokens."""
+    return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * 2 * context * batch
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One recipe's predicted cost and measured quality."""
+
+    recipe: str
+    predicted_bytes: int
+    bits_per_element: float  # predicted bytes over a 16-bit cache's, x 16
+    ppl_delta_pct: float  # measured on the search windows
+    fits: bool
+    chosen: bool = False
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _runtime(hf_model, tokenizer, recipe: Recipe, calib_data, calib_samples: int, calib_seq_len: int, batch_size: int):
+    from kvtool import api
+    from kvtool.runtime.attach import CompressedRuntime
+
+    if not needs_fit(recipe):
+        return CompressedRuntime.from_recipe(hf_model, recipe)
+    small = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=calib_samples, seq_len=calib_seq_len))
+    artifact = api.calibrate_loaded(hf_model, tokenizer, calib_data, small, batch_size=batch_size)
+    return CompressedRuntime.from_artifact(hf_model, dataclasses.replace(artifact, kind="deployable"))
+
+
+def plan(
+    model: str | None,
+    out: str | Path,
+    *,
+    context: int,
+    batch: int = 1,
+    budget_gb: float | None = None,
+    target_ratio: float | None = None,
+    max_ppl_delta: float | None = None,
+    data: str,
+    recipes: list[str] | None = None,
+    samples: int = 2,
+    seq_len: int = 256,
+    calib_samples: int = 4,
+    batch_size: int = 4,
+    load=None,
+    progress=None,
+    log=lambda message: None,
+) -> dict:
+    """Search the candidates, write ``plan.yaml`` (the chosen recipe), ``plan.json`` and ``pareto.png`` into ``out``."""
+    from kvtool import api
+    from kvtool.capture import no_progress
+    from kvtool.eval.perplexity import perplexity
+    from kvtool.fileio import atomic_write, check_output_path, write_json_atomic
+    from kvtool.models.adapter import adapter_for
+    from kvtool.pipeline import _split
+    from kvtool.recipe import dump_recipe
+    from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+
+    progress = progress or no_progress
+    if (budget_gb is None) == (target_ratio is None):
+        raise RuntimeConfigError("give exactly one of --budget-gb (cache bytes) or --target-ratio (times smaller than 16-bit)")
+    if budget_gb is not None and not budget_gb > 0:
+        raise RuntimeConfigError(f"--budget-gb must be > 0, got {budget_gb}")
+    if target_ratio is not None and not target_ratio > 0:
+        raise RuntimeConfigError(f"--target-ratio must be > 0, got {target_ratio}")
+    if context < 1 or batch < 1 or samples < 1 or seq_len < 4:
+        raise RuntimeConfigError("--context, --batch and --samples must be >= 1 and --seq-len >= 4")
+    out = Path(out)
+    check_output_path(out / "plan.json")
+    names = recipes or default_candidates()
+    resolved = [load_recipe(name) for name in names]  # bad names fail before the model loads
+    for recipe in resolved:
+        if recipe.evicts:
+            raise RecipeError(f"kvtool plan cannot predict recipe '{recipe.name}' yet: it evicts tokens; leave it out of --recipe")
+    hf_model, tokenizer = api._load(model, load or api.LoadOptions())
+    adapter = adapter_for(hf_model)
+    adapter_context = min(seq_len, adapter.geometry.max_positions)
+    search_data, check_data = _split(data, 0.5)
+    search = api._windows(tokenizer, search_data, samples, adapter_context, 0, "sequential")
+    held_out = api._windows(tokenizer, check_data, samples, adapter_context, 0, "sequential")
+    prefill = adapter_context // 2
+    budget = budget_gb * 1e9 if budget_gb is not None else fp16_cache_bytes(adapter.geometry, context, batch) / target_ratio
+    fp16 = fp16_cache_bytes(adapter.geometry, context, batch)
+
+    def ppl(runtime, windows) -> float:
+        return perplexity(hf_model, windows, runtime.new_cache, prefill=prefill, batch_size=batch_size).ppl
+
+    baseline = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe())
+    base_search, base_check = ppl(baseline, search), ppl(baseline, held_out)
+    rows, runtimes = [], {}
+    for recipe in resolved:
+        log(f"measuring {recipe.name}")
+        runtime = _runtime(hf_model, tokenizer, recipe, search_data, calib_samples, adapter_context, batch_size)
+        predicted = predict_cache_bytes(runtime, context, batch)
+        delta = 100 * (ppl(runtime, search) / base_search - 1)
+        rows.append(Candidate(recipe.name, predicted, 16 * predicted / fp16, delta, predicted <= budget))
+        runtimes[recipe.name] = runtime
+    allowed = [c for c in rows if c.fits and (max_ppl_delta is None or c.ppl_delta_pct <= max_ppl_delta)]
+    if not allowed:
+        smallest = min(rows, key=lambda c: c.predicted_bytes)
+        raise RecipeError(
+            f"no candidate fits {budget / 1e9:.3g} GB at context {context} x batch {batch}"
+            + (f" with a perplexity delta <= {max_ppl_delta}%" if max_ppl_delta is not None else "")
+            + f"; the smallest is {smallest.recipe} at {smallest.predicted_bytes / 1e9:.3g} GB: raise the budget, shorten the context or allow more delta"
+        )
+    best = min(allowed, key=lambda c: (c.ppl_delta_pct, c.predicted_bytes))
+    rows = [dataclasses.replace(c, chosen=c is best) for c in rows]
+    chosen = runtimes[best.recipe]
+    # the check: one real evaluation on held-out windows, and the bytes the cache really holds there
+    check_cache = chosen.new_cache()
+    with torch.no_grad():
+        hf_model(input_ids=held_out[:1], past_key_values=check_cache, use_cache=True)
+    check = {
+        "ppl_delta_pct": 100 * (ppl(chosen, held_out) / base_check - 1),
+        "baseline_ppl": base_check,
+        "context": adapter_context,
+        "measured_bytes": check_cache.nbytes(),
+        "predicted_bytes": predict_cache_bytes(chosen, adapter_context, 1),
+    }
+    report = {
+        "model": api.model_source(model),
+        "context": context, "batch": batch, "budget_bytes": int(budget), "fp16_cache_bytes": fp16,
+        "max_ppl_delta": max_ppl_delta, "data": {"search": search_data.describe(), "check": check_data.describe()},
+        "search": {"windows": samples, "seq_len": adapter_context, "baseline_ppl": base_search},
+        "chosen": best.recipe, "candidates": [c.to_dict() for c in rows], "check": check,
+        "files": {"recipe": str(out / "plan.yaml"), "json": str(out / "plan.json"), "plot": str(out / "pareto.png")},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    chosen_recipe = chosen.recipe
+    atomic_write(out / "plan.yaml", lambda tmp: Path(tmp).write_text(dump_recipe(chosen_recipe)))
+    plot_pareto(rows, budget, out / "pareto.png", f"{Path(report['model']).name}: context {context} x batch {batch}")
+    write_json_atomic(out / "plan.json", report)
+    return report
+
+
+def pareto_front(rows: list[Candidate]) -> list[Candidate]:
+    """Candidates no other one beats on both bytes and delta, by increasing bytes."""
+    front, best_delta = [], math.inf
+    for c in sorted(rows, key=lambda c: (c.predicted_bytes, c.ppl_delta_pct)):
+        if c.ppl_delta_pct < best_delta:
+            front.append(c)
+            best_delta = c.ppl_delta_pct
+    return front
+
+
+def plot_pareto(rows: list[Candidate], budget: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvtool.fileio import atomic_write
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = np.array([c.predicted_bytes / 2**20 for c in rows])
+    ys = np.array([c.ppl_delta_pct for c in rows])
+    ax.scatter(xs, ys, color=["tab:blue" if c.fits else "tab:gray" for c in rows], zorder=3)
+    for c, x, y in zip(rows, xs, ys):
+        ax.annotate(c.recipe, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    front = pareto_front(rows)
+    ax.plot([c.predicted_bytes / 2**20 for c in front], [c.ppl_delta_pct for c in front], "--", color="tab:orange", label="Pareto front")
+    chosen = [c for c in rows if c.chosen]
+    if chosen:
+        ax.scatter([chosen[0].predicted_bytes / 2**20], [chosen[0].ppl_delta_pct], s=160, facecolors="none",
+                   edgecolors="tab:red", linewidths=2, zorder=4, label=f"chosen: {chosen[0].recipe}")
+    ax.axvline(budget / 2**20, color="tab:red", linestyle=":", label="budget")
+    ax.set_xlabel("predicted cache MiB")
+    ax.set_ylabel("perplexity delta %")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)
