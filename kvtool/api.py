@@ -464,6 +464,7 @@ def evaluate_retrieval(
     profile: str | Path | None = None,
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
+    question_agnostic: bool = False,
 ) -> dict:
     """Fact retrieval through the runtime over lengths x depths x seeds, with the uncompressed baseline.
 
@@ -472,7 +473,8 @@ def evaluate_retrieval(
     `kvtool.eval.copy_model` (their folders need no tokenizer). Returns a JSON-able dict:
     accuracy, baseline_accuracy, kept_fraction, cache_bytes, baseline_cache_bytes (bytes per
     sequence at the end of generation; all means over cells), grid (one row per (n, depth)) and
-    the settings. ``plot``: also write a depth x length heatmap PNG there.
+    the settings. ``plot``: also write a depth x length heatmap PNG there. ``question_agnostic``:
+    compress each context before its question is fed (one compressed document, any question).
     """
     from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid
 
@@ -484,9 +486,11 @@ def evaluate_retrieval(
     prompts = _retrieval_task(task, hf_model, tokenizer, spec, facts)
     base = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe()) if baseline else None
     pad_id = tokenizer.pad_token_id if tokenizer is not None else hf_model.config.pad_token_id
-    result = evaluate_grid(hf_model, runtime, prompts, grid, baseline_runtime=base, pad_id=pad_id, progress=progress)
+    result = evaluate_grid(hf_model, runtime, prompts, grid, baseline_runtime=base, pad_id=pad_id, progress=progress,
+                           question_agnostic=question_agnostic)
     report = {
-        "task": task, "recipe": runtime.recipe.name, "lengths": list(grid.lengths), "depths": list(grid.depths),
+        "task": task, "recipe": runtime.recipe.name, "question_agnostic": question_agnostic,
+        "lengths": list(grid.lengths), "depths": list(grid.depths),
         "seeds": grid.seeds, **prompts.describe(), **({"data": spec.describe()} if spec is not None else {}), **result,
     }
     if plot is not None:

@@ -15,8 +15,8 @@ import torch
 from kvtool.errors import RecipeError
 from kvtool.methods.evict.base import StreamView, policy_class
 from kvtool.recipe import EvictionSpec
-from tests.test_eviction_runtime import _generate, evicting, held, run_tokens, runtime
-from tests.tiny_models import tiny_model, tiny_tokenizer_free_inputs
+from tests.test_eviction_runtime import _generate, evicting, held, left_padded_pair, run_tokens, runtime
+from tests.tiny_models import tiny_model
 
 
 def spy_views(cache):
@@ -124,12 +124,7 @@ def test_adaptive_budgets_share_a_layers_budget_among_its_heads():
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "tova", "chunkkv"])
 def test_adaptive_budgets_free_memory_and_batch_like_alone(policy):
     model = tiny_model("llama")
-    gen = torch.Generator().manual_seed(14)
-    long, short = torch.randint(3, 128, (1, 48), generator=gen), torch.randint(3, 128, (1, 33), generator=gen)
-    ids = torch.zeros(2, 48, dtype=torch.long)
-    ids[0], ids[1, 15:] = long[0], short[0]
-    mask = torch.ones_like(ids)
-    mask[1, :15] = 0
+    long, short, ids, mask = left_padded_pair(14)
     rt = runtime(model, evicting(policy, budget=0.5, head_budgets="adaptive", float_dtype="float16"))
     cache = rt.new_cache()
     together = _generate(model, cache, ids, mask, new_tokens=12)
