@@ -85,7 +85,7 @@ def eviction_recipe(variant: str, fraction: float, bits: int = 16):
     """An uncompressed (or 4-bit KIVI) cache that evicts with ``variant`` down to ``fraction``."""
     base = uncompressed_recipe("float16") if bits == 16 else load_recipe("kivi-4bit")
     policy, extra = VARIANTS[variant]
-    spec = EvictionSpec(policy=policy, budget=fraction, sink_tokens=4, window=32, **extra)
+    spec = EvictionSpec(policy=policy, budget=fraction, **{"sink_tokens": 4, "window": 32, **extra})
     return dataclasses.replace(base, name=f"{variant}@{fraction:g}" + ("" if bits == 16 else "+4bit"), eviction=spec)
 
 
