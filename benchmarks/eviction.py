@@ -2,6 +2,8 @@
 
     python -m benchmarks.eviction                          # full grid (~20 min on 2 CPU cores)
     python -m benchmarks.eviction --fractions 0.5 --policies h2o snapkv --samples 1
+    python -m benchmarks.eviction --model smollm2-135m --parts ppl --seq-len 1024 --prefill 768 --fractions 0.5 0.25 \
+        --policies h2o snapkv tova chunkkv ada-snapkv --thresholds --no-extras   # new policies vs H2O/SnapKV
 
 For every policy (StreamingLLM, H2O, SnapKV, VATP, KNorm, SnapKV with PyramidKV budgets,
 SnapKV with budgets fitted by `kvtool profile`) and fraction of the cache kept (50 / 25 /
@@ -51,7 +53,31 @@ VARIANTS = {  # benchmark name -> (policy, extra EvictionSpec fields)
     "knorm": ("knorm", {}),
     "pyramid-snapkv": ("snapkv", {"layer_budgets": "pyramid"}),
     "fitted-snapkv": ("snapkv", {"layer_budgets": "profile"}),
+    "tova": ("tova", {"window": 1}),  # the paper's rule: the last query only, no protected window
+    "tova-w32": ("tova", {}),  # the last 32 prompt queries at prefill, a protected 32-token window
+    "chunkkv": ("chunkkv", {"chunk_size": 10, "reuse_layers": 2}),
+    "chunkkv-noreuse": ("chunkkv", {"chunk_size": 10}),
+    "ada-h2o": ("h2o", {"head_budgets": "adaptive"}),
+    "ada-snapkv": ("snapkv", {"head_budgets": "adaptive"}),
+    "ada-tova": ("tova", {"window": 1, "head_budgets": "adaptive"}),
 }
+EVAL_MODELS = {  # --model -> (model dir, calibration text for FastGen/fitted profiles, held-out text)
+    "kvref-5m": (str(SHARED / MODELS["kvref-5m"][0]), SHARED / "data/text/wikitext2_valid.txt[0:0.9]", SHARED / MODELS["kvref-5m"][2]),
+    "smollm2-135m": ("test-models:smollm2-135m", SHARED / "data/text/wikitext2_valid.txt[0:0.9]", SHARED / "data/text/wikitext2_test.txt"),
+}
+
+
+def eval_model_path(name: str) -> str:
+    """A model directory: kvref-5m in ../shared, the pretrained ones from `fetch_pretrained.py`'s cache."""
+    path = EVAL_MODELS[name][0]
+    if not path.startswith("test-models:"):
+        return path
+    import os
+
+    root = Path(os.environ.get("KVTOOL_TEST_MODELS", Path.home() / ".cache" / "kvtool-test-models")) / path.split(":", 1)[1]
+    if not (root / "config.json").exists():
+        raise SystemExit(f"{root} is missing: run `python ../shared/models/fetch_pretrained.py --install-deps` first")
+    return str(root)
 POLICIES = tuple(VARIANTS)
 
 
@@ -59,12 +85,12 @@ def eviction_recipe(variant: str, fraction: float, bits: int = 16):
     """An uncompressed (or 4-bit KIVI) cache that evicts with ``variant`` down to ``fraction``."""
     base = uncompressed_recipe("float16") if bits == 16 else load_recipe("kivi-4bit")
     policy, extra = VARIANTS[variant]
-    spec = EvictionSpec(policy=policy, budget=fraction, sink_tokens=4, window=32, **extra)
+    spec = EvictionSpec(policy=policy, budget=fraction, **{"sink_tokens": 4, "window": 32, **extra})
     return dataclasses.replace(base, name=f"{variant}@{fraction:g}" + ("" if bits == 16 else "+4bit"), eviction=spec)
 
 
-def attention_profile(model, tokenizer, samples: int, seq_len: int) -> dict[str, torch.Tensor]:
-    calib = DataSpec.parse(str(SHARED / MODELS["kvref-5m"][1]))
+def attention_profile(model, tokenizer, samples: int, seq_len: int, args_model: str = "kvref-5m") -> dict[str, torch.Tensor]:
+    calib = DataSpec.parse(str(EVAL_MODELS[args_model][1]))
     windows = token_windows(tokenizer, calib, samples=samples, seq_len=seq_len, seed=0, mode="random")
     special, punct = token_classes(tokenizer)
     return profile_attention(model, adapter_for(model), windows, special, punct, EvictionSpec(), batch_size=2,
@@ -73,12 +99,14 @@ def attention_profile(model, tokenizer, samples: int, seq_len: int) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="kvref-5m", choices=list(EVAL_MODELS), help="perplexity model (retrieval uses the copy model)")
     parser.add_argument("--samples", type=int, default=2, help="held-out windows (scored as one batch)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--prefill", type=int, default=1536, help="tokens prefilled before decoding is scored")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.95, 0.9, 0.85, 0.8], help="FastGen T")
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.95, 0.9, 0.85, 0.8], help="FastGen T (none: skip)")
+    parser.add_argument("--no-extras", action="store_true", help="skip the H2O + 4-bit KIVI row")
     parser.add_argument("--profile-samples", type=int, default=4, help="calibration windows of 1024 tokens")
     parser.add_argument("--parts", nargs="+", default=["ppl", "retrieval"], choices=["ppl", "retrieval"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2000], help="retrieval context lengths (+ 8 generated tokens <= 2048)")
@@ -103,10 +131,11 @@ def main() -> None:
 
 
 def perplexity_rows(args, console: Console, rows: list[dict], save) -> list[dict]:
-    model, tokenizer = load_model(str(SHARED / MODELS["kvref-5m"][0]))
-    eval_text = DataSpec.parse(str(SHARED / MODELS["kvref-5m"][2]))
+    model, tokenizer = load_model(eval_model_path(args.model))
+    eval_text = DataSpec.parse(str(EVAL_MODELS[args.model][2]))
     windows = token_windows(tokenizer, eval_text, samples=args.samples, seq_len=args.seq_len, mode="sequential")
-    profile = attention_profile(model, tokenizer, args.profile_samples, 1024)
+    needs_profile = bool(args.thresholds) or "fitted-snapkv" in args.policies
+    profile = attention_profile(model, tokenizer, args.profile_samples, 1024, args.model) if needs_profile else None
 
     def score(recipe, label: str, prof: dict | None = None) -> dict:
         start = time.perf_counter()
@@ -134,8 +163,9 @@ def perplexity_rows(args, console: Console, rows: list[dict], save) -> list[dict
         kept = score(recipe, f"fastgen T={threshold}", fastgen_profile)["kept_fraction"]
         if kept < 0.999:
             score(eviction_recipe("h2o", round(kept, 3)), f"h2o at fastgen T={threshold} ({kept:.1%})")
-    score(eviction_recipe("h2o", 0.5, bits=4), "h2o 50% + 4-bit KIVI")
-    print_table(rows, console)
+    if not args.no_extras:
+        score(eviction_recipe("h2o", 0.5, bits=4), "h2o 50% + 4-bit KIVI")
+    print_table(rows, console, args.model)
     return rows
 
 
@@ -179,8 +209,8 @@ def retrieval_rows(args, console: Console, rows: list[dict], save) -> list[dict]
     return rows
 
 
-def print_table(rows: list[dict], console: Console) -> None:
-    table = Table(title="kvref-5m: perplexity through the evicting runtime vs fraction of the cache kept")
+def print_table(rows: list[dict], console: Console, model: str = "kvref-5m") -> None:
+    table = Table(title=f"{model}: perplexity through the evicting runtime vs fraction of the cache kept")
     for column in ("recipe", "ppl", "delta", "kept", "bytes held", "vs full bytes", "decode tok/s", "vs full speed"):
         table.add_column(column, justify="right")
     full_bytes = rows[0]["cache_bytes"]

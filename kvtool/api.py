@@ -525,6 +525,7 @@ def evaluate_retrieval(
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
     backend: str = "auto",
+    question_agnostic: bool = False,
 ) -> dict:
     """Fact retrieval through the runtime over lengths x depths x seeds, with the 16-bit cache as the baseline.
 
@@ -534,7 +535,8 @@ def evaluate_retrieval(
     accuracy, baseline_accuracy, kept_fraction, cache_bytes, baseline_cache_bytes (bytes per
     sequence at the end of generation; all means over cells), grid (one row per (n, depth)),
     chance_accuracy and a ``note`` when the baseline is not above chance (the model cannot do the
-    task), and the settings. ``plot``: also write a depth x length heatmap PNG there.
+    task), and the settings. ``plot``: also write a depth x length heatmap PNG there. ``question_agnostic``:
+    compress each context before its question is fed (one compressed document, any question).
     """
     from kvtool.eval.baselines import sixteen_bit_recipe
     from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid, retrieval_caveats
@@ -548,9 +550,11 @@ def evaluate_retrieval(
     prompts = _retrieval_task(task, hf_model, tokenizer, spec, facts)
     base = CompressedRuntime.from_recipe(hf_model, sixteen_bit_recipe(), backend=runtime.backend) if baseline else None
     pad_id = tokenizer.pad_token_id if tokenizer is not None else hf_model.config.pad_token_id
-    result = evaluate_grid(hf_model, runtime, prompts, grid, baseline_runtime=base, pad_id=pad_id, progress=progress)
+    result = evaluate_grid(hf_model, runtime, prompts, grid, baseline_runtime=base, pad_id=pad_id, progress=progress,
+                           question_agnostic=question_agnostic)
     report = {
-        "task": task, "recipe": runtime.recipe.name, "lengths": list(grid.lengths), "depths": list(grid.depths),
+        "task": task, "recipe": runtime.recipe.name, "question_agnostic": question_agnostic,
+        "lengths": list(grid.lengths), "depths": list(grid.depths),
         "seeds": grid.seeds, "backend": runtime.backend, **prompts.describe(), **({"data": spec.describe()} if spec is not None else {}), **result,
     }
     report.update(retrieval_caveats(report, hf_model))  # baseline name, model-dtype bytes, chance, note

@@ -348,6 +348,7 @@ def eval_retrieval(
     seeds: Annotated[int, typer.Option(help="Cases per (length, depth) cell, one batch.")] = 3,
     facts: Annotated[int, typer.Option(help="Pass keys in the context (--task passkey); one is asked.")] = 1,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also run the 16-bit cache (the baseline).")] = True,
+    question_agnostic: Annotated[bool, typer.Option("--question-agnostic", help="Compress the context before the question is fed (one compressed document, any question).")] = False,
     json_out: JsonOutOpt = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a depth x length accuracy heatmap here (.png; needs matplotlib).")] = None,
     text_column: TextColumnOpt = "text",
@@ -369,7 +370,7 @@ def eval_retrieval(
         model, artifact, recipe, task=task, data=spec,
         lengths=parse_numbers(lengths, int, "--lengths"), depths=parse_numbers(depths, float, "--depths"),
         seeds=seeds, facts=facts, baseline=baseline, plot=plot, profile=profile,
-        load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
+        load=_load_options(dtype, device, device_map), progress=_progress, backend=backend, question_agnostic=question_agnostic,
     )
     render_retrieval(console, report)
     _write_json(json_out, report)

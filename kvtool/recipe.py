@@ -28,8 +28,10 @@ METHOD_BITS = {"uniform": (2, 3, 4, 8), "nuq": (2, 3, 4), "palu": (2, 3, 4, 8, 1
 RANK_ALLOCATIONS = ("fisher", "uniform")
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
-EVICTION_POLICIES = ("none", "streamingllm", "h2o", "snapkv", "vatp", "knorm", "fastgen")
+EVICTION_POLICIES = ("none", "streamingllm", "h2o", "snapkv", "vatp", "knorm", "fastgen", "tova", "chunkkv")
 LAYER_BUDGETS = ("uniform", "pyramid", "profile")
+HEAD_BUDGETS = ("uniform", "adaptive")
+ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv")  # scores comparable across heads (head_budgets: adaptive)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -195,7 +197,9 @@ class EvictionSpec:
         tokens scored by the attention of the last ``window`` queries, pooled; then
         accumulated attention while decoding), ``vatp`` (accumulated attention x value
         L1 norm), ``knorm`` (lowest key L2 norm), ``fastgen`` (per-KV-head policies from
-        a profile: special / +punctuation / +local / +frequent / full).
+        a profile: special / +punctuation / +local / +frequent / full), ``tova`` (the
+        attention of the current query only, at every step), ``chunkkv`` (whole chunks of
+        consecutive tokens by summed SnapKV importance).
     budget: fraction of each sequence's tokens a stream keeps (of the tokens seen so
         far; ignored by ``fastgen``, whose per-head policies imply their own sizes).
     budget_tokens: absolute tokens per stream instead of ``budget`` (memory stays flat
@@ -204,6 +208,12 @@ class EvictionSpec:
         special tokens include them).
     window: most recent tokens always kept (SnapKV's observation window).
     pooling: SnapKV's 1-D max-pooling kernel over token scores (odd; 1 = none).
+    chunk_size, reuse_layers: ChunkKV's chunk of consecutive positions kept whole, and the
+        number of adjacent layers sharing one chunk selection (1 = every layer its own;
+        > 1 needs uniform layer budgets).
+    head_budgets: ``uniform`` (every KV head of a layer the same budget) or ``adaptive``
+        (AdaKV: the layer's budget shared among its KV heads by score, each head keeping at
+        least ``head_floor`` of its uniform share); score-based policies only.
     layer_budgets: ``uniform`` (every layer the same budget), ``pyramid`` (PyramidKV:
         linear from (1+pyramid_slope) x mean at the bottom to (1-pyramid_slope) x mean at
         the top) or ``profile`` (per-layer weights fitted by `kvtool profile`); the mean
@@ -218,6 +228,10 @@ class EvictionSpec:
     sink_tokens: int = 4
     window: int = 32
     pooling: int = 7
+    chunk_size: int = 10
+    reuse_layers: int = 1
+    head_budgets: str = "uniform"
+    head_floor: float = 0.2
     layer_budgets: str = "uniform"
     pyramid_slope: float = 0.5
     threshold: float = 0.95
@@ -236,6 +250,19 @@ class EvictionSpec:
         _require(_is_int(self.window) and self.window >= 1, f"{p}.window", "must be an integer >= 1")
         _require(_is_int(self.pooling) and self.pooling >= 1 and self.pooling % 2 == 1, f"{p}.pooling",
                  f"{self.pooling} must be an odd integer >= 1 (SnapKV uses 5-7)")
+        _require(_is_int(self.chunk_size) and self.chunk_size >= 1, f"{p}.chunk_size",
+                 f"{self.chunk_size} must be an integer >= 1 (ChunkKV uses 10)")
+        _require(_is_int(self.reuse_layers) and self.reuse_layers >= 1, f"{p}.reuse_layers",
+                 f"{self.reuse_layers} must be an integer >= 1 (1 = no index reuse)")
+        _require(self.reuse_layers == 1 or (self.policy == "chunkkv" and self.layer_budgets == "uniform"), f"{p}.reuse_layers",
+                 "index reuse across layers needs policy chunkkv with layer_budgets uniform (set reuse_layers: 1)")
+        _require(self.head_budgets in HEAD_BUDGETS, f"{p}.head_budgets",
+                 f"'{self.head_budgets}' is not one of {list(HEAD_BUDGETS)}")
+        _require(self.head_budgets == "uniform" or self.policy in ATTENTION_SCORED, f"{p}.head_budgets",
+                 f"'adaptive' shares a budget by attention score; policy '{self.policy}' has none comparable across heads "
+                 f"(use one of {list(ATTENTION_SCORED)} or head_budgets: uniform)")
+        _require(_is_fraction(self.head_floor, low_open=False), f"{p}.head_floor",
+                 f"{self.head_floor} must be a fraction in [0, 1] (AdaKV uses 0.2)")
         _require(self.layer_budgets in LAYER_BUDGETS, f"{p}.layer_budgets",
                  f"'{self.layer_budgets}' is not one of {list(LAYER_BUDGETS)}")
         _require(_is_fraction(self.pyramid_slope, low_open=False) and self.pyramid_slope < 1, f"{p}.pyramid_slope",

@@ -91,16 +91,22 @@ def _generate(model, cache, ids, mask, new_tokens=30):
         )
 
 
-@pytest.mark.parametrize("bits", [16, 4])
-@pytest.mark.parametrize("policy", registered_policies())
-def test_batch_equals_each_sequence_alone(policy, bits):
-    model = tiny_model("llama")
-    gen = torch.Generator().manual_seed(2)
+def left_padded_pair(seed: int):
+    """(long (1, 48), short (1, 33), the two as one left-padded batch (2, 48), its attention mask)."""
+    gen = torch.Generator().manual_seed(seed)
     long, short = torch.randint(3, 128, (1, 48), generator=gen), torch.randint(3, 128, (1, 33), generator=gen)
     ids = torch.zeros(2, 48, dtype=torch.long)
     ids[0], ids[1, 15:] = long[0], short[0]
     mask = torch.ones_like(ids)
     mask[1, :15] = 0
+    return long, short, ids, mask
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("policy", registered_policies())
+def test_batch_equals_each_sequence_alone(policy, bits):
+    model = tiny_model("llama")
+    long, short, ids, mask = left_padded_pair(2)
     rt = runtime(model, evicting(policy, bits=bits, budget=0.5))
     batch_cache = rt.new_cache()
     together = _generate(model, batch_cache, ids, mask)

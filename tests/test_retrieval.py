@@ -91,6 +91,21 @@ def test_streamingllm_keeps_a_needle_in_its_window(copy_model):
     assert report["kept_fraction"] < 0.2
 
 
+def test_question_agnostic_compression_cannot_aim_at_the_question(copy_model):
+    """SnapKV (pooling 15) at 50% keeps the needle when the question is in its window; compressing the
+    context first (the question arrives later) leaves it only the filler's attention, so the needle goes."""
+    eviction = EvictionSpec(policy="snapkv", budget=0.5, sink_tokens=SINKS, window=WINDOW, pooling=15)
+    runtime = CompressedRuntime.from_recipe(copy_model, dataclasses.replace(uncompressed_recipe(), name="snapkv", eviction=eviction))
+    base = CompressedRuntime.from_recipe(copy_model, uncompressed_recipe())
+    task, grid = CopyTask(CopyVocab.for_config(copy_model.config)), RetrievalGrid((256,), (0.25, 0.5), 3)
+    aware = evaluate_grid(copy_model, runtime, task, grid, pad_id=2)
+    agnostic = evaluate_grid(copy_model, runtime, task, grid, baseline_runtime=base, pad_id=2, question_agnostic=True)
+    assert aware["accuracy"] >= 0.9, aware["grid"]
+    assert agnostic["baseline_accuracy"] == 1.0, agnostic["grid"]  # prefilling in two parts loses nothing by itself
+    assert agnostic["accuracy"] <= 0.5, agnostic["grid"]
+    assert abs(agnostic["kept_fraction"] - aware["kept_fraction"]) < 0.02
+
+
 # --- API, CLI ----------------------------------------------------------------------------------
 
 
@@ -142,8 +157,17 @@ def test_cli_translates_options(monkeypatch, tmp_path):
     assert (kwargs["task"], kwargs["lengths"], kwargs["depths"], kwargs["seeds"], kwargs["facts"], kwargs["baseline"]) == \
         ("passkey", (64, 128), (0.0, 0.5), 2, 3, False)
     assert kwargs["plot"] == tmp_path / "p.png"
+    assert kwargs["question_agnostic"] is False
     assert "snapkv:accuracy0.500" in "".join(result.stdout.split())
     assert json.loads(out.read_text())["grid"][0]["kept_fraction"] == 0.25
+
+
+def test_cli_question_agnostic_option(monkeypatch):
+    calls = []
+    monkeypatch.setattr(api, "evaluate_retrieval", lambda *args, **kwargs: calls.append(kwargs) or fake_report(False))
+    result = CliRunner().invoke(app, ["eval", "retrieval", "-m", "m", "-r", "snapkv", "--task", "copy", "--question-agnostic"])
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    assert calls[0]["question_agnostic"] is True
 
 
 def test_cli_error_is_one_line(copy_model_dir):
@@ -218,6 +242,10 @@ def test_passkey_prompts(kvref_tokenizer, facts):
     task = PasskeyTask(kvref_tokenizer, text_filler(kvref_tokenizer, held_out_text()), facts)
     prompts, keys = task.cases(200, 0.5, 3)
     assert prompts.shape == (3, 200) and len(set(keys)) == 3
+    question = task.question_tokens(200, 3)
+    for row in prompts:  # the question is the prompt's tail: "\nWhat is the pass key..." (names vary in length)
+        assert "\nWhat is" in kvref_tokenizer.decode(row[-question:])
+        assert "What is" not in kvref_tokenizer.decode(row[:-question])
     for row, key in zip(prompts, keys):
         text = kvref_tokenizer.decode(row, skip_special_tokens=True)
         assert text.count(f"is {key}. Remember it. {key} is the pass key") == 1

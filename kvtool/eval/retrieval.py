@@ -60,11 +60,20 @@ def parse_numbers(text: str, kind: type, option: str) -> tuple:
 
 
 @torch.no_grad()
-def _generate(model, runtime, prompts: torch.Tensor, new_tokens: int, pad_id: int | None) -> tuple[torch.Tensor, dict]:
-    """Greedy continuation (S, <= new_tokens) of prompts (S, n) with a fresh cache, and its memory report."""
+def _generate(model, runtime, prompts: torch.Tensor, new_tokens: int, pad_id: int | None,
+              question_tokens: int = 0) -> tuple[torch.Tensor, dict]:
+    """Greedy continuation (S, <= new_tokens) of prompts (S, n) with a fresh cache, and its memory report.
+
+    question_tokens > 0 (question-agnostic): the context (all but the last ``question_tokens``)
+    is prefilled alone first, so an evicting cache compresses it before the question exists
+    (SnapKV-style scores then come from the context's own last tokens); the question follows.
+    """
     device = next(model.parameters()).device
     cache = runtime.new_cache()
     ids = prompts.to(device)
+    if question_tokens:
+        context = ids[:, :-question_tokens]
+        model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache)
     out = model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
         max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
@@ -72,8 +81,8 @@ def _generate(model, runtime, prompts: torch.Tensor, new_tokens: int, pad_id: in
     return out[:, prompts.shape[1] :].cpu(), cache.memory_report()
 
 
-def _measure(model, runtime, task, prompts, answers, pad_id) -> dict:
-    generated, report = _generate(model, runtime, prompts, task.new_tokens, pad_id)
+def _measure(model, runtime, task, prompts, answers, pad_id, question_tokens: int = 0) -> dict:
+    generated, report = _generate(model, runtime, prompts, task.new_tokens, pad_id, question_tokens)
     hits = task.score(generated, answers)
     batch = prompts.shape[0]
     return {
@@ -94,20 +103,27 @@ def evaluate_grid(
     baseline_runtime=None,
     pad_id: int | None = None,
     progress: Progress = no_progress,
+    question_agnostic: bool = False,
 ) -> dict:
     """Accuracy of ``task`` over ``grid`` with ``runtime``'s caches (and ``baseline_runtime``'s, if given).
 
     Returns the summary (means over cells; bytes are per sequence at the end of generation)
     and ``grid``: one row per (n, depth) with accuracy, baseline_accuracy, kept_fraction,
     cache_bytes, reserved_cache_bytes (pool blocks allocated), baseline_cache_bytes and fp16_cache_bytes.
+
+    question_agnostic: compress each prompt's context before its question arrives (one
+    compressed document, any question later; see `_generate`). A cell's question part is its
+    longest question (``task.question_tokens(n, seeds)``): rows with a shorter one see a few
+    context tokens after compression too. The baseline runs the same way.
     """
     runtime.check_context(max(grid.lengths) + task.new_tokens)
     cells = [(n, d, *task.cases(n, d, grid.seeds)) for n in grid.lengths for d in grid.depths]  # all built before any run
     rows = []
     for n, depth, prompts, answers in progress(cells, "retrieval grid", len(cells)):
-        row = {"n": n, "depth": depth, **_measure(model, runtime, task, prompts, answers, pad_id)}
+        question = task.question_tokens(n, grid.seeds) if question_agnostic else 0
+        row = {"n": n, "depth": depth, **_measure(model, runtime, task, prompts, answers, pad_id, question)}
         if baseline_runtime is not None:
-            base = _measure(model, baseline_runtime, task, prompts, answers, pad_id)
+            base = _measure(model, baseline_runtime, task, prompts, answers, pad_id, question)
             row.update(baseline_accuracy=base["accuracy"], baseline_cache_bytes=base["cache_bytes"])
         else:
             row.update(baseline_accuracy=None, baseline_cache_bytes=None)

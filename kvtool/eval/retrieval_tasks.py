@@ -81,6 +81,10 @@ class CopyTask:
         prompt = torch.cat([bos, filler[:at], needle, filler[at:], needle[: self.query_tokens]])  # (n,)
         return prompt, needle[self.query_tokens :]
 
+    def question_tokens(self, n: int, seeds: int) -> int:
+        """Tokens at the end of every prompt that form the question (the needle's first half)."""
+        return self.query_tokens
+
     @staticmethod
     def score(generated: torch.Tensor, answers: torch.Tensor) -> list[bool]:
         """Exact match per row of generated (S, <=new) against answers (S, new)."""
@@ -158,6 +162,10 @@ class PasskeyTask:
         pieces += [filler[last:].tolist(), question]
         prompt = torch.tensor([t for piece in pieces for t in piece], dtype=torch.long)  # (n,)
         return prompt, facts[0].key
+
+    def question_tokens(self, n: int, seeds: int) -> int:
+        """The longest question among seeds 0 .. seeds-1 (tokens at the end of the prompt)."""
+        return max(len(self._encode(self._facts(torch.Generator().manual_seed(seed))[0].question())) for seed in range(seeds))
 
     def _sentence_boundaries(self, filler: torch.Tensor) -> list[int]:
         """Token indices i where a fact may go before filler[i]: 0, the end, and after sentence ends."""

@@ -405,6 +405,7 @@ class KvtoolLayer(CacheLayerMixin):
             length=length,
             attention=gather("score", data["score"]) if "score" in data else zeros,
             window_attention=self._window_attention(table, received, t) if received is not None else None,
+            current_attention=self._current_attention(table, received, data, t) if received is not None else None,
             feature=gather("feature", data["feature"]) if "feature" in data else None,
             is_special=(classes & SPECIAL) > 0,
             is_punct=(classes & PUNCT) > 0,
@@ -424,6 +425,18 @@ class KvtoolLayer(CacheLayerMixin):
             lo = offsets[region] + start
             out[:, lo : lo + values.shape[1]] = values
         out[:, table.width - t :] = received.new_window
+        return out
+
+    def _current_attention(self, table: SlotTable, received, data, t: int) -> torch.Tensor | None:
+        """(S, N) attention from this forward's newest queries: the last ``window`` at prefill, the one query when decoding (TOVA)."""
+        if t > 1:
+            return self._window_attention(table, received, t)
+        out = torch.zeros(self.store.streams, table.width, device=self.device)
+        offsets = {"float": 0, "body": table.float_width}
+        for region, start, values in received.chunks:
+            lo = offsets[region] + start
+            out[:, lo : lo + values.shape[1]] = values
+        out[:, table.width - t :] = data["score"]
         return out
 
     # --- encoding ------------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ class StreamView:
     (this forward included; zeros when the policy does not use attention); window_attention:
     at prefill only, attention from the last ``window`` query tokens (SnapKV), else None;
     feature float32 or None: `token_feature` of each token, computed when it arrived;
-    is_special / is_punct bool: FastGen token classes; units int64: unit id per slot in
+    is_special / is_punct bool: FastGen token classes; current_attention: attention from this
+    forward's newest queries only (the last ``window`` at prefill, the single query when
+    decoding; TOVA), or None when the policy does not use attention; units int64: unit id per slot in
     [0, unit_count), slots of one unit are kept or freed together; layer: the layer index;
     heads (S,) int64: the KV head of each stream.
     """
@@ -50,6 +52,7 @@ class StreamView:
     unit_count: int
     layer: int
     heads: torch.Tensor
+    current_attention: torch.Tensor | None = None
 
     @property
     def single_token_units(self) -> bool:
@@ -86,10 +89,21 @@ class EvictionPolicy:
         recent = view.positions > (view.latest() - self.spec.window)[:, None]
         return view.valid & ((view.positions < self.spec.sink_tokens) | recent)
 
+    def head_scores(self, view: StreamView) -> torch.Tensor:
+        """(S, N) scores comparable across the KV heads of a sequence (AdaKV's budget sharing); default `token_scores`."""
+        return self.token_scores(view)
+
     def keep(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
-        """(S, N) bool keep mask with at most ``budget`` (S,) tokens per stream (all tokens where they fit)."""
+        """(S, N) bool keep mask with at most ``budget`` (S,) tokens per stream (all tokens where they fit).
+
+        With ``head_budgets: adaptive`` the budgets of one sequence's streams are first pooled
+        and shared by score (`adaptive_budgets`); each stream then keeps its own best tokens.
+        """
         protected = self.protected(view)
         scores = self.token_scores(view).float().masked_fill(~view.valid, -math.inf)
+        if self.spec.head_budgets == "adaptive":
+            shared = scores if type(self).head_scores is EvictionPolicy.head_scores else self.head_scores(view).float()
+            budget = adaptive_budgets(shared.masked_fill(~view.valid, -math.inf), protected, view, budget, self.spec.head_floor)
         over = protected.sum(dim=1) >= budget  # the budget cannot even hold the protected tokens
         if view.single_token_units:
             keep = _top_tokens(scores, protected, view.valid, budget)
@@ -104,6 +118,32 @@ class EvictionPolicy:
         priority = view.positions.float().masked_fill(view.positions < self.spec.sink_tokens, math.inf)
         keep = _rank_desc(priority.masked_fill(~view.valid, -math.inf)) < budget[:, None]
         return whole_units(keep & view.valid, view)
+
+
+def adaptive_budgets(scores: torch.Tensor, protected: torch.Tensor, view: StreamView, budget: torch.Tensor,
+                     floor: float) -> torch.Tensor:
+    """(S,) budgets of AdaKV (Feng et al., "Ada-KV", 2024): one budget per sequence and layer shared among its heads.
+
+    Streams are sequence-major (stream = sequence x heads + head, ``view.heads``). Each stream
+    keeps its protected tokens and its ceil(floor x budget) best tokens (the safeguard); the
+    rest of the sequence's summed budget goes to the best-scored remaining tokens of *any* of
+    its heads, so a head whose attention is concentrated hands room to a head whose attention
+    is spread. Scores must be comparable across heads (softmax attention is: it sums to one
+    per query). The sequence's total never exceeds the sum of the uniform budgets.
+    """
+    s, n = scores.shape
+    heads = int(view.heads.max()) + 1 if s else 1
+    open_ = view.valid & ~protected
+    own_rank = _rank_desc(scores.masked_fill(~open_, -math.inf))  # (S, N)
+    guaranteed_room = (torch.ceil(floor * budget.double() - 1e-9).long() - protected.sum(dim=1)).clamp(min=0)  # (S,)
+    guaranteed = open_ & (own_rank < guaranteed_room[:, None])
+    fixed = (protected | guaranteed).sum(dim=1)  # (S,)
+    room = (budget.reshape(-1, heads).sum(dim=1) - fixed.reshape(-1, heads).sum(dim=1)).clamp(min=0)  # (B,)
+    candidates = (open_ & ~guaranteed).reshape(-1, heads * n)
+    joint = _rank_desc(scores.reshape(-1, heads * n).masked_fill(~candidates, -math.inf))  # (B, heads N)
+    chosen = (candidates & (joint < room[:, None])).reshape(s, n)
+    # a stream whose uniform budget cannot hold its protected tokens keeps that budget (sinks and newest)
+    return torch.where(protected.sum(dim=1) >= budget, budget, fixed + chosen.sum(dim=1))
 
 
 def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
@@ -170,7 +210,7 @@ def register_policy(name: str):
 
 
 def _load_builtin() -> None:
-    from kvtool.methods.evict import fastgen, h2o, knorm, snapkv, streamingllm, vatp  # noqa: F401  (register on import)
+    from kvtool.methods.evict import chunkkv, fastgen, h2o, knorm, snapkv, streamingllm, tova, vatp  # noqa: F401  (register on import)
 
 
 def policy_class(name: str) -> type[EvictionPolicy]:

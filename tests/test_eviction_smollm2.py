@@ -1,0 +1,59 @@
+"""Quality floors of TOVA, ChunkKV and AdaKV-budgeted SnapKV on SmolLM2-135M at 50% of the cache kept.
+
+SmolLM2-135M is a real pretrained model (attention sinks, induction heads), materialized by
+``python ../shared/models/fetch_pretrained.py`` into $KVTOOL_TEST_MODELS (default
+~/.cache/kvtool-test-models). Held-out WikiText-2 test, 2 windows of 320 tokens: 256
+prefilled, 63 decoded one per step with the budget enforced at every step. Floor from the
+issue: 50% kept within 3% of the full cache's perplexity (same code path, fp16 storage). The
+kept fraction and the bytes held are checked too, so a policy that kept everything fails.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtool.data import DataSpec, token_windows
+from kvtool.eval.perplexity import perplexity
+from kvtool.recipe import load_recipe
+from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+from tests.conftest import shared_path
+
+pytestmark = pytest.mark.slow
+SEQ_LEN, PREFILL = 320, 256
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvtool.models.loading import load_model
+
+    root = Path(os.environ.get("KVTOOL_TEST_MODELS", Path.home() / ".cache" / "kvtool-test-models")) / "smollm2-135m"
+    if not (root / "config.json").exists():
+        message = f"{root} not found: run `python ../shared/models/fetch_pretrained.py smollm2-135m --install-deps`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return load_model(str(root))
+
+
+@pytest.fixture(scope="module")
+def scorer(smollm2):
+    model, tokenizer = smollm2
+    data = DataSpec.parse(str(shared_path("data/text/wikitext2_test.txt")))
+    windows = token_windows(tokenizer, data, samples=2, seq_len=SEQ_LEN, mode="sequential")
+
+    def score(recipe):
+        return perplexity(model, windows, CompressedRuntime.from_recipe(model, recipe).new_cache, prefill=PREFILL, batch_size=2)
+
+    return score, score(uncompressed_recipe("float16"))
+
+
+@pytest.mark.parametrize("name", ["tova", "chunkkv", "ada-snapkv"])
+def test_half_the_cache_stays_within_3_percent(scorer, name):
+    score, full = scorer
+    recipe = load_recipe(name)
+    assert recipe.eviction.budget == 0.5
+    result = score(recipe)
+    assert abs(result.kept_fraction - 0.5) < 0.03, "the cache did not keep the fraction it was asked to"
+    assert result.cache_bytes < 0.56 * full.cache_bytes
+    assert 100 * (result.ppl / full.ppl - 1) < 3.0, (result.ppl, full.ppl)
