@@ -20,9 +20,12 @@ from kvtool.attention_profile import profile_attention
 from kvtool.capture import ChannelStats, InputSecondMoments, Progress, no_progress, stream_batches
 from kvtool.calibration import (
     QuantErrorStats,
+    RangeStats,
     build_quantizers,
     fit_layers,
     fit_palu_layers,
+    fits_ranges,
+    fits_reservoir,
     needs_fisher,
     needs_fit,
     uses_palu,
@@ -224,15 +227,20 @@ def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: 
     from kvtool.sensitivity import SampleReservoir, stream_with_gradients
 
     # sink tokens stay in float in the cache: fitting on them (huge keys, huge gradients) would skew codebooks and ranks
-    reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=recipe.cache.sink_tokens)
+    skip = recipe.cache.sink_tokens
+    reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip)
+    ranges = RangeStats(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip) if fits_ranges(recipe) else None
     moments = InputSecondMoments(adapter) if uses_palu(recipe) else nullcontext()
+    plain = [ranges] if ranges is not None else []  # observers fed by a plain forward pass
     with moments:
-        if needs_fisher(recipe):
+        if fits_reservoir(recipe) and needs_fisher(recipe):
             stream_with_gradients(hf_model, adapter, windows, [reservoir], batch_size=1, progress=progress)
-        else:
-            stream_batches(hf_model, adapter, windows, [reservoir], batch_size, progress)
+        elif fits_reservoir(recipe):
+            plain.append(reservoir)
+        if plain:
+            stream_batches(hf_model, adapter, windows, plain, batch_size, progress)
     geometry = adapter.geometry
-    fitted = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir)
+    fitted = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir if fits_reservoir(recipe) else None, ranges)
     if uses_palu(recipe):
         for layer, palu in enumerate(fit_palu_layers(recipe, adapter, reservoir, moments)):
             fitted[layer].update(palu)
