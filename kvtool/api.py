@@ -258,18 +258,37 @@ def _body_bits(recipe: Recipe, head_dim: int, fitted: list) -> dict:
 # --- export -----------------------------------------------------------------------------------
 
 
+EXPORT_FORMATS = ("kvtool", "vllm")
+
+
 def export(
     calib: str | Path,
     out: str | Path,
     model: str | None = None,
     profile_path: str | Path | None = None,
     *,
+    format: str = "kvtool",
     load: LoadOptions = LoadOptions(),
 ) -> Artifact:
-    """Validate a calibration (and optional profile) against the model and write the deployable artifact."""
-    check_output_path(out)
+    """Validate a calibration (and optional profile) against the model and write what it deploys to.
+
+    ``format="kvtool"``: the deployable artifact (one .safetensors file) kvtool's runtime loads;
+    ``format="vllm"``: a model folder vLLM serves with ``--kv-cache-dtype fp8`` and the calibrated
+    ``k_scale`` / ``v_scale`` (fp8 static recipes only; see `kvtool.export_vllm`).
+    Returns the deployable artifact (for ``vllm`` too: what kvtool itself would load).
+    """
+    if format not in EXPORT_FORMATS:
+        raise ArtifactError(f"export format '{format}' is not one of {list(EXPORT_FORMATS)}")
+    if format == "vllm" and profile_path is not None:
+        raise ArtifactError("--format vllm exports fp8 KV scales only; vLLM does not read a kvtool profile (drop --profile)")
+    if format == "kvtool":
+        check_output_path(out)
     calibration = load_artifact(calib, expect_kind="calibration")
-    hf_model, _ = _load(model_for_artifact(model, calibration), load)
+    if format == "vllm":
+        from kvtool.export_vllm import check_vllm_recipe
+
+        check_vllm_recipe(load_recipe_dict(calibration))
+    hf_model, tokenizer = _load(model_for_artifact(model, calibration), load)
     fingerprint = adapter_for(hf_model).fingerprint()
     check_model(calibration, fingerprint, source=f"calibration '{calib}'")
     tensors = dict(calibration.tensors)
@@ -281,8 +300,21 @@ def export(
         manifest["profile"] = prof.manifest.get("calibration", {})
     artifact = Artifact(kind="deployable", manifest=manifest, tensors=tensors)
     CompressedRuntime.from_artifact(hf_model, artifact)  # the runtime can really load it
-    save_artifact(out, artifact)
+    if format == "vllm":
+        from kvtool.export_vllm import scale_tensors, write_vllm_folder
+
+        scales = scale_tensors(artifact, hf_model, adapter_for(hf_model))
+        write_vllm_folder(out, hf_model, tokenizer, scales, load_recipe_dict(calibration))
+    else:
+        save_artifact(out, artifact)
     return artifact
+
+
+def load_recipe_dict(artifact: Artifact) -> Recipe:
+    """The validated recipe an artifact's manifest records."""
+    from kvtool.recipe import recipe_from_dict
+
+    return recipe_from_dict(artifact.manifest["recipe"])
 
 
 # --- runtime: generate and evaluate ----------------------------------------------------------
