@@ -25,12 +25,18 @@ MODELS = {  # model dir, calibration text, held-out evaluation text
     "stories260K": ("models/stories260K", "data/text/tinystories_val_head.txt[0:0.9]", "data/text/tinystories_val_head.txt[0.9:1]"),
 }
 
+PRETRAINED_DIR = Path.home() / ".cache" / "kvtool-test-models"  # `python ../shared/models/fetch_pretrained.py`
+PRETRAINED = {  # real pretrained models (absolute dirs), same texts as kvref-5m
+    "smollm2-135m": (str(PRETRAINED_DIR / "smollm2-135m"), "data/text/wikitext2_valid.txt[0:0.9]", "data/text/wikitext2_test.txt"),
+    "gemma3-270m": (str(PRETRAINED_DIR / "gemma3-270m"), "data/text/wikitext2_valid.txt[0:0.9]", "data/text/wikitext2_test.txt"),
+}
+
 
 class Bench:
     """One model, its held-out windows and uncompressed baseline; `score(recipe)` gives a result row."""
 
     def __init__(self, name: str, samples: int, seq_len: int) -> None:
-        model_dir, self.calib_data, eval_data = MODELS[name]
+        model_dir, self.calib_data, eval_data = {**MODELS, **PRETRAINED}[name]  # SHARED / absolute = absolute
         self.name = name
         self.model, self.tokenizer = load_model(str(SHARED / model_dir))
         self.seq_len = min(seq_len, self.model.config.max_position_embeddings)

@@ -20,9 +20,12 @@ from kvtool.attention_profile import profile_attention
 from kvtool.capture import ChannelStats, InputSecondMoments, Progress, no_progress, stream_batches
 from kvtool.calibration import (
     QuantErrorStats,
+    RangeStats,
     build_quantizers,
     fit_layers,
     fit_palu_layers,
+    fits_ranges,
+    fits_reservoir,
     needs_fisher,
     needs_fit,
     uses_palu,
@@ -281,15 +284,20 @@ def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: 
     from kvtool.sensitivity import SampleReservoir, stream_with_gradients
 
     # sink tokens stay in float in the cache: fitting on them (huge keys, huge gradients) would skew codebooks and ranks
-    reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=recipe.cache.sink_tokens)
+    skip = recipe.cache.sink_tokens
+    reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip)
+    ranges = RangeStats(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip) if fits_ranges(recipe) else None
     moments = InputSecondMoments(adapter) if uses_palu(recipe) else nullcontext()
+    plain = [ranges] if ranges is not None else []  # observers fed by a plain forward pass
     with moments:
-        if needs_fisher(recipe):
+        if fits_reservoir(recipe) and needs_fisher(recipe):
             stream_with_gradients(hf_model, adapter, windows, [reservoir], batch_size=1, progress=progress)
-        else:
-            stream_batches(hf_model, adapter, windows, [reservoir], batch_size, progress)
+        elif fits_reservoir(recipe):
+            plain.append(reservoir)
+        if plain:
+            stream_batches(hf_model, adapter, windows, plain, batch_size, progress)
     geometry = adapter.geometry
-    fitted = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir)
+    fitted = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir if fits_reservoir(recipe) else None, ranges)
     if uses_palu(recipe):
         for layer, palu in enumerate(fit_palu_layers(recipe, adapter, reservoir, moments)):
             fitted[layer].update(palu)
@@ -307,18 +315,37 @@ def _body_bits(recipe: Recipe, head_dim: int, fitted: list) -> dict:
 # --- export -----------------------------------------------------------------------------------
 
 
+EXPORT_FORMATS = ("kvtool", "vllm")
+
+
 def export(
     calib: str | Path,
     out: str | Path,
     model: str | None = None,
     profile_path: str | Path | None = None,
     *,
+    format: str = "kvtool",
     load: LoadOptions = LoadOptions(),
 ) -> Artifact:
-    """Validate a calibration (and optional profile) against the model and write the deployable artifact."""
-    check_output_path(out)
+    """Validate a calibration (and optional profile) against the model and write what it deploys to.
+
+    ``format="kvtool"``: the deployable artifact (one .safetensors file) kvtool's runtime loads;
+    ``format="vllm"``: a model folder vLLM serves with ``--kv-cache-dtype fp8`` and the calibrated
+    ``k_scale`` / ``v_scale`` (fp8 static recipes only; see `kvtool.export_vllm`).
+    Returns the deployable artifact (for ``vllm`` too: what kvtool itself would load).
+    """
+    if format not in EXPORT_FORMATS:
+        raise ArtifactError(f"export format '{format}' is not one of {list(EXPORT_FORMATS)}")
+    if format == "vllm" and profile_path is not None:
+        raise ArtifactError("--format vllm exports fp8 KV scales only; vLLM does not read a kvtool profile (drop --profile)")
+    if format == "kvtool":
+        check_output_path(out)
     calibration = load_artifact(calib, expect_kind="calibration")
-    hf_model, _ = _load(model_for_artifact(model, calibration), load)
+    if format == "vllm":
+        from kvtool.export_vllm import check_vllm_recipe
+
+        check_vllm_recipe(load_recipe_dict(calibration))
+    hf_model, tokenizer = _load(model_for_artifact(model, calibration), load)
     fingerprint = adapter_for(hf_model).fingerprint()
     check_model(calibration, fingerprint, source=f"calibration '{calib}'")
     tensors = dict(calibration.tensors)
@@ -330,8 +357,21 @@ def export(
         manifest["profile"] = prof.manifest.get("calibration", {})
     artifact = Artifact(kind="deployable", manifest=manifest, tensors=tensors)
     CompressedRuntime.from_artifact(hf_model, artifact)  # the runtime can really load it
-    save_artifact(out, artifact)
+    if format == "vllm":
+        from kvtool.export_vllm import scale_tensors, write_vllm_folder
+
+        scales = scale_tensors(artifact, hf_model, adapter_for(hf_model))
+        write_vllm_folder(out, hf_model, tokenizer, scales, load_recipe_dict(calibration))
+    else:
+        save_artifact(out, artifact)
     return artifact
+
+
+def load_recipe_dict(artifact: Artifact) -> Recipe:
+    """The validated recipe an artifact's manifest records."""
+    from kvtool.recipe import recipe_from_dict
+
+    return recipe_from_dict(artifact.manifest["recipe"])
 
 
 # --- runtime: generate and evaluate ----------------------------------------------------------

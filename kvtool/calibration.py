@@ -2,7 +2,9 @@
 
 1. Fit (methods with ``needs_fit``, e.g. KVQuant's nuq): a bounded random sample of
    token vectors per layer, with Fisher sensitivities (squared loss gradients) when
-   the codebook is Fisher-weighted, goes to `BlockQuantizer.fit`.
+   the codebook is Fisher-weighted, goes to `BlockQuantizer.fit`. Static scales (fp8
+   per layer / head, int_static; ``fit_source == "ranges"``) instead see every token's
+   range through `RangeStats` and go to `BlockQuantizer.fit_ranges`.
 2. Measure: every layer's key and value quantizers run, exactly as the runtime runs
    them (keys before RoPE when ``keys.pre_rope``), over the calibration K/V in blocks
    of ``block_size`` tokens; the SQNR (dB) per KV head is recorded.
@@ -34,7 +36,65 @@ def build_quantizers(recipe: Recipe, head_dim: int, dtype: torch.dtype = torch.f
 
 def needs_fit(recipe: Recipe) -> bool:
     """True if a quantizer of the recipe learns parameters from calibration data."""
-    return any(quantizer_class(spec.method).needs_fit for spec in (recipe.keys, recipe.values))
+    return any(quantizer_class(spec.method).requires_fit(spec) for spec in (recipe.keys, recipe.values))
+
+
+def fits_ranges(recipe: Recipe) -> bool:
+    """True if a quantizer of the recipe is fitted from `RangeStats` (static fp8 / int scales)."""
+    return any(
+        quantizer_class(spec.method).fit_source == "ranges" and quantizer_class(spec.method).requires_fit(spec)
+        for spec in (recipe.keys, recipe.values)
+    )
+
+
+def fits_reservoir(recipe: Recipe) -> bool:
+    """True if a quantizer of the recipe is fitted from a `SampleReservoir` (nuq codebooks, Palu bases)."""
+    return any(
+        quantizer_class(spec.method).fit_source == "reservoir" and quantizer_class(spec.method).requires_fit(spec)
+        for spec in (recipe.keys, recipe.values)
+    )
+
+
+class RangeStats:
+    """Observer: per layer and KV head, every channel's min / max over all tokens, and a random sample of rows.
+
+    Parts: ``keys`` (after RoPE), ``keys_pre_rope`` and ``values``; the first ``skip_first``
+    positions of every window (the cache's float sinks) are left out. The sample keeps at
+    most ``max_tokens`` rows per layer and part (uniform: random tags, smallest kept).
+    """
+
+    PARTS = ("keys_pre_rope", "keys", "values")
+
+    def __init__(self, max_tokens: int = 4096, seed: int = 0, skip_first: int = 0) -> None:
+        self.max_tokens, self.skip_first = max_tokens, skip_first
+        self.generator = torch.Generator().manual_seed(seed)
+        self.lo: dict[tuple[int, str], torch.Tensor] = {}
+        self.hi: dict[tuple[int, str], torch.Tensor] = {}
+        self.rows: dict[tuple[int, str], torch.Tensor] = {}  # (n, H, D) float32 on CPU
+        self.tags: dict[int, torch.Tensor] = {}
+
+    def observe(self, layer, keys_pre_rope, keys, values) -> None:
+        parts = [x[:, :, self.skip_first :].float() for x in (keys_pre_rope, keys, values)]  # (B, H, T', D)
+        if parts[0].shape[2] == 0:
+            return
+        rows = [x.permute(0, 2, 1, 3).reshape(-1, *x.shape[1:2], x.shape[-1]).cpu() for x in parts]  # (B*T', H, D)
+        new_tags = torch.rand(rows[0].shape[0], generator=self.generator)
+        tags = torch.cat([self.tags.get(layer, torch.empty(0)), new_tags])
+        keep = tags.topk(min(self.max_tokens, tags.numel()), largest=False).indices
+        self.tags[layer] = tags[keep]
+        for part, x, r in zip(self.PARTS, parts, rows):
+            key = (layer, part)
+            lo, hi = x.amin(dim=(0, 2)).cpu(), x.amax(dim=(0, 2)).cpu()  # (H, D)
+            self.lo[key] = torch.minimum(self.lo[key], lo) if key in self.lo else lo
+            self.hi[key] = torch.maximum(self.hi[key], hi) if key in self.hi else hi
+            self.rows[key] = torch.cat([self.rows[key], r])[keep] if key in self.rows else r[keep]
+
+    def ranges(self, layer: int, part: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lo (H, D), hi (H, D), sample (n, H, D)) of a layer and part."""
+        key = (layer, part)
+        if key not in self.lo:
+            raise KeyError(f"no calibration tokens past the sinks for layer {layer}; use longer calibration windows")
+        return self.lo[key], self.hi[key], self.rows[key]
 
 
 def needs_fisher(recipe: Recipe) -> bool:
@@ -82,14 +142,23 @@ def palu_entry(recipe: Recipe, adapter, layer: int, reservoir, moment, reservoir
     return entry
 
 
-def fit_layers(recipe: Recipe, head_dim: int, num_layers: int, reservoir) -> list[dict[str, torch.Tensor]]:
-    """Fit every layer's quantizers from a `SampleReservoir`; returns per-layer ``{"keys.x": t, "values.y": t}``."""
+def fit_layers(
+    recipe: Recipe, head_dim: int, num_layers: int, reservoir=None, ranges: RangeStats | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Fit every layer's quantizers from a `SampleReservoir` and / or `RangeStats`; per layer ``{"keys.x": t, ...}``."""
     out = []
     for layer in range(num_layers):
         fitted: dict[str, torch.Tensor] = {}
         for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
             cls = quantizer_class(spec.method)
-            if not cls.needs_fit or spec.method == "palu":  # palu ranks are searched across layers: fit_palu_layers
+            if not cls.requires_fit(spec) or spec.method == "palu":  # palu ranks are searched across layers: fit_palu_layers
+                continue
+            if cls.fit_source == "ranges":
+                if ranges is None:
+                    raise ValueError(f"method '{spec.method}' is fitted from RangeStats; pass ranges=")
+                source = "values" if part == "values" else ("keys_pre_rope" if spec.pre_rope else "keys")
+                tensors = cls.fit_ranges(spec, head_dim, recipe.cache.block_size, *ranges.ranges(layer, source))
+                fitted.update({f"{part}.{name}": t for name, t in tensors.items()})
                 continue
             source = "values" if part == "values" else ("keys_pre_rope" if spec.pre_rope else "keys")
             samples, weights = reservoir.samples(layer, source)

@@ -233,9 +233,10 @@ def calibrate(
 @_friendly
 def export(
     calib: Annotated[Path, typer.Option("--calib", "-c", help="Calibration artifact from `kvtool calibrate`.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Deployable artifact to write (.safetensors).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Deployable artifact to write (.safetensors), or a new folder for --format vllm.")],
     model: ModelOpt = None,
     profile: Annotated[Optional[Path], typer.Option("--profile", "-p", help="Profile artifact from `kvtool profile` to include.")] = None,
+    format: Annotated[str, typer.Option("--format", "-f", help="kvtool (deployable artifact) or vllm (model folder for `vllm serve --kv-cache-dtype fp8`).")] = "kvtool",
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     device_map: DeviceMapOpt = None,
@@ -244,7 +245,10 @@ def export(
     from kvtool import api
 
     _quiet_libraries()
-    artifact = api.export(calib, out, model, profile, load=_load_options(dtype, device, device_map))
+    artifact = api.export(calib, out, model, profile, format=format, load=_load_options(dtype, device, device_map))
+    if format == "vllm":
+        console.print(f"wrote vLLM model folder [bold]{out}[/] (serve it with: vllm serve {out} --kv-cache-dtype fp8)")
+        return
     bits = artifact.manifest.get("expected_bits_per_element", {})
     console.print(f"wrote artifact [bold]{out}[/] ({len(artifact.tensors)} tensors, {bits.get('body', 0):.2f} bits per body element)")
 

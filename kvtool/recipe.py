@@ -22,9 +22,18 @@ from typing import Any
 
 from kvtool.errors import RecipeError
 
-QUANT_METHODS = ("none", "uniform", "nuq", "palu")
+QUANT_METHODS = ("none", "uniform", "nuq", "palu", "fp8", "int_static", "turboquant")
 CODEBOOKS = ("fisher-kmeans", "kmeans", "uniform", "nf")
-METHOD_BITS = {"uniform": (2, 3, 4, 8), "nuq": (2, 3, 4), "palu": (2, 3, 4, 8, 16)}
+METHOD_BITS = {
+    "uniform": (2, 3, 4, 8), "nuq": (2, 3, 4), "palu": (2, 3, 4, 8, 16), "fp8": (8,), "int_static": (2, 3, 4, 8),
+    "turboquant": (2, 3, 4),
+}
+FP8_FORMATS = ("e4m3", "e5m2")
+# scale granularity: fp8 block (dynamic, per block), layer or head (static, calibrated);
+# int_static layer, head or channel (static, calibrated; channel = per KV head and channel)
+GRANULARITIES = {"fp8": ("block", "layer", "head"), "int_static": ("layer", "head", "channel")}
+SCALE_FITS = ("amax", "mse")
+TURBOQUANT_FRACTIONS = (0.0, 0.5)
 RANK_ALLOCATIONS = ("fisher", "uniform")
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
@@ -81,6 +90,18 @@ class QuantSpec:
     hadamard: ``palu`` only: Walsh-Hadamard transform of the latents before quantizing them.
     For ``palu``, ``bits`` is the latent code width (16 = float latents; otherwise uniform
     per-token quantization of the latents).
+    fp8_format: ``fp8`` only: ``e4m3`` (torch.float8_e4m3fn, max 448) or ``e5m2`` (max 57344).
+    granularity: ``fp8``: ``block`` (dynamic: one scale per stored block, from its amax),
+        ``layer`` or ``head`` (static: one calibrated scale per layer or per KV head);
+        ``int_static``: ``layer``, ``head`` or ``channel`` (calibrated range per layer, per KV
+        head, or per KV head and channel).
+    scale_fit: static scales only: ``amax`` (the calibration data's range) or ``mse`` (the
+        clipping of that range with the least squared error on the calibration sample).
+    extra_bits: ``turboquant`` only: 0 or 0.5; 0.5 stores half of the rotated coordinates at
+        ``bits + 1`` (fractional rates by mixing: bits 2 + extra_bits 0.5 = 2.5 bits per coordinate).
+    qjl: ``turboquant`` keys only: spend one of the ``bits`` on a 1-bit QJL sketch of the
+        residual (unbiased inner products with the query).
+    seed: ``turboquant`` only: seed of the random rotation's signs (and of the QJL matrix).
     """
 
     method: str = "uniform"
@@ -96,6 +117,12 @@ class QuantSpec:
     whiten: bool = True
     rank_allocation: str = "fisher"
     hadamard: bool = False
+    fp8_format: str = "e4m3"
+    granularity: str | None = None
+    scale_fit: str = "amax"
+    extra_bits: float = 0.0
+    qjl: bool = False
+    seed: int = 0
     path: str = field(default="keys", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -143,9 +170,43 @@ class QuantSpec:
         )
         if self.method in ("nuq", "palu") and p == "keys":
             _require(self.pre_rope, f"{p}.pre_rope", f"{self.method} keys are calibrated before RoPE: set keys.pre_rope: true")
+        self._check_new_methods()
         if self.method != "nuq":
             _require(fraction == 0, f"{p}.outlier_fraction", f"outliers need method 'nuq', not '{self.method}'")
             _require(not self.qnorm, f"{p}.qnorm", f"Q-Norm needs method 'nuq', not '{self.method}'")
+
+
+    def _check_new_methods(self) -> None:
+        """Fields of fp8, int_static and turboquant: only where they mean something, and valid there."""
+        p, method = self.path, self.method
+        _require(self.fp8_format in FP8_FORMATS, f"{p}.fp8_format", f"'{self.fp8_format}' is not one of {list(FP8_FORMATS)}")
+        _require(method == "fp8" or self.fp8_format == "e4m3", f"{p}.fp8_format", f"needs method 'fp8', not '{method}'")
+        if method in GRANULARITIES:
+            allowed = GRANULARITIES[method]
+            if self.granularity is None:
+                object.__setattr__(self, "granularity", allowed[0])
+            _require(self.granularity in allowed, f"{p}.granularity",
+                     f"'{self.granularity}' is not one of {list(allowed)} for method '{method}'")
+        else:
+            _require(self.granularity is None, f"{p}.granularity", f"needs method 'fp8' or 'int_static', not '{method}'")
+        _require(self.scale_fit in SCALE_FITS, f"{p}.scale_fit", f"'{self.scale_fit}' is not one of {list(SCALE_FITS)}")
+        _require(self.scale_fit == "amax" or self.is_static, f"{p}.scale_fit",
+                 "only calibrated (static) scales are fitted: use method 'int_static' or fp8 with granularity layer/head")
+        _require(self.extra_bits in TURBOQUANT_FRACTIONS and not isinstance(self.extra_bits, bool), f"{p}.extra_bits",
+                 f"{self.extra_bits} is not one of {list(TURBOQUANT_FRACTIONS)}")
+        _require(method == "turboquant" or self.extra_bits == 0, f"{p}.extra_bits", f"needs method 'turboquant', not '{method}'")
+        _require(isinstance(self.qjl, bool), f"{p}.qjl", "must be true or false")
+        _require(not self.qjl or method == "turboquant", f"{p}.qjl", f"needs method 'turboquant', not '{method}'")
+        _require(not (self.qjl and p == "values"), f"{p}.qjl", "the QJL sketch corrects inner products with the query: keys only")
+        _require(_is_int(self.seed), f"{p}.seed", "must be an integer")
+        if method == "turboquant":
+            _require(not self.pre_rope, f"{p}.pre_rope", "turboquant rotates keys after RoPE: remove pre_rope")
+            _require(not (self.qjl and self.bits < 2), f"{p}.bits", "QJL takes one of the bits: needs bits >= 2")
+
+    @property
+    def is_static(self) -> bool:
+        """True when the method's scales come from `kvtool calibrate` (fp8 layer/head, int_static)."""
+        return self.method == "int_static" or (self.method == "fp8" and self.granularity in ("layer", "head"))
 
 
 @dataclass(frozen=True)
@@ -340,7 +401,8 @@ class Recipe:
 
         def change(spec: QuantSpec) -> QuantSpec:
             if bits == 16:
-                return dataclasses.replace(spec, method="none", bits=16, outlier_fraction=0.0, qnorm=False)
+                return dataclasses.replace(spec, method="none", bits=16, outlier_fraction=0.0, qnorm=False,
+                                           granularity=None, scale_fit="amax", fp8_format="e4m3", extra_bits=0.0, qjl=False)
             return dataclasses.replace(spec, method="uniform" if spec.method == "none" else spec.method, bits=bits)
 
         return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=change(self.keys), values=change(self.values))

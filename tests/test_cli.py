@@ -291,8 +291,17 @@ def test_export_translates_options(rec, tmp_path):
     ok(result)
     args, kwargs = rec.one("export")
     assert args == (calib, out, "m", prof)
-    assert kwargs == {"load": LoadOptions(device="cuda")}
+    assert kwargs == {"format": "kvtool", "load": LoadOptions(device="cuda")}
     assert shows(result.stdout, "wrote artifact", "3 tensors", "4.25 bits per body element")
+
+
+def test_export_format_vllm_is_passed_through(rec, tmp_path):
+    rec.patch("export", fake_deployable())
+    result = invoke("export", "-c", tmp_path / "c.safetensors", "-o", tmp_path / "served", "--format", "vllm")
+    ok(result)
+    _, kwargs = rec.one("export")
+    assert kwargs["format"] == "vllm"
+    assert shows(result.stdout, "wrote vLLM model folder", "--kv-cache-dtype fp8")
 
 
 def test_export_without_profile_or_model(rec, tmp_path):

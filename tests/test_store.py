@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtool.capture import InputSecondMoments, stream_batches
-from kvtool.calibration import fit_layers, fit_palu_layers, needs_fit, uses_palu
+from kvtool.calibration import RangeStats, fit_layers, fit_palu_layers, needs_fit, uses_palu
 from kvtool.models.adapter import adapter_for
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe, bundled_recipe_dir, load_recipe
 from kvtool.runtime import paged_attention
@@ -41,12 +41,13 @@ def fitted_tensors(model, recipe: Recipe) -> list[dict] | None:
         return None
     adapter = adapter_for(model)
     reservoir = SampleReservoir(max_tokens=512, skip_first=recipe.cache.sink_tokens)
+    ranges = RangeStats(max_tokens=512, skip_first=recipe.cache.sink_tokens)
     windows = torch.randint(3, 128, (4, 96), generator=torch.Generator().manual_seed(0))
     moments = InputSecondMoments(adapter)
     with moments:
-        stream_batches(model, adapter, windows, [reservoir])
+        stream_batches(model, adapter, windows, [reservoir, ranges])
     geometry = adapter.geometry
-    tensors = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir)
+    tensors = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir, ranges)
     if uses_palu(recipe):
         for layer, palu in enumerate(fit_palu_layers(recipe, adapter, reservoir, moments)):
             tensors[layer].update(palu)
@@ -178,6 +179,14 @@ FORMATS = {
                   values=QuantSpec(method="nuq", bits=3, axis="token", codebook="kmeans", path="values")),
     "palu-joint": dict(keys=QuantSpec(method="palu", bits=16, pre_rope=True, rank_fraction=0.75, group_heads=0, rank_allocation="uniform", path="keys"),
                        values=QuantSpec(method="palu", bits=3, hadamard=True, axis="token", rank_fraction=0.75, group_heads=0, rank_allocation="uniform", path="values")),
+    "fp8-e4m3-block": dict(keys=QuantSpec(method="fp8", bits=8, granularity="block", path="keys"),
+                           values=QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="block", axis="token", path="values")),
+    "fp8-static": dict(keys=QuantSpec(method="fp8", bits=8, granularity="head", path="keys"),
+                       values=QuantSpec(method="fp8", bits=8, granularity="layer", scale_fit="mse", axis="token", path="values")),
+    "int-static": dict(keys=QuantSpec(method="int_static", bits=4, granularity="channel", path="keys"),
+                       values=QuantSpec(method="int_static", bits=3, granularity="head", scale_fit="mse", axis="token", path="values")),
+    "turboquant-qjl": dict(keys=QuantSpec(method="turboquant", bits=3, qjl=True, path="keys"),
+                           values=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, axis="token", path="values")),
 }
 
 

@@ -41,6 +41,9 @@ class BlockQuantizer:
 
     name: str = "base"
     needs_fit: bool = False  # True: `fit` must run on calibration data before the quantizer is usable
+    # "reservoir": `fit` gets a random sample of token rows (keys before RoPE) with Fisher weights;
+    # "ranges": `fit_ranges` gets every calibration token's per-channel min/max and a sample (keys as stored)
+    fit_source: str = "reservoir"
     heads_per_block: int = 1  # g: KV heads one stored block spans
 
     def __init__(
@@ -75,6 +78,22 @@ class BlockQuantizer:
         Default: nothing to learn.
         """
         return {}
+
+    @classmethod
+    def requires_fit(cls, spec: QuantSpec) -> bool:
+        """True when this spec cannot be used without calibration (default: ``needs_fit``)."""
+        return cls.needs_fit
+
+    @classmethod
+    def fit_ranges(
+        cls, spec: QuantSpec, head_dim: int, block_size: int, lo: torch.Tensor, hi: torch.Tensor, samples: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Methods with ``fit_source == "ranges"``: one layer's parameters from calibration ranges.
+
+        lo, hi: (H_kv, D) float32 min / max over every calibration token past the sinks; samples:
+        (N, H_kv, D) float32 a random sample of those tokens (keys after RoPE unless ``spec.pre_rope``).
+        """
+        raise NotImplementedError(f"method '{cls.name}' is not fitted from calibration ranges")
 
     # --- the block API (what the paged store uses) -------------------------------------------
     def block_spec(self) -> BlockSpec:

@@ -25,7 +25,7 @@ def register(name: str):
 
 def _load_builtin() -> None:
     from kvtool.methods.lowrank import palu  # noqa: F401  (registers on import)
-    from kvtool.methods.quant import none, nuq, uniform  # noqa: F401  (registers on import)
+    from kvtool.methods.quant import fp8, int_static, none, nuq, turboquant, uniform  # noqa: F401  (registers on import)
 
 
 def quantizer_class(name: str) -> type:
