@@ -36,11 +36,12 @@ from typing import Callable
 
 import torch
 
-from kvtool.calibration import QuantErrorStats, fit_layers, needs_fisher, needs_fit, palu_entry, uses_palu
+from kvtool.calibration import QuantErrorStats, fit_layers, fits_ranges, needs_fisher, needs_fit, palu_entry, uses_palu
 from kvtool.calibration_checkpoint import CheckpointStore, MemoryStore
 from kvtool.capture import CaptureCache, InputSecondMoments, Progress, no_progress, window_rope
 from kvtool.models.layer_stack import LayerCall, head_loss_gradient, record_layer_calls, run_layer
 from kvtool.models.offload import execution_device, fingerprint, onloaded
+from kvtool.errors import RecipeError
 from kvtool.recipe import Recipe
 from kvtool.sensitivity import GradientCaptureCache, SampleReservoir, next_token_loss
 
@@ -126,6 +127,11 @@ def calibrate_layer_by_layer(
     progress: Progress = no_progress,
 ) -> LayerByLayerResult:
     """Fit and measure the recipe's quantizers on token windows (N, T), one decoder layer at a time."""
+    if fits_ranges(recipe):
+        raise RecipeError(
+            f"recipe '{recipe.name}' fits static ranges (fp8/int static scales), which --layer-by-layer does not "
+            "collect yet; calibrate it without --layer-by-layer"
+        )
     model_fingerprint = fingerprint(adapter)
     key = run_key(recipe, windows, model_fingerprint, batch_size, max_fit_tokens)
     store = CheckpointStore(options.checkpoint, key, options.resume) if options.checkpoint else MemoryStore()

@@ -462,8 +462,9 @@ def test_backend_triton_is_one_error_line_before_the_model_loads(monkeypatch, ar
         raise AssertionError("the model was loaded before the backend was checked")
 
     monkeypatch.setattr(kvtool.api, "_load", no_load)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU without the interpreter: the kernels cannot run
     result = invoke(*argv, "--backend", "triton")
-    assert_friendly_error(result, "--backend triton", "not available", "--backend torch")
+    assert_friendly_error(result, "--backend triton", "needs a CUDA GPU", "--backend torch")
     result = invoke(*argv, "--backend", "cuda-graphs")
     assert_friendly_error(result, "--backend 'cuda-graphs' is unknown", "auto, torch, triton")
 

@@ -192,6 +192,16 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
     assert load_artifact(out).manifest["recipe"]["name"] == "kivi-2bit"
 
 
+def test_static_range_recipes_are_refused_layer_by_layer_and_nothing_is_written(tmp_path):
+    from kvtool.errors import RecipeError
+
+    out = tmp_path / "c.safetensors"
+    with pytest.raises(RecipeError, match="without --layer-by-layer"):
+        api.calibrate(data(), out, str(shared_path("models/kvref-5m")), "fp8-e4m3-static", samples=2, seq_len=64,
+                      batch_size=2, layer_by_layer=True)
+    assert not out.exists()
+
+
 def test_resume_needs_layer_by_layer(tmp_path):
     with pytest.raises(RuntimeConfigError, match="--layer-by-layer"):
         api.calibrate(data(), tmp_path / "c.safetensors", None, resume=True)
