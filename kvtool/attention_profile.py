@@ -37,7 +37,7 @@ from kvtool.artifact import load_artifact
 from kvtool.errors import DataError, ModelError
 from kvtool.methods.budget.pyramid import fitted_weights
 from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, FREQUENT, choose_policies, fastgen_keep_rows
-from kvtool.models.attention_hook import attention_handler, install, sdpa_reference
+from kvtool.models.attention_hook import attention_handler, eager_attention, install, sdpa_reference
 from kvtool.recipe import EvictionSpec
 
 MIN_PROFILE_TOKENS = 32
@@ -77,13 +77,20 @@ class AttentionProfiler:
         """Token classes (B, T) bool of the batch about to run."""
         self.is_special, self.is_punct = is_special, is_punct
 
-    def __call__(self, module, query, key, value, attention_mask, scaling) -> Tensor:
-        self.observe_attention(module.layer_idx, query, key, attention_mask, scaling)
-        return sdpa_reference(query, key, value, attention_mask, scaling)
+    def __call__(self, module, query, key, value, attention_mask, scaling, softcap=None, s_aux=None) -> Tensor:
+        self.observe_attention(module.layer_idx, query, key, attention_mask, scaling, softcap, s_aux)
+        if softcap is None and s_aux is None:
+            return sdpa_reference(query, key, value, attention_mask, scaling)
+        extra = {name: x for name, x in (("softcap", softcap), ("s_aux", s_aux)) if x is not None}
+        return eager_attention(module, query, key, value, attention_mask, scaling=scaling, **extra)[0]  # SDPA has neither
 
     def observe_attention(self, layer: int, query: Tensor, key: Tensor, attention_mask: Tensor | None,
-                          scaling: float) -> None:
-        """Softmax attention chunk by chunk of query rows; query (B, H_q, t, D), key (B, H_kv, T, D)."""
+                          scaling: float, softcap: float | None = None, s_aux: Tensor | None = None) -> None:
+        """Softmax attention chunk by chunk of query rows; query (B, H_q, t, D), key (B, H_kv, T, D).
+
+        softcap: Gemma 2's logit soft-capping (cap * tanh(logits / cap)); s_aux (H_q,): GPT-OSS's learned
+        sink logits, which take their share of each row's softmax without being a token.
+        """
         b, hq, t, d = query.shape
         hkv, total = key.shape[1], key.shape[2]
         q = query.float().reshape(b, hkv, hq // hkv, t, d)  # (B, H_kv, G, t, D)
@@ -94,11 +101,18 @@ class AttentionProfiler:
         for start in range(0, t, self.chunk_rows):
             rows = slice(start, start + self.chunk_rows)
             logits = (q[:, :, :, rows] @ k_t) * scaling  # (B, H_kv, G, C, T)
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
             if attention_mask is None:
                 allowed = keys <= positions[rows, None]  # (C, T)
             else:
                 allowed = attention_mask[:, :, None, rows].bool()  # (B, 1, 1, C, T)
-            probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0)  # (B, H_kv, G, C, T)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+            if s_aux is not None:  # one sink logit per query head joins every row's softmax, then is dropped
+                sink = s_aux.float().reshape(1, hkv, hq // hkv, 1, 1).expand(*logits.shape[:-1], 1)
+                probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1].nan_to_num(0.0)
+            else:
+                probs = logits.softmax(dim=-1).nan_to_num(0.0)  # (B, H_kv, G, C, T)
             accumulated = self.observe_probabilities(layer, probs, positions[rows], accumulated)
 
     def observe_probabilities(self, layer: int, probs: Tensor, positions: Tensor, accumulated: Tensor) -> Tensor:

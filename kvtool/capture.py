@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.models.adapter import ModelAdapter
-from kvtool.models.rope import unapply_rope
+from kvtool.models.rope import apply_rope, unapply_rope
 
 Progress = Callable[[Iterable, str, int], Iterable]
 
@@ -64,22 +64,50 @@ class _CaptureLayer(CacheLayerMixin):
 class CaptureCache(Cache):
     """A cache that captures instead of caching, for one forward of a batch without padding."""
 
-    def __init__(self, adapter: ModelAdapter, observers: list[Observer], cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, adapter: ModelAdapter, observers: list[Observer], rope: "WindowRope"):
         super().__init__(layers=[_CaptureLayer(i, self) for i in range(adapter.geometry.num_layers)])
-        self.observers, self.cos, self.sin = observers, cos, sin
+        self.observers, self.rope = observers, rope
 
     def report(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         keys, values = keys.detach().float(), values.detach().float()  # (B, H_kv, T, D)
-        keys_pre = unapply_rope(keys, self.cos.float(), self.sin.float())
+        keys_pre = self.rope.unapply(layer, keys)
         for observer in self.observers:
             observer.observe(layer, keys_pre, keys, values)
 
 
-def window_rope(adapter: ModelAdapter, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (b, T, R) float32 for unpadded windows (b, T) at positions 0..T-1."""
-    positions = torch.arange(batch.shape[1], device=batch.device).expand(batch.shape[0], -1)
+class WindowRope:
+    """Each layer's RoPE at positions 0..T-1 of unpadded windows (b, T).
+
+    Layers may rotate differently (Gemma 3: base 10k on sliding layers, 1M on global ones) and
+    the layout may be interleaved (Cohere): every layer uses its own `adapter.layer_spec(i).rope`;
+    cos/sin (b, T, R) float32 are computed once per distinct RoPE.
+    """
+
+    def __init__(self, adapter: ModelAdapter, batch: torch.Tensor):
+        positions = torch.arange(batch.shape[1], device=adapter.rotary_emb_device()).expand(batch.shape[0], -1)  # (b, T)
+        self.specs = [adapter.layer_spec(i).rope for i in range(adapter.geometry.num_layers)]
+        self.tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, spec in enumerate(self.specs):
+            same = next((j for j in range(i) if self.specs[j].same_as(spec)), None)
+            if same is not None:
+                self.tables.append(self.tables[same])
+            else:
+                cos, sin = spec.cos_sin(positions)  # (b, T, R)
+                self.tables.append((cos.to(batch.device), sin.to(batch.device)))
+
+    def apply(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys (b, H_kv, T, D) -> post-RoPE, as layer ``layer`` rotates them."""
+        return apply_rope(keys, *self.tables[layer], self.specs[layer].interleaved)
+
+    def unapply(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE keys (b, H_kv, T, D) -> pre-RoPE (exact inverse of `apply`, float32 inside)."""
+        return unapply_rope(keys, *self.tables[layer], self.specs[layer].interleaved)
+
+
+def window_rope(adapter: ModelAdapter, batch: torch.Tensor) -> WindowRope:
+    """Each layer's RoPE for unpadded windows (b, T) at positions 0..T-1."""
     with torch.no_grad():
-        return adapter.rope_cos_sin(positions, torch.float32)
+        return WindowRope(adapter, batch)
 
 
 @torch.no_grad()
@@ -97,8 +125,7 @@ def stream_batches(
     seen = 0
     for batch in progress(batches, "capturing K/V statistics", len(batches)):
         batch = batch.to(device)  # (b, T)
-        cos, sin = window_rope(adapter, batch)  # (b, T, R)
-        cache = CaptureCache(adapter, observers, cos, sin)
+        cache = CaptureCache(adapter, observers, window_rope(adapter, batch))
         model(input_ids=batch, past_key_values=cache, use_cache=True)
         seen += batch.numel()
     return seen

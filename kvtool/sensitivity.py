@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from kvtool.capture import Progress, _CaptureLayer, no_progress, window_rope
+from kvtool.capture import Progress, WindowRope, _CaptureLayer, no_progress, window_rope
 from kvtool.models.adapter import ModelAdapter
-from kvtool.models.rope import apply_rope, unapply_rope
 
 PARTS = ("keys_pre_rope", "values")
 
@@ -56,7 +55,7 @@ class _GradientLayer(_CaptureLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys_pre, values = self.owner.track(self.layer, key_states, value_states)
-        keys = apply_rope(keys_pre, self.owner.cos, self.owner.sin)
+        keys = self.owner.rope.apply(self.layer, keys_pre)
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
 
@@ -67,14 +66,14 @@ class GradientCaptureCache(Cache):
     float32, part of the autograd graph (or leaves requiring grad, for layer 0).
     """
 
-    def __init__(self, adapter: ModelAdapter, cos: torch.Tensor, sin: torch.Tensor):
+    def __init__(self, adapter: ModelAdapter, rope: WindowRope):
         super().__init__(layers=[_GradientLayer(i, self) for i in range(adapter.geometry.num_layers)])
-        self.cos, self.sin = cos.float(), sin.float()
+        self.rope = rope  # each layer's RoPE (Gemma 3's local and global layers differ)
         self.tracked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def track(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 pre-RoPE keys and values of a layer, recorded for the gradient; not detached."""
-        keys_pre = unapply_rope(keys.float(), self.cos, self.sin)  # a new tensor, always
+        keys_pre = self.rope.unapply(layer, keys.float())  # a new tensor, always
         values = values.to(torch.float32, copy=True)  # a new tensor even for float32 models
         for tensor in (keys_pre, values):
             if not tensor.requires_grad:  # no gradient history (layer 0): make it a leaf
@@ -130,8 +129,7 @@ def stream_with_gradients(
 
 def _gradient_batch(model, adapter: ModelAdapter, batch: torch.Tensor, observers: list[GradientObserver]) -> None:
     """One batch (b, T): forward, backward, hand activations and Fisher weights to the observers."""
-    cos, sin = window_rope(adapter, batch)  # (b, T, R)
-    cache = GradientCaptureCache(adapter, cos, sin)
+    cache = GradientCaptureCache(adapter, window_rope(adapter, batch))
     with torch.enable_grad():
         logits = model(input_ids=batch, past_key_values=cache, use_cache=True).logits  # (b, T, V)
         loss = next_token_loss(logits, batch)

@@ -6,11 +6,12 @@ family's distinctive attention features on). Per family:
 * the adapter's reading (K/V projections, norms, per-layer RoPE, windows, soft-cap, sinks,
   scaling) reproduces what the model caches and asks its attention function to do;
 * `RopeSpec.cos_sin` equals the model's rotary module output, per layer type, without calling it;
-* today's runtime end to end: the no-op recipe generates exactly transformers' tokens, 4-bit
-  keeps next-token logits within a tolerance, a left-padded batch of two generates transformers'
-  tokens, keys stored before RoPE come back exactly, and kvtool's own attention (the evicting
-  cache keeping every token) reproduces the model. Combinations the runtime does not handle yet
-  are marked xfail with the runtime feature they need (`RUNTIME_GAPS`).
+* the paged runtime end to end (kvtool's own attention over its store applies the family's
+  sliding windows, soft-capping, sink logits, scaling and per-layer RoPE): the no-op recipe
+  generates exactly transformers' tokens, 4-bit keeps next-token logits within a tolerance, a
+  left-padded batch of two generates transformers' tokens, keys stored before RoPE (re-rotated
+  with each layer's own RoPE, interleaved for Cohere) come back exactly, and an evicting cache
+  keeping every token reproduces the model.
 """
 
 import dataclasses
@@ -46,37 +47,9 @@ EXPECTED_SPECS = {
     "gpt_oss": [(WINDOW, None, True, 32**-0.5, 32), (None, None, True, 32**-0.5, 32)],
 }
 
-# family -> {runtime check: the runtime feature it needs}. Checks: noop, 4bit, batch, pre_rope, kvtool_attention.
-# Today's CompressedCache hands float K/V back to the model's own attention, which applies windows, soft-caps and
-# sinks itself; kvtool's own attention (the evicting cache, and the paged runtime for every recipe) must apply them.
-_WINDOW = "sliding-window attention in kvtool's attention (a query at q sees keys at p > q - window)"
-_SOFTCAP = "attention-logit soft-capping in kvtool's attention (Gemma 2: cap * tanh(scores / cap))"
-_SINKS = "learned attention-sink logits in kvtool's attention (GPT-OSS s_aux: one extra logit per query head in the softmax)"
-RUNTIME_GAPS: dict[str, dict[str, str]] = {
-    "mistral": {"kvtool_attention": _WINDOW},
-    "mixtral": {"kvtool_attention": _WINDOW},
-    "qwen2": {"kvtool_attention": _WINDOW},
-    "starcoder2": {"kvtool_attention": _WINDOW},
-    "gemma2": {"kvtool_attention": f"{_WINDOW}; {_SOFTCAP}"},
-    "gemma3_text": {
-        "kvtool_attention": _WINDOW,
-        "pre_rope": "per-layer RoPE for keys stored before RoPE (Gemma 3: local base 10k, global 1M): "
-        "rotate with adapter.layer_spec(i).rope, not one rope_cos_sin for all layers",
-    },
-    "gpt_oss": {"kvtool_attention": f"{_WINDOW}; {_SINKS}"},
-    "cohere": {"pre_rope": "interleaved RoPE for keys stored before RoPE (Cohere rotates pairs (2i, 2i+1)): "
-               "rotate with adapter.layer_spec(i).rope.apply/unapply, not the rotate-half apply_rope"},
-}
-
-
-def _gap(family: str, check: str):
-    """The xfail mark for a (family, check) the runtime does not handle yet, else no mark."""
-    reason = RUNTIME_GAPS.get(family, {}).get(check)
-    return [pytest.mark.xfail(strict=False, reason=f"runtime needs: {reason}")] if reason else []
-
-
 def _matrix(check: str):
-    return [pytest.param(family, marks=_gap(family, check), id=family) for family in ALL_FAMILIES]
+    """Every family, one test id each (kept as a hook: a family the runtime cannot run gets its xfail here, by name)."""
+    return [pytest.param(family, id=family) for family in ALL_FAMILIES]
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +188,7 @@ def test_rope_cos_sin_without_a_layer_is_refused_where_layers_differ(models):
     assert cos.dtype == torch.bfloat16 and cos.shape == (1, 4, 32)
 
 
-# ----- today's runtime, end to end ----------------------------------------------------------------
+# ----- the runtime, end to end ----------------------------------------------------------------
 
 
 def quant_recipe(bits: int) -> Recipe:
@@ -265,7 +238,7 @@ def test_keys_stored_before_rope_come_back_exactly(family, models):
 
 @pytest.mark.parametrize("family", _matrix("kvtool_attention"))
 def test_kvtool_attention_keeping_every_token_reproduces_the_model(family, models):
-    """The evicting cache computes attention itself (kvtool attention function), as the new runtime will for every recipe."""
+    """The eviction path (scored attention, per-slot positions) keeping every token reproduces the model."""
     spec = EvictionSpec(policy="streamingllm", budget=1.0, sink_tokens=2, window=4)
     recipe = dataclasses.replace(uncompressed_recipe("model"), name="keep-all", eviction=spec)
     _same_tokens_as_transformers(models[family], recipe, batch=2)
@@ -287,6 +260,39 @@ def test_4bit_logits_stay_within_tolerance(family, models):
     for bits in (8, 4):
         cache = CompressedRuntime.from_recipe(model, quant_recipe(bits)).new_cache()
         errors[bits] = ((_next_token_logits(model, cache, ids) - exact).norm() / exact.norm()).item()
-        assert all(layer.body_blocks() == 3 for layer in cache.layers)  # 99 tokens -> 3 quantized blocks of 32
+        assert all((layer.store.body_len == 3).all() for layer in cache.layers)  # 99 tokens -> 3 quantized blocks of 32
     assert errors[8] < 0.02 and errors[4] < 0.2, errors
     assert errors[4] > 4 * errors[8] > 0, errors  # compression is active and bits matter
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_attention_profiling_keeps_softcap_and_sinks(family, models):
+    """Profiling runs the model unchanged (soft-capping, sink logits) and sees the probabilities the model uses."""
+    from kvtool.attention_profile import AttentionProfiler
+    from kvtool.models.attention_hook import attention_handler, install
+
+    model = models[family]
+    ids, _ = tiny_tokenizer_free_inputs(batch=2, seq=40)
+    model.set_attn_implementation("eager")
+    weights = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, i=i: weights.__setitem__(i, out[1]))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            reference = model(input_ids=ids, use_cache=False, output_attentions=True).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    geometry = adapter_for(model).geometry
+    profiler = AttentionProfiler(geometry.num_layers, geometry.num_kv_heads, EvictionSpec(policy="fastgen"))
+    seen = {}
+    profiler.observe_probabilities = lambda layer, probs, positions, acc: seen.setdefault(layer, []).append(probs) or acc
+    install(model)
+    profiler.begin_batch(torch.zeros(2, 40, dtype=torch.bool), torch.zeros(2, 40, dtype=torch.bool))
+    with torch.no_grad(), attention_handler(profiler):
+        profiled = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(profiled, reference, rtol=1e-4, atol=1e-4)
+    for layer, probs in seen.items():
+        b, h, g, _, t = probs[0].shape
+        observed = torch.cat(probs, dim=3).reshape(b, h * g, t, t)  # (B, H_q, T, T)
+        torch.testing.assert_close(observed, weights[layer].float(), rtol=1e-4, atol=1e-5)

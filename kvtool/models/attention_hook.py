@@ -12,7 +12,11 @@ dispatches, in this order, to:
    attention probabilities); the model's extra arguments (``softcap``, ``s_aux`` sinks,
    ``sliding_window``) are passed on;
 2. a *handler* set with `attention_handler` (profiling: attention statistics per head);
-3. PyTorch SDPA, exactly what the model would run without kvtool.
+   it also gets ``softcap=`` / ``s_aux=`` for the calls that carry them;
+3. PyTorch SDPA, exactly what the model would run without kvtool; calls that carry
+   ``softcap`` (Gemma 2) or ``s_aux`` sinks (GPT-OSS), which SDPA cannot do, go to the
+   family's own eager attention (a model switched to kvtool attention and then run with
+   another cache, e.g. transformers' DynamicCache, still computes what it would without kvtool).
 
 Shapes as transformers passes them: query (B, H_q, t, D) after RoPE, key/value
 (B, H_kv, T, D), attention_mask None or bool (B, 1, t, T) with True = may attend.
@@ -72,7 +76,8 @@ def kvtool_attention(module, query, key, value, attention_mask, scaling=None, dr
         return owner.attend(module, query, key, value, attention_mask, scaling, **kwargs), None
     handler = getattr(_state, "handler", None)
     if handler is not None:
-        return handler(module, query, key, value, attention_mask, scaling), None
+        extra = {name: kwargs[name] for name in ("softcap", "s_aux") if kwargs.get(name) is not None}
+        return handler(module, query, key, value, attention_mask, scaling, **extra), None  # extras only where the model has them
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:  # SDPA has neither: the model's own eager path
         return eager_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -81,10 +86,11 @@ def kvtool_attention(module, query, key, value, attention_mask, scaling=None, dr
 def eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """The model family's own ``eager_attention_forward``, fed an additive float mask.
 
-    The fallback (3.) for calls that carry ``softcap`` (Gemma 2) or ``s_aux`` sink logits
-    (GPT-OSS): SDPA can do neither (it refuses softcap and would drop the sinks).
+    The fallback (3.) for calls without an owner that carry ``softcap`` (Gemma 2) or ``s_aux``
+    sink logits (GPT-OSS): SDPA can do neither (it refuses softcap and would drop the sinks).
+    kvtool's own cache never comes here: its attention applies both (`kvtool.runtime.layer`).
 
-    attention_mask: None, bool (B, 1, t, T) with True = may attend (kvtool's mask), or already additive.
+    attention_mask: None (causal), bool (B, 1, t, T) with True = may attend (kvtool's mask), or already additive.
     Returns (output (B, t, H_q, D), weights) as transformers' attention functions do.
     """
     import sys
@@ -92,6 +98,9 @@ def eager_attention(module, query, key, value, attention_mask, scaling, dropout=
     from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
 
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", llama_eager)
+    t, total = query.shape[2], key.shape[2]
+    if attention_mask is None and t > 1:  # the SDPA mask builder skips causal masks SDPA does itself (is_causal)
+        attention_mask = torch.ones(t, total, dtype=torch.bool, device=query.device).tril(total - t)[None, None]
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         blocked = torch.finfo(query.dtype).min
         attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, blocked)

@@ -99,7 +99,7 @@ class CompressedRuntime:
         profile = self.profile or {}
         context = CacheContext(
             probes=self.probes,
-            rope=RopeTable(self.adapter.rotary_emb),
+            rope=RopeTable.from_adapter(self.adapter),
             sliding_windows=tuple(self.adapter.geometry.sliding_windows),
             policy=policy,
             budget=budget,

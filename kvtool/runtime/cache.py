@@ -170,9 +170,10 @@ class KvtoolCache(Cache):
 
     def constant_roots(self) -> list:
         """Per-model objects the cache reads but does not own: plans (fitted tensors), the runtime's
-        formats (codebooks, bases), the policy (profile), FastGen token ids."""
+        formats (codebooks, bases), the policy (profile), FastGen token ids, each layer's RoPE frequencies."""
         context = self.context
-        return [self.plans, context.shared_formats, context.policy, context.budget, context.special_ids, context.punct_ids]
+        return [self.plans, context.shared_formats, context.policy, context.budget, context.special_ids, context.punct_ids,
+                context.rope]
 
     def constant_nbytes(self) -> int:
         """Bytes of the per-model tensors the cache reads (shared by every cache of a runtime)."""

@@ -32,7 +32,7 @@ from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlotTable, choose
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend, attend_scored, chunk_tokens
-from kvtool.runtime.positions import SequencePositions, rotate
+from kvtool.runtime.positions import SequencePositions
 from kvtool.runtime.store import LayerStore, StoreLayout
 
 SPECIAL, PUNCT = 1, 2  # bits of the FastGen token-class byte
@@ -293,8 +293,8 @@ class KvtoolLayer(CacheLayerMixin):
             pos = context.body_positions(self, c0, c1, ids) if (needs_pos or pre_rope) else None
             to_attention = None
             if pre_rope:
-                cos, sin = context.rope.cos_sin(pos)  # (S, T, R)
-                to_attention = lambda keys, cos=cos, sin=sin: rotate(keys, cos, sin)  # noqa: E731
+                cos, sin = context.rope.cos_sin(self.index, pos)  # (S, T, R)
+                to_attention = lambda keys, cos=cos, sin=sin: context.rope.rotate(self.index, keys, cos, sin)  # noqa: E731
             yield Chunk(
                 scores=lambda q, kb=kb, fn=to_attention: self.key_format.chunk_scores(q, kb, self.group_of_stream, fn),
                 values=lambda p, vb=vb: self.value_format.chunk_values(p, vb, self.group_of_stream),
@@ -445,8 +445,8 @@ class KvtoolLayer(CacheLayerMixin):
         group = self.group_of_stream[rows]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # (N, g, bs, D)
         if self.plan.recipe.keys.pre_rope:
-            cos, sin = self.context.rope.cos_sin(positions)  # (N, bs, R)
-            k = rotate(k.float(), cos, sin, inverse=True)
+            cos, sin = self.context.rope.cos_sin(self.index, positions)  # (N, bs, R)
+            k = self.context.rope.rotate(self.index, k.float(), cos, sin, inverse=True)
         keys = self.key_format.encode_blocks(k, group)
         values = self.value_format.encode_blocks(v, group)
         return {**{f"k.{n}": x for n, x in keys.items()}, **{f"v.{n}": x for n, x in values.items()}}
@@ -477,7 +477,7 @@ class KvtoolLayer(CacheLayerMixin):
                 values.append(self.value_format._decode_chunk(store.read_body("v", ids), self.group_of_stream))
                 pos.append(self.context.body_positions(self, 0, bn, ids))
                 if self.plan.recipe.keys.pre_rope:
-                    keys[-1] = rotate(keys[-1], *self.context.rope.cos_sin(pos[-1]))
+                    keys[-1] = self.context.rope.rotate(self.index, keys[-1], *self.context.rope.cos_sin(self.index, pos[-1]))
         keys, values, pos = torch.cat(keys, 2), torch.cat(values, 2), torch.cat(pos, 1)
         total = torch.from_numpy(store.tokens()).to(self.device)
         j = torch.arange(int(total.max()) if s else 0, device=self.device)[None]

@@ -4,9 +4,9 @@
   saw (left padding and custom positions make them differ from slot numbers) and the input
   ids (FastGen keeps special and punctuation tokens). A hook on the model's forward drops
   both when the forward ends, so nothing pins the caller's tensors between calls.
-* `RopeTable`: cos/sin for any positions straight from the rotary module's ``inv_freq``
-  and ``attention_scaling`` (what its forward computes), without calling the module, so
-  the cache's own rotations never overwrite the recorded positions.
+* `RopeTable`: each layer's RoPE (`kvtool.models.rope.RopeSpec`, read by the adapter):
+  cos/sin for any positions from the frequencies and ``attention_scaling`` without calling
+  the rotary module, so the cache's own rotations never overwrite the recorded positions.
 * `SequencePositions`: the positions of the real tokens of each sequence, shared by all
   layers of a cache that does not evict (keys stored before RoPE are re-rotated at them).
 """
@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import torch
+
+from kvtool.models.rope import RopeSpec, apply_rope, unapply_rope
 
 
 class ForwardProbes:
@@ -44,31 +46,29 @@ class ForwardProbes:
 
 
 class RopeTable:
-    """cos, sin (..., T, R) for positions (..., T), as the model's rotary module computes them."""
+    """Each layer's RoPE, as the model applies it: the adapter's `layer_spec(i).rope` (`RopeSpec`).
 
-    def __init__(self, rotary_module: torch.nn.Module) -> None:
-        self.module = rotary_module
+    Layers may differ (Gemma 3: base 10k on sliding layers, 1M on global ones) and so may the
+    layout (Cohere rotates interleaved pairs); partial rotary leaves the last D - R dims alone.
+    cos/sin come from the frequencies and attention scaling, never from a call of the rotary
+    module, so the recorded positions stay those of the model's forward.
+    """
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.module.inv_freq.float()  # (R/2,), current (dynamic RoPE types update it in forward)
-        scaling = float(getattr(self.module, "attention_scaling", 1.0))
-        freqs = positions.to(inv_freq.device).float()[..., None] * inv_freq  # (..., T, R/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (..., T, R)
-        return emb.cos() * scaling, emb.sin() * scaling
+    def __init__(self, ropes) -> None:
+        self.ropes: tuple[RopeSpec, ...] = tuple(ropes)  # one per decoder layer
 
+    @classmethod
+    def from_adapter(cls, adapter) -> "RopeTable":
+        return cls(adapter.layer_spec(i).rope for i in range(adapter.geometry.num_layers))
 
-def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """RoPE (or its inverse) of keys (S, g, T, D) float32 with cos/sin (S, T, R), R <= D (rotate-half layout)."""
-    rotary = cos.shape[-1]
-    cos, sin = cos[:, None], sin[:, None]  # (S, 1, T, R)
-    x, rest = keys[..., :rotary], keys[..., rotary:]
-    half = rotary // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    if inverse:  # exact inverse, scaling included (cos^2 + sin^2 = scaling^2)
-        out = (x * cos - rotated_half * sin) / (cos * cos + sin * sin)
-    else:
-        out = x * cos + rotated_half * sin
-    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+    def cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (..., T, R) float32 of layer ``layer`` for positions (..., T)."""
+        return self.ropes[layer].cos_sin(positions)
+
+    def rotate(self, layer: int, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """RoPE (or its exact inverse, scaling included) of keys (S, g, T, D) float32 with cos/sin (S, T, R)."""
+        interleaved = self.ropes[layer].interleaved
+        return unapply_rope(keys, cos, sin, interleaved) if inverse else apply_rope(keys, cos, sin, interleaved)
 
 
 class SequencePositions:

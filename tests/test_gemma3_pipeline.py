@@ -1,0 +1,117 @@
+"""Gemma 3 270M through the whole pipeline, and quality floors that fail if a method breaks on it.
+
+Gemma 3 is what the generic adapter has to get right at once: 15 sliding-window (512) layers
+with RoPE base 10k and 3 global layers with base 1M, MQA (one KV head), head_dim 256, q/k
+norms before RoPE. Kept small for CI (one 600-token window of held-out WikiText-2 test,
+decode mode after a 544-token prefill, so every decoded token's sliding layers see only
+their last 512 tokens).
+
+* the API end to end: `profile` -> `calibrate` (KVQuant 4-bit: Fisher-weighted nuq codebooks
+  on pre-RoPE keys, which must be un-rotated with each layer's own RoPE) -> `export` with the
+  profile -> `generate` and `evaluate_perplexity` from the artifact;
+* perplexity-delta floors per recipe family (uniform 4-/2-bit, KVQuant 4-bit, H2O at 50%
+  kept): each must stay under its ceiling AND differ from the uncompressed run (compression
+  on), and the bytes held must drop as the recipe promises.
+
+The ceilings are provisional: set from the issue's targets with margin (4-bit within 3%,
+2-bit within 25%, H2O at half the cache within 15%), not yet from a measured run on
+this model; a broken method (a wrong RoPE base, a dropped window) makes perplexity explode
+far past them. Tighten them once `benchmarks/` has measured Gemma 3.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvtool import api
+from kvtool.api import calibrate_loaded
+from kvtool.artifact import Artifact
+from kvtool.data import DataSpec, token_windows
+from kvtool.eval.perplexity import perplexity
+from kvtool.recipe import Recipe, load_recipe
+from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+from tests.conftest import shared_path, test_model_path
+
+pytestmark = pytest.mark.slow
+CALIB = "data/text/wikitext2_valid.txt[0:0.9]"
+EVAL = "data/text/wikitext2_test.txt"
+SEQ_LEN, PREFILL = 600, 544
+
+
+def small_calibration(recipe: Recipe, samples: int = 2, seq_len: int = 128) -> Recipe:
+    return dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=samples, seq_len=seq_len))
+
+
+@pytest.fixture(scope="module")
+def windows(gemma3):
+    _, tokenizer = gemma3
+    return token_windows(tokenizer, DataSpec.parse(str(shared_path(EVAL))), samples=1, seq_len=SEQ_LEN, mode="sequential")
+
+
+def score(gemma3, windows, new_cache):
+    model, _ = gemma3
+    return perplexity(model, windows, new_cache, prefill=PREFILL, batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def baseline(gemma3, windows):
+    model, _ = gemma3
+    return score(gemma3, windows, CompressedRuntime.from_recipe(model, uncompressed_recipe()).new_cache)
+
+
+@pytest.fixture(scope="module")
+def kvquant4(gemma3) -> Artifact:
+    model, tokenizer = gemma3
+    return calibrate_loaded(model, tokenizer, str(shared_path(CALIB)), small_calibration(load_recipe("kvquant-4bit-1pct")))
+
+
+def test_profile_calibrate_export_generate_evaluate_through_the_api(tmp_path, kvquant4):
+    model_dir = str(test_model_path("gemma3-270m"))
+    calib = str(shared_path(CALIB))
+    prof = api.profile(calib, tmp_path / "profile.kvt", model_dir, samples=2, seq_len=128, batch_size=2)
+    heads = prof.tensors["heads.policy"]
+    assert tuple(heads.shape) == (18, 1)  # (layers, KV heads): MQA
+    from kvtool.artifact import save_artifact
+
+    save_artifact(tmp_path / "calib.kvt", kvquant4)
+    api.export(tmp_path / "calib.kvt", tmp_path / "deploy.kvt", model_dir, tmp_path / "profile.kvt")
+    result = api.generate(["The capital of France is", "Water boils at"], model_dir, tmp_path / "deploy.kvt", max_new_tokens=6)
+    assert len(result.texts) == 2 and all(text.strip() for text in result.texts)
+    assert result.memory["bits_per_element"] < 8
+    report = api.evaluate_perplexity(
+        str(shared_path(EVAL)), model_dir, tmp_path / "deploy.kvt", samples=1, seq_len=160, prefill=128, batch_size=1
+    )
+    assert 0 < report["delta_pct"] < 5, report
+    assert report["bits_per_element"] < 8, report
+
+
+def test_baseline_perplexity_is_that_of_a_working_model(baseline):
+    assert baseline.ppl < 60, baseline.ppl  # a wrong window or RoPE base gives hundreds
+
+
+def _uniform(bits: int) -> Recipe:
+    recipe = Recipe(name=f"uniform-{bits}").with_bits(bits)
+    return dataclasses.replace(recipe, values=dataclasses.replace(recipe.values, group_size=64))
+
+
+@pytest.mark.parametrize(
+    "name, ceiling, max_bytes",
+    [("uniform-4", 0.03, 0.40), ("uniform-2", 0.25, 0.30), ("kvquant-4", 0.03, 0.45), ("h2o-50", 0.15, 0.60)],
+)
+def test_perplexity_floor_per_recipe_family(gemma3, windows, baseline, kvquant4, name, ceiling, max_bytes):
+    model, _ = gemma3
+    if name.startswith("uniform"):
+        runtime = CompressedRuntime.from_recipe(model, _uniform(int(name[-1])))
+    elif name == "kvquant-4":
+        runtime = CompressedRuntime.from_artifact(model, kvquant4)
+    else:
+        runtime = CompressedRuntime.from_recipe(model, load_recipe("h2o"))
+    result = score(gemma3, windows, runtime.new_cache)
+    delta = result.ppl / baseline.ppl - 1
+    print(f"gemma3 {name}: ppl {result.ppl:.3f} vs {baseline.ppl:.3f} ({100 * delta:+.2f}%), "
+          f"bytes {result.cache_bytes / result.fp16_cache_bytes:.3f} of a 16-bit cache")
+    assert delta < ceiling, (name, result.ppl, baseline.ppl)
+    assert result.ppl != baseline.ppl  # compression is on
+    assert result.cache_bytes < max_bytes * result.fp16_cache_bytes, (result.cache_bytes, result.fp16_cache_bytes)
+    assert torch.isfinite(torch.tensor(result.ppl))
