@@ -92,14 +92,29 @@ def method_recipes(calib_samples: int) -> list[Recipe]:
     return out
 
 
-def bench_methods(names: list[str], samples: int, seq_len: int, calib_samples: int, out: Path, console: Console) -> None:
+class MethodsBench(Bench):
+    """`Bench` scoring the last ``decode`` tokens of each window one token per step (the rest is prefilled)."""
+
+    def __init__(self, name: str, samples: int, seq_len: int, decode: int, chunk: int = 1) -> None:
+        self.decode, self.chunk = decode, chunk
+        super().__init__(name, samples, seq_len)
+
+    def _perplexity(self, runtime):
+        prefill = self.seq_len - self.decode if self.decode else self.seq_len // 2
+        return perplexity(self.model, self.windows, runtime.new_cache, prefill=prefill, chunk=self.chunk)
+
+
+def bench_methods(names: list[str], samples: int, seq_len: int, decode: int, calib_samples: int, out: Path, console: Console,
+                  only: list[str] | None = None, chunk: int = 1) -> None:
     rows = []
     for name in names:
-        bench = Bench(name, samples, seq_len)
+        bench = MethodsBench(name, samples, seq_len, decode, chunk)
         rows.append({"model": name, "recipe": "uncompressed", "ppl": bench.baseline.ppl, "delta_pct": 0.0,
                      "bits_per_element": bench.baseline.bits_per_element, "bytes_per_token": bench.baseline.bytes_per_token,
                      "decode_tokens_per_s": bench.baseline.decode_tokens_per_s})
         for recipe in method_recipes(calib_samples):
+            if only and recipe.name not in only:
+                continue
             rows.append(bench.score(recipe))
             console.log(f"{name} {recipe.name}: {rows[-1]['delta_pct']:+.2f}% ({rows[-1]['seconds']:.0f} s)")
     print_and_save(rows, "Every quantization method through the runtime (decode 1 token per step)", out, console)
@@ -115,6 +130,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=("bits", "methods"), default="bits")
     parser.add_argument("--calib-samples", type=int, default=8, help="methods suite: calibration windows of 512 tokens")
+    parser.add_argument("--chunk", type=int, default=1,
+                        help="methods suite: tokens per decoding forward (>1 is faster but approximate: a chunk's tokens see each other uncompressed)")
+    parser.add_argument("--recipes", nargs="+", default=None, help="methods suite: only these recipe names")
+    parser.add_argument("--decode", type=int, default=0, help="methods suite: tokens decoded one by one per window (0 = half)")
     parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS) + list(PRETRAINED))
     parser.add_argument("--samples", type=int, default=4, help="evaluation windows per model")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per window (half prefill, half decoded)")
@@ -123,7 +142,7 @@ def main() -> None:
     console = Console()
     if args.suite == "methods":
         out = args.out if args.out != parser.get_default("out") else Path("benchmarks/results/quant_methods.json")
-        bench_methods(args.models or ["smollm2-135m"], args.samples, args.seq_len, args.calib_samples, out, console)
+        bench_methods(args.models or ["smollm2-135m"], args.samples, args.seq_len, args.decode, args.calib_samples, out, console, args.recipes, args.chunk)
         return
     args.models = args.models or list(MODELS)
     rows = [row for name in args.models for row in bench_model(name, args.samples, args.seq_len, console)]

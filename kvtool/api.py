@@ -28,6 +28,7 @@ from kvtool.calibration import (
     fits_reservoir,
     needs_fisher,
     needs_fit,
+    range_parts,
     uses_palu,
 )
 from kvtool.data import DataSpec, check_source, token_windows
@@ -286,7 +287,9 @@ def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: 
     # sink tokens stay in float in the cache: fitting on them (huge keys, huge gradients) would skew codebooks and ranks
     skip = recipe.cache.sink_tokens
     reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip)
-    ranges = RangeStats(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip) if fits_ranges(recipe) else None
+    ranges = None
+    if fits_ranges(recipe):
+        ranges = RangeStats(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip, parts=range_parts(recipe))
     moments = InputSecondMoments(adapter) if uses_palu(recipe) else nullcontext()
     plain = [ranges] if ranges is not None else []  # observers fed by a plain forward pass
     with moments:

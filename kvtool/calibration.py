@@ -55,6 +55,19 @@ def fits_reservoir(recipe: Recipe) -> bool:
     )
 
 
+PARTS = ("keys_pre_rope", "keys", "values")
+
+
+def range_parts(recipe: Recipe) -> tuple[str, ...]:
+    """The `RangeStats` parts a recipe's range-fitted quantizers read."""
+    out = []
+    for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
+        cls = quantizer_class(spec.method)
+        if cls.fit_source == "ranges" and cls.requires_fit(spec):
+            out.append("values" if part == "values" else ("keys_pre_rope" if spec.pre_rope else "keys"))
+    return tuple(out)
+
+
 class RangeStats:
     """Observer: per layer and KV head, every channel's min / max over all tokens, and a random sample of rows.
 
@@ -63,10 +76,9 @@ class RangeStats:
     most ``max_tokens`` rows per layer and part (uniform: random tags, smallest kept).
     """
 
-    PARTS = ("keys_pre_rope", "keys", "values")
-
-    def __init__(self, max_tokens: int = 4096, seed: int = 0, skip_first: int = 0) -> None:
+    def __init__(self, max_tokens: int = 4096, seed: int = 0, skip_first: int = 0, parts: tuple[str, ...] = PARTS) -> None:
         self.max_tokens, self.skip_first = max_tokens, skip_first
+        self.parts = tuple(parts)  # the parts kept (the others are not reduced at all)
         self.generator = torch.Generator().manual_seed(seed)
         self.lo: dict[tuple[int, str], torch.Tensor] = {}
         self.hi: dict[tuple[int, str], torch.Tensor] = {}
@@ -74,15 +86,16 @@ class RangeStats:
         self.tags: dict[int, torch.Tensor] = {}
 
     def observe(self, layer, keys_pre_rope, keys, values) -> None:
-        parts = [x[:, :, self.skip_first :].float() for x in (keys_pre_rope, keys, values)]  # (B, H, T', D)
-        if parts[0].shape[2] == 0:
+        given = dict(zip(PARTS, (keys_pre_rope, keys, values)))
+        parts = [given[name][:, :, self.skip_first :].float() for name in self.parts]  # (B, H, T', D)
+        if not parts or parts[0].shape[2] == 0:
             return
         rows = [x.permute(0, 2, 1, 3).reshape(-1, *x.shape[1:2], x.shape[-1]).cpu() for x in parts]  # (B*T', H, D)
         new_tags = torch.rand(rows[0].shape[0], generator=self.generator)
         tags = torch.cat([self.tags.get(layer, torch.empty(0)), new_tags])
         keep = tags.topk(min(self.max_tokens, tags.numel()), largest=False).indices
         self.tags[layer] = tags[keep]
-        for part, x, r in zip(self.PARTS, parts, rows):
+        for part, x, r in zip(self.parts, parts, rows):
             key = (layer, part)
             lo, hi = x.amin(dim=(0, 2)).cpu(), x.amax(dim=(0, 2)).cpu()  # (H, D)
             self.lo[key] = torch.minimum(self.lo[key], lo) if key in self.lo else lo
