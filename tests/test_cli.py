@@ -818,3 +818,32 @@ def test_end_to_end_on_stories260k(tmp_path):
     assert data["cache_bytes"] < data["baseline_cache_bytes"]
     assert data["backend"] == "torch" and data["reserved_cache_bytes"] >= data["cache_bytes"]
     assert data["bits_per_element"] < 16
+
+
+# --- an unreachable hub id fails at once -----------------------------------------------------------
+
+
+def test_unreachable_hub_id_is_one_line_before_anything_loads(rec, monkeypatch):
+    import socket
+
+    import huggingface_hub
+
+    def unreachable(*args, **kwargs):
+        raise socket.gaierror("no network")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    rec.patch("generate", raises=AssertionError("the API was called before --model was checked"))
+    result = invoke("generate", "--prompt", "hi", "-m", "someone/some-model")
+    assert_friendly_error(result, "someone/some-model", "cannot be reached", "local directory")
+
+
+def test_cached_hub_id_and_local_folders_pass_the_check(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from kvtool.hub import check_model_option
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: "/cache/config.json")
+    check_model_option("someone/some-model")  # cached: transformers reads it offline
+    check_model_option(str(tmp_path))
+    check_model_option(None)

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvtool.errors import ModelError
 from kvtool.models.adapter import ADAPTERS, adapter_for
+from kvtool.hub import check_hub_reachable
 from kvtool.quiet import quiet_progress_bars
 
 DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "default_model"
@@ -33,6 +34,7 @@ def resolve_model_path(model: str | None) -> str:
         raise ModelError(f"model path '{model}' is a file; pass the directory holding config.json and weights")
     if _looks_like_path(model):
         raise ModelError(f"model directory '{model}' does not exist; {_LOAD_HINT}")
+    check_hub_reachable(model)
     return model  # a hub id, e.g. "meta-llama/Llama-3.2-1B"
 
 
