@@ -114,6 +114,13 @@ def _data(data: str, text_column: str):
     return spec
 
 
+def _check_model(model: Optional[str]) -> None:
+    """Refuse an unreachable, uncached hub id in about a second, before torch or a model loads."""
+    from kvtool.hub import check_model_option
+
+    check_model_option(model)
+
+
 def _check_recipe(recipe: Optional[str]) -> None:
     """Refuse a bad --recipe before torch or a model loads (the API loads it again; YAML parsing is instant)."""
     if recipe is not None:
@@ -163,6 +170,7 @@ def profile(
     """Per-layer, per-KV-head K/V statistics and FastGen attention policies on calibration text."""
     spec = _data(data, text_column)
     _check_recipe(recipe)
+    _check_model(model)
     from kvtool import api
     from kvtool.attention_profile import policy_map
     from kvtool.cli_render import render_profile
@@ -216,6 +224,7 @@ def calibrate(
     """Fit and measure the recipe's quantizers on calibration text."""
     spec = _data(data, text_column)
     _check_recipe(recipe)
+    _check_model(model)
     from kvtool import api
     from kvtool.cli_render import render_calibration
 
@@ -273,6 +282,8 @@ def generate(
     backend: BackendOpt = "auto",
 ):
     """Generate with the compressed cache; ends with cache bytes vs the 16-bit cache and tokens/s."""
+    _check_recipe(recipe)
+    _check_model(model)
     from kvtool import api
     from kvtool.cli_render import render_generation, read_prompts
 
@@ -324,6 +335,7 @@ def eval_ppl(
     """Perplexity through the real runtime: prefill into the cache, then score while decoding."""
     spec = _data(data, text_column)
     _check_recipe(recipe)
+    _check_model(model)
     _check_json_path(json_out)
     from kvtool import api
     from kvtool.cli_render import render_perplexity
@@ -364,6 +376,7 @@ def eval_retrieval(
     """Retrieval through the real runtime: a fact at depth d of an n-token context, asked at the end; exact-match accuracy."""
     spec = None if data is None else _data(data, text_column)
     _check_recipe(recipe)
+    _check_model(model)
     _check_json_path(json_out)
     from kvtool import api
     from kvtool.cli_render import render_retrieval
@@ -444,6 +457,7 @@ def run(
     """The whole pipeline: profile, calibrate, export, perplexity with and without compression, a sample."""
     _data(data, "text")  # bad data or recipe: one error line before torch or a model loads
     _check_recipe(recipe)
+    _check_model(model)
     from kvtool.cli_render import render_summary
     from kvtool.pipeline import run_pipeline
 

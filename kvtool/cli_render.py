@@ -250,7 +250,8 @@ def render_summary(console: Console, summary: dict) -> None:
     ppl = summary["perplexity"]
     bits = summary["expected_bits_per_element"]
     baseline = ppl.get("baseline", "16-bit cache")
-    table = Table(title=f"kvtool run: {summary['recipe']['name']}")
+    backend = f" ({ppl['backend']} backend)" if ppl.get("backend") else ""
+    table = Table(title=f"kvtool run: {summary['recipe']['name']}{backend}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     rows = [

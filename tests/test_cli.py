@@ -39,6 +39,7 @@ from kvtool.errors import (
     RecipeError,
     RuntimeConfigError,
 )
+from kvtool.hub import check_hub_reachable as REAL_HUB_CHECK
 from tests.conftest import shared_path
 
 
@@ -67,6 +68,9 @@ def _datasets_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _data_files(tmp_path, monkeypatch):
     """Run every test in a folder holding the small text files the fakes name (the CLI checks --data first)."""
+    import kvtool.hub
+
+    monkeypatch.setattr(kvtool.hub, "check_hub_reachable", lambda model_id: None)  # fake ids such as 'm' pass
     monkeypatch.chdir(tmp_path)
     for name in ("f.txt", "file.txt", "book.jsonl"):
         (tmp_path / name).write_text("Some text to read.\n")
@@ -693,6 +697,12 @@ def test_eval_seq_len_beyond_context(tmp_path):
     assert_friendly_error(result, "4096", "context limit of 2048")
 
 
+def test_generate_beyond_context_names_its_own_options():
+    result = invoke("generate", "--prompt", "Once upon a time", "-m", stories(), "-n", 600)
+    assert_friendly_error(result, "--max-new-tokens 600", "context limit of 512")
+    assert "--seq-len" not in result.stderr
+
+
 @pytest.mark.parametrize("spec, needle", [("f.txt[0.5:0.2]", "invalid"), ("f.txt[a:1]", "not a number"),
                                          ("f.txt[abc]", "slice in 'f.txt[abc]' is malformed"),
                                          ("f.txt[0.9:1", "malformed")])
@@ -828,3 +838,35 @@ def test_end_to_end_on_stories260k(tmp_path):
     assert data["cache_bytes"] < data["baseline_cache_bytes"]
     assert data["backend"] == "torch" and data["reserved_cache_bytes"] >= data["cache_bytes"]
     assert data["bits_per_element"] < 16
+
+
+# --- an unreachable hub id fails at once -----------------------------------------------------------
+
+
+def test_unreachable_hub_id_is_one_line_before_anything_loads(rec, monkeypatch):
+    import socket
+
+    import kvtool.hub
+
+    import huggingface_hub
+
+    def unreachable(*args, **kwargs):
+        raise socket.gaierror("no network")
+
+    monkeypatch.setattr(kvtool.hub, "check_hub_reachable", REAL_HUB_CHECK)  # undo the autouse stub
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    rec.patch("generate", raises=AssertionError("the API was called before --model was checked"))
+    result = invoke("generate", "--prompt", "hi", "-m", "someone/some-model")
+    assert_friendly_error(result, "someone/some-model", "cannot be reached", "local directory")
+
+
+def test_cached_hub_id_and_local_folders_pass_the_check(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from kvtool.hub import check_model_option
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: "/cache/config.json")
+    check_model_option("someone/some-model")  # cached: transformers reads it offline
+    check_model_option(str(tmp_path))
+    check_model_option(None)

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvtool.errors import ModelError
+from kvtool.hub import check_hub_reachable
 from kvtool.models.adapter import TESTED_FAMILIES, adapter_for, refusal_reason
 from kvtool.quiet import quiet_progress_bars
 
@@ -41,6 +42,7 @@ def resolve_model_path(model: str | None) -> str:
         )
     if _looks_like_path(model):
         raise ModelError(f"model directory '{model}' does not exist; {_LOAD_HINT}")
+    check_hub_reachable(model)
     return model  # a hub id, e.g. "meta-llama/Llama-3.2-1B"
 
 
