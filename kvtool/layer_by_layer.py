@@ -38,7 +38,7 @@ import torch
 
 from kvtool.calibration import QuantErrorStats, fit_layers, fits_ranges, needs_fisher, needs_fit, palu_entry, uses_palu
 from kvtool.calibration_checkpoint import CheckpointStore, MemoryStore
-from kvtool.capture import CaptureCache, InputSecondMoments, Progress, no_progress, window_rope
+from kvtool.capture import CaptureCache, InputSecondMoments, Progress, WindowRope, no_progress, window_rope
 from kvtool.models.layer_stack import LayerCall, head_loss_gradient, record_layer_calls, run_layer
 from kvtool.models.offload import execution_device, fingerprint, onloaded
 from kvtool.errors import RecipeError
@@ -74,8 +74,7 @@ class LayerByLayerResult:
 class _Batch:
     ids: torch.Tensor  # (b, T)
     call: LayerCall
-    cos: torch.Tensor  # (b, T, R)
-    sin: torch.Tensor
+    rope: WindowRope  # each layer's RoPE for the batch's positions
 
 
 class _AsLayerZero:
@@ -200,9 +199,9 @@ class _Run:
             out = []
             for ids in self.windows.split(size):
                 ids = ids.to(self.device)  # (b, T)
-                cos, sin = window_rope(self.adapter, ids)  # (b, T, R)
-                call = record_layer_calls(self.model, self.layers, ids, CaptureCache(self.adapter, [], cos, sin))
-                out.append(_Batch(ids, call, cos, sin))
+                rope = window_rope(self.adapter, ids)  # each layer's RoPE tables for (b, T)
+                call = record_layer_calls(self.model, self.layers, ids, CaptureCache(self.adapter, [], rope))
+                out.append(_Batch(ids, call, rope))
             self._batches[size] = out
         return self._batches[size]
 
@@ -219,9 +218,9 @@ class _Run:
         outputs = []
         for batch, h in zip(self.batches(size), hidden.split(size)):
             if gradient_cache:  # K/V re-rotated as in the Fisher pass, so later layers see what they saw there
-                cache = GradientCaptureCache(self.adapter, batch.cos, batch.sin)
+                cache = GradientCaptureCache(self.adapter, batch.rope)
             else:
-                cache = CaptureCache(self.adapter, observers, batch.cos, batch.sin)
+                cache = CaptureCache(self.adapter, observers, batch.rope)
             with torch.no_grad():
                 outputs.append(run_layer(module, h.to(device), batch.call.kwargs[layer], cache).cpu())
         return torch.cat(outputs)
@@ -255,7 +254,7 @@ class _Run:
         last = self._inputs(self.num_layers, 1)
         grads = []
         for batch, h in zip(self.batches(1), last.split(1)):
-            cache = CaptureCache(self.adapter, [], batch.cos, batch.sin)
+            cache = CaptureCache(self.adapter, [], batch.rope)
             grads.append(head_loss_gradient(self.model, self.layers, batch.ids, h.to(self.device), cache, next_token_loss).cpu())
         self.store.save(f"grad.{self.num_layers}", {"grad": torch.cat(grads)})
         self.store.delete(f"hidden.{self.num_layers}")
@@ -324,7 +323,7 @@ class _Run:
         outgoing = []
         for batch, h, g in zip(self.batches(1), hidden.split(1), incoming.split(1)):
             x = h.to(device, copy=True).requires_grad_(layer > 0)  # (1, T, d_model)
-            cache = GradientCaptureCache(self.adapter, batch.cos, batch.sin)
+            cache = GradientCaptureCache(self.adapter, batch.rope)
             with torch.enable_grad():
                 out = run_layer(module, x, batch.call.kwargs[layer], cache)
                 keys_pre, values = cache.tracked[layer]

@@ -339,12 +339,13 @@ def test_cli_profile_prints_policy_map_and_forwards_options(monkeypatch, tmp_pat
     calls = []
     monkeypatch.setattr(api, "profile", lambda *a, **k: calls.append((a, k)) or fake_attention_profile())
     plot = tmp_path / "map.png"
-    result = runner.invoke(app, ["profile", "-d", "f.txt", "-o", str(tmp_path / "p.safetensors"), "--recipe", "r.yaml",
+    (tmp_path / "f.txt").write_text("some calibration text\n")  # the CLI checks --data before the model loads
+    result = runner.invoke(app, ["profile", "-d", str(tmp_path / "f.txt"), "-o", str(tmp_path / "p.safetensors"), "--recipe", "fastgen-t95",
                                  "--threshold", "0.9", "--local-ratio", "0.2", "--frequent-ratio", "0.1", "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     (_, kwargs), = calls
     assert {k: kwargs[k] for k in ("recipe", "threshold", "local_ratio", "frequent_ratio")} == {
-        "recipe": "r.yaml", "threshold": 0.9, "local_ratio": 0.2, "frequent_ratio": 0.1}
+        "recipe": "fastgen-t95", "threshold": 0.9, "local_ratio": 0.2, "frequent_ratio": 0.1}
     out = squash(result.stdout)
     assert all(squash(s) in out for s in ("FastGen policy per layer x KV head at T = 0.95", "special", "full",
                                            "local", "frequent", "expected cache fraction 0.525"))
@@ -373,7 +374,8 @@ def test_cli_plot_errors_are_friendly(monkeypatch, tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path / "x.safetensors"), "--plot", str(tmp_path / "x.jpg")])
     assert result.exit_code == 2 and ".png" in result.stderr
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    argv = ["profile", "-d", "f.txt", "-o", str(tmp_path / "p.safetensors"), "--plot", str(tmp_path / "m.png")]
+    (tmp_path / "f.txt").write_text("some calibration text\n")
+    argv = ["profile", "-d", str(tmp_path / "f.txt"), "-o", str(tmp_path / "p.safetensors"), "--plot", str(tmp_path / "m.png")]
     result = runner.invoke(app, argv)
     assert result.exit_code == 2 and 'pip install -e ".[plots]"' in result.stderr
 

@@ -286,4 +286,5 @@ def test_resolve_model_path_default(monkeypatch, tmp_path):
         resolve_model_path(None)
     monkeypatch.setenv("KVTOOL_DEFAULT_MODEL", str(tmp_path))
     assert resolve_model_path(None) == str(tmp_path.resolve())
+    monkeypatch.setattr(loading, "check_hub_reachable", lambda model_id: None)  # offline here; tested in test_cli
     assert resolve_model_path("org/name") == "org/name"  # a hub id passes through

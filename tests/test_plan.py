@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from kvtool.calibration import needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.plan import Candidate, default_candidates, pareto_front, plan, predict_cache_bytes
 from kvtool.recipe import load_recipe
@@ -31,7 +32,7 @@ def held_bytes(runtime, context: int, batch: int) -> int:
     return cache.nbytes()
 
 
-UNFITTED = [name for name in default_candidates() if not name.startswith(("kvquant", "palu"))]
+UNFITTED = [name for name in default_candidates() if not needs_fit(load_recipe(name))]
 
 
 @pytest.mark.parametrize("name", UNFITTED)

@@ -27,7 +27,7 @@ from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid, parse_numbers
 from kvtool.eval.retrieval_tasks import CopyTask, PasskeyTask, text_filler
 from kvtool.recipe import EvictionSpec, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
-from tests.conftest import shared_path
+from tests.conftest import SHARED, shared_path
 
 SINKS, WINDOW = 4, 32
 GRID_KEYS = {"n", "depth", "accuracy", "baseline_accuracy", "kept_fraction", "cache_bytes", "baseline_cache_bytes"}
@@ -147,13 +147,15 @@ def test_cli_translates_options(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(api, "evaluate_retrieval", lambda *args, **kwargs: calls.append((args, kwargs)) or fake_report(False))
     out = tmp_path / "r.json"
-    result = CliRunner().invoke(app, ["eval", "retrieval", "-m", "m", "-r", "snapkv", "--data", "t.txt[0.9:1]",
+    (tmp_path / "t.txt").write_text("held-out text\n")  # the CLI checks --data and --model before anything loads
+    model = str(tmp_path)
+    result = CliRunner().invoke(app, ["eval", "retrieval", "-m", model, "-r", "snapkv", "--data", f"{tmp_path / 't.txt'}[0.9:1]",
                                       "--lengths", "64,128", "--depths", "0,0.5", "--seeds", "2", "--facts", "3",
                                       "--no-baseline", "--plot", str(tmp_path / "p.png"), "--json", str(out)])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     (args, kwargs), = calls
-    assert args == ("m", None, "snapkv")
-    assert kwargs["data"] == DataSpec("t.txt", start=0.9, end=1.0)
+    assert args == (model, None, "snapkv")
+    assert kwargs["data"] == DataSpec(str(tmp_path / "t.txt"), start=0.9, end=1.0)
     assert (kwargs["task"], kwargs["lengths"], kwargs["depths"], kwargs["seeds"], kwargs["facts"], kwargs["baseline"]) == \
         ("passkey", (64, 128), (0.0, 0.5), 2, 3, False)
     assert kwargs["plot"] == tmp_path / "p.png"
@@ -162,10 +164,10 @@ def test_cli_translates_options(monkeypatch, tmp_path):
     assert json.loads(out.read_text())["grid"][0]["kept_fraction"] == 0.25
 
 
-def test_cli_question_agnostic_option(monkeypatch):
+def test_cli_question_agnostic_option(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(api, "evaluate_retrieval", lambda *args, **kwargs: calls.append(kwargs) or fake_report(False))
-    result = CliRunner().invoke(app, ["eval", "retrieval", "-m", "m", "-r", "snapkv", "--task", "copy", "--question-agnostic"])
+    result = CliRunner().invoke(app, ["eval", "retrieval", "-m", str(tmp_path), "-r", "snapkv", "--task", "copy", "--question-agnostic"])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     assert calls[0]["question_agnostic"] is True
 
@@ -212,7 +214,7 @@ def test_context_beyond_the_model_limit(copy_model_dir):
 
 @pytest.mark.parametrize("kwargs, error, needle", [
     ({"task": "passkey"}, DataError, "--data"),
-    ({"task": "passkey", "data": "missing.txt"}, ModelError, "--task copy"),  # the folder has no tokenizer
+    ({"task": "passkey", "data": str(SHARED / "data/text/tinystories_val_head.txt")}, ModelError, "--task copy"),  # no tokenizer
     ({"task": "copy", "facts": 2}, RuntimeConfigError, "--facts"),
     ({"task": "needle"}, RuntimeConfigError, "--task"),
 ])
