@@ -17,8 +17,9 @@ the test-suite runs it for every tested family.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from kvtool.capture import _CaptureLayer
 from kvtool.errors import ModelError
 from kvtool.models.adapter import ModelAdapter, adapter_for
 from kvtool.models.attention_hook import eager_attention
@@ -137,30 +138,16 @@ class _recording_attention:
         self.model.set_attn_implementation(self.previous)
 
 
-class _RecordingLayer(CacheLayerMixin):
-    """Keeps the keys/values (B, H_kv, T, D) of one forward, returns them unchanged."""
-
-    is_sliding = False
+class _RecordingLayer(_CaptureLayer):
+    """Keeps the keys/values (B, H_kv, T, D) of one forward, returns them unchanged (a pass-through layer)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(layer=-1, owner=None)
         self.keys = self.values = None
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.keys, self.values = key_states, value_states
         return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class _RecordingCache(Cache):

@@ -22,7 +22,7 @@ import os
 import torch
 
 from kvtool.errors import RuntimeConfigError
-from kvtool.recipe import QuantSpec, Recipe
+from kvtool.recipe import Recipe
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -34,27 +34,31 @@ def triton_available(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def kernel_unsupported(recipe: Recipe) -> str | None:
-    """Why the Triton decode kernel cannot read this recipe's blocks (None when it can)."""
+def kernel_unsupported(recipe: Recipe, quantizers=()) -> str | None:
+    """Why the Triton decode kernel cannot read this recipe's blocks (None when it can).
 
-    def side(spec: QuantSpec, name: str) -> str | None:
-        if spec.method not in ("none", "uniform"):
-            return f"{name} use method '{spec.method}' (the kernel reads float and uniform blocks; nuq and palu are on the torch path)"
+    quantizers: the recipe's (key, value) formats; each says itself whether the kernel reads it
+    (`BlockQuantizer.kernel_format`), so there is one source of truth for what the kernel covers.
+    """
+    for spec, name in ((recipe.keys, "keys"), (recipe.values, "values")):
         if spec.pre_rope:
             return f"{name} are stored before RoPE (the kernel reads keys stored after RoPE)"
-        return None
+    for quantizer, name in zip(quantizers, ("keys", "values")):
+        try:
+            quantizer.kernel_format()
+        except RuntimeConfigError:
+            return f"{name} use method '{quantizer.spec.method}' (the kernel reads float and uniform blocks)"
+    return None
 
-    return side(recipe.keys, "keys") or side(recipe.values, "values")
 
-
-def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None = None) -> str:
+def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None = None, quantizers=()) -> str:
     """The backend a runtime on ``device`` uses for ``requested``; RuntimeConfigError when impossible."""
     if requested not in BACKENDS:
         raise RuntimeConfigError(f"--backend '{requested}' is unknown: use one of {', '.join(BACKENDS)}")
     device = torch.device(device)
     if requested == "torch":
         return "torch"
-    reason = kernel_unsupported(recipe) if recipe is not None else None
+    reason = kernel_unsupported(recipe, quantizers) if recipe is not None else None
     if requested == "triton":
         if not triton_available(device):
             raise RuntimeConfigError(
