@@ -144,16 +144,20 @@ def check_hub_reachable(model_id: str) -> None:
     """Fail in about a second, with one line, for a hub id that is neither cached nor reachable.
 
     Without this check transformers retries the connection for half a minute, printing a
-    warning per retry, before its own error. Cached ids and offline mode (HF_HUB_OFFLINE)
-    pass through: transformers reads them from the cache.
+    warning per retry, before its own error. Cached ids pass through (transformers reads them
+    from the cache); offline mode (HF_HUB_OFFLINE) with an uncached id fails at once.
     """
     import socket
     from urllib.parse import urlparse
 
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(model_id, "config.json"), str):
-        return
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return  # cached: transformers reads it without the network
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(f"model '{model_id}' is not a local folder and not in the hub cache, and HF_HUB_OFFLINE "
+                         "is set: pass a local directory with config.json and weights, or unset HF_HUB_OFFLINE "
+                         "to download it")
     endpoint = urlparse(constants.ENDPOINT)
     host, port = endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)
     try:

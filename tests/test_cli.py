@@ -856,9 +856,23 @@ def test_unreachable_hub_id_is_one_line_before_anything_loads(rec, monkeypatch):
     monkeypatch.setattr(kvtool.hub, "check_hub_reachable", REAL_HUB_CHECK)  # undo the autouse stub
     monkeypatch.setattr(socket, "create_connection", unreachable)
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # CI sets HF_HUB_OFFLINE=1
     rec.patch("generate", raises=AssertionError("the API was called before --model was checked"))
     result = invoke("generate", "--prompt", "hi", "-m", "someone/some-model")
     assert_friendly_error(result, "someone/some-model", "cannot be reached", "local directory")
+
+
+def test_uncached_hub_id_offline_is_one_line_before_anything_loads(rec, monkeypatch):
+    import kvtool.hub
+
+    import huggingface_hub
+
+    monkeypatch.setattr(kvtool.hub, "check_hub_reachable", REAL_HUB_CHECK)  # undo the autouse stub
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    rec.patch("generate", raises=AssertionError("the API was called before --model was checked"))
+    result = invoke("generate", "--prompt", "hi", "-m", "someone/some-model")
+    assert_friendly_error(result, "someone/some-model", "HF_HUB_OFFLINE", "local directory")
 
 
 def test_cached_hub_id_and_local_folders_pass_the_check(monkeypatch, tmp_path):
