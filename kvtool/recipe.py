@@ -265,6 +265,10 @@ class EvictionSpec:
         far; ignored by ``fastgen``, whose per-head policies imply their own sizes).
     budget_tokens: absolute tokens per stream instead of ``budget`` (memory stays flat
         while decoding); null = use ``budget``.
+    interval: tokens a stream may gain past its budget before it is cut back to it: the
+        policy runs once per ``interval`` decode steps, not at every step, and a stream
+        holds at most budget + interval - 1 tokens (16 = one float block; 1 = evict at
+        every step, as the papers describe). Prefill always evicts down to the budget.
     sink_tokens: first tokens of a sequence always kept (attention sinks; FastGen's
         special tokens include them).
     window: most recent tokens always kept (SnapKV's observation window).
@@ -286,6 +290,7 @@ class EvictionSpec:
     policy: str = "none"
     budget: float = 0.5
     budget_tokens: int | None = None
+    interval: int = 16
     sink_tokens: int = 4
     window: int = 32
     pooling: int = 7
@@ -307,6 +312,8 @@ class EvictionSpec:
             self.budget_tokens is None or (_is_int(self.budget_tokens) and self.budget_tokens >= 1),
             f"{p}.budget_tokens", f"{self.budget_tokens} must be a token count >= 1 (or null to use eviction.budget)",
         )
+        _require(_is_int(self.interval) and self.interval >= 1, f"{p}.interval",
+                 f"{self.interval} must be an integer >= 1 (1 = evict at every decode step; 16 = once per float block)")
         _require(_is_int(self.sink_tokens) and self.sink_tokens >= 0, f"{p}.sink_tokens", "must be an integer >= 0")
         _require(_is_int(self.window) and self.window >= 1, f"{p}.window", "must be an integer >= 1")
         _require(_is_int(self.pooling) and self.pooling >= 1 and self.pooling % 2 == 1, f"{p}.pooling",

@@ -38,7 +38,7 @@ def evicting(policy: str, *, bits: int = 16, float_dtype: str = "model", **evict
             values=QuantSpec(method="uniform", bits=bits, axis="token", path="values"),
             cache=CacheSpec(sink_tokens=2, recent_tokens=8, float_dtype=float_dtype),
         )
-    spec = EvictionSpec(policy=policy, **{"sink_tokens": 2, "window": 4, **eviction})
+    spec = EvictionSpec(policy=policy, **{"sink_tokens": 2, "window": 4, "interval": 1, **eviction})  # per-step eviction
     return dataclasses.replace(base, name=f"{policy}-test", eviction=spec)
 
 
@@ -120,6 +120,33 @@ def test_batch_equals_each_sequence_alone(policy, bits):
     assert report["cache_bytes"] == report["expected_cache_bytes"]
     if policy != "fastgen":
         assert 0.4 < report["kept_fraction"] <= 0.55
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streamingllm", "snapkv", "tova"])
+def test_an_eviction_interval_evicts_once_per_interval_and_keeps_batches_exact(policy):
+    """interval 8: a stream grows to budget + 7 tokens, then is cut back to its budget; each stream of a
+    batch is cut when it is due (so a batch decodes exactly as its sequences alone), and the cache really
+    holds the tokens it reports (bytes = the kept tokens' blocks) at every step."""
+    model = tiny_model("llama")
+    long, short, ids, mask = left_padded_pair(3)
+    rt = runtime(model, evicting(policy, budget_tokens=20, interval=8))
+    batch_cache = rt.new_cache()
+    together = _generate(model, batch_cache, ids, mask, new_tokens=40)
+    alone = [_generate(model, rt.new_cache(), x, torch.ones_like(x), new_tokens=40) for x in (long, short)]
+    assert torch.equal(together[0, 48:], alone[0][0, 48:])
+    assert torch.equal(together[1, 48:], alone[1][0, 33:])
+    cache = rt.new_cache()
+    held = []
+    with torch.no_grad():
+        model(long, past_key_values=cache)
+        assert set(cache.layers[0].store.tokens().tolist()) == {20}  # prefill: down to the budget
+        token = long[:, -1:]
+        for _ in range(24):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            held.append(int(cache.layers[0].store.tokens().max()))
+            assert cache.nbytes() == cache.expected_nbytes()
+    assert max(held) == 27 and min(held) == 20, held  # at most budget + interval - 1, then back to the budget
+    assert held[:8] == list(range(21, 28)) + [20]
 
 
 @pytest.mark.parametrize("policy", registered_policies())

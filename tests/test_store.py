@@ -230,21 +230,28 @@ def test_attention_over_the_store_equals_attention_over_the_decoded_tokens(name,
 # --- memory at a fixed budget stays flat over a long generation ---------------------------------------
 
 @pytest.mark.slow
-def test_a_fixed_budget_holds_flat_bytes_over_20k_generated_tokens():
+@pytest.mark.parametrize("interval, steps", [(16, 20_000), (1, 2_000)])
+def test_a_fixed_budget_holds_flat_bytes_over_20k_generated_tokens(interval, steps):
+    """Default interval 16: bytes move between the budget's blocks and one block more, never beyond;
+    interval 1 (evict at every step): exactly flat. Reserved bytes are flat in both."""
     model = tiny_model("llama", layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, max_position_embeddings=32768)
     recipe = Recipe(
         name="window", keys=QuantSpec(method="none", bits=16, path="keys"), values=QuantSpec(method="none", bits=16, axis="token", path="values"),
-        cache=CacheSpec(float_dtype="float16"), eviction=EvictionSpec(policy="h2o", budget_tokens=256, sink_tokens=4, window=16),
+        cache=CacheSpec(float_dtype="float16"),
+        eviction=EvictionSpec(policy="h2o", budget_tokens=256, sink_tokens=4, window=16, interval=interval),
     )
     cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
     token = torch.randint(3, 128, (1, 1), generator=torch.Generator().manual_seed(0))
-    held, reserved = [], []
+    held, reserved, kept = [], [], []
     with torch.no_grad():
-        for step in range(20_000):
+        for step in range(steps):
             token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
-            if step >= 256:
+            if step >= 256 + interval:
                 held.append(cache.nbytes())
                 reserved.append(cache.reserved_nbytes())
-    assert cache.get_seq_length() == 20_000
-    assert len(set(held)) == 1 and len(set(reserved)) == 1, "memory moved while the budget was full"
-    assert cache.kept_tokens() == 256
+                kept.append(cache.kept_tokens())
+    assert cache.get_seq_length() == steps
+    assert len(set(reserved)) == 1, "reserved memory moved while the budget was full"
+    assert min(kept) == 256 and max(kept) == 256 + interval - 1, (min(kept), max(kept))
+    block = cache.layers[0].store.float_pool.block_nbytes()
+    assert sorted(set(held)) == ([held[0]] if interval == 1 else [min(held), min(held) + block]), "held bytes moved beyond one block"

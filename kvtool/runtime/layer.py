@@ -361,8 +361,13 @@ class KvtoolLayer(CacheLayerMixin):
         store, policy = self.store, self.context.policy
         length = self.lengths.repeat_interleave(self.groups)  # (S,)
         budget = self.context.budget(self.index, length)
-        if policy.budgeted and bool((torch.from_numpy(store.tokens() + counts).to(self.device) <= budget).all()):
-            return False
+        if policy.budgeted:  # a stream is cut back to its budget once it holds ``interval`` tokens more
+            slack = 0 if positions.shape[1] > 1 else policy.spec.interval - 1  # prefill: always to the budget
+            held = torch.from_numpy(store.tokens() + counts).to(self.device)  # (S,) after this forward
+            due = held > budget + slack
+            if not bool(due.any()):
+                return False
+            budget = torch.where(due, budget, held)  # streams not due keep everything (as they would alone)
         t = positions.shape[1]
         fbs = store.fbs
         table = SlotTable(int(store.float_blocks().max()) * fbs, int(store.body_len.max()) if store.body_pool else 0, store.bs, t)

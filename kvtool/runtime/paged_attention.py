@@ -33,6 +33,7 @@ import torch
 
 CHUNK_ELEMENTS = 1 << 20  # float32 elements of one chunk's largest temporary (4 MiB)
 ROW_CHUNK = 512  # query rows per pass when all probabilities must be kept (scoring policies)
+REUSE_ELEMENTS = 4 * CHUNK_ELEMENTS  # stored tokens x D a scored pass keeps read for its second pass (16 MiB)
 
 
 @dataclass
@@ -110,18 +111,25 @@ class OnlineSoftmax:
         self.m = torch.full((s, g, r, 1), -math.inf, device=device)
         self.l = torch.zeros((s, g, r, 1), device=device)
         self.acc = torch.zeros((s, g, r, d), device=device)
+        self.fresh = sink_logits is None  # no term absorbed yet
         if sink_logits is not None:  # a learned sink: one more softmax term, with no value
             self.m, self.l = sink_logits[..., None].clone(), torch.ones_like(self.l)
 
     def absorb(self, pieces: list[tuple[torch.Tensor, Callable]]) -> None:
         """pieces: (logits (S, g, R, C_i), values(p (S, g, R, C_i)) -> (S, g, R, D))."""
         logits = pieces[0][0] if len(pieces) == 1 else torch.cat([p[0] for p in pieces], dim=-1)
-        m_new = torch.maximum(self.m, logits.amax(dim=-1, keepdim=True))
-        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = torch.exp(logits - safe)
-        correction = torch.exp(self.m - safe)
-        self.l = self.l * correction + p.sum(dim=-1, keepdim=True)
-        self.acc = self.acc * correction
+        if self.fresh:  # the first update (a decode step's only one): nothing to correct
+            m_new = logits.amax(dim=-1, keepdim=True)
+            p = torch.exp(logits - m_new.nan_to_num(0.0, neginf=0.0))  # rows that see nothing: all 0
+            self.l = p.sum(dim=-1, keepdim=True)
+            self.fresh = False
+        else:
+            m_new = torch.maximum(self.m, logits.amax(dim=-1, keepdim=True))
+            safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            p = torch.exp(logits - safe)
+            correction = torch.exp(self.m - safe)
+            self.l = self.l * correction + p.sum(dim=-1, keepdim=True)
+            self.acc = self.acc * correction
         offset = 0
         for piece, values in pieces:
             width = piece.shape[-1]
@@ -178,7 +186,8 @@ def attend_scored(
     Two passes per block of rows: the first finds each row's max and sum (online), the second
     forms the probabilities chunk by chunk, accumulates the output and sums them per token.
     Logits of the first pass are kept for the second when they are small (decoding), else the
-    second pass recomputes them, so memory stays O(chunk).
+    second pass recomputes them, so memory stays O(chunk); the chunks read by the first pass are
+    kept for the second while they stay under REUSE_ELEMENTS (a decode step reads the store once).
     """
     s, g, r, d = q.shape
     out = torch.empty((s, g, r, d), device=q.device)
@@ -191,11 +200,14 @@ def attend_scored(
         qr, mask_r = q[:, :, lo:hi], new_mask[:, lo:hi]
         pos_r = None if query_pos is None else query_pos[:, lo:hi]
         sink_r = None if sink_logits is None else sink_logits[:, :, lo:hi]
-        kept, elements = [], 0
-        for chunk in chunks():  # pass 1: logits (kept while small)
+        kept, held, elements, held_elements = [], [], 0, 0
+        for chunk in chunks():  # pass 1: logits (kept while small), chunks read (kept while small)
             logits = _masked_logits(chunk, qr, pos_r, options)
             elements += logits.numel()
             kept.append(logits if elements <= CHUNK_ELEMENTS else None)
+            held_elements += s * g * logits.shape[-1] * d
+            held.append(chunk if held_elements <= REUSE_ELEMENTS else None)
+        second = held if all(c is not None for c in held) else None  # decoding: pass 2 reads nothing again
         new_logits = _new_logits(qr, new_k, mask_r, options)
         m, l = _max_and_sum([x for x in kept if x is not None] + [new_logits], sink_r)
         if any(x is None for x in kept):  # large: the maxima of the chunks not kept, chunk by chunk
@@ -204,7 +216,7 @@ def attend_scored(
         p_new = torch.exp(new_logits - m) * inv
         acc = torch.matmul(p_new, new_v)
         in_window = None if window_rows is None else window_rows[lo:hi].to(q.dtype)[None, None, :, None]
-        for chunk, logits in zip(chunks(), kept):  # pass 2: probabilities, output, received
+        for chunk, logits in zip(chunks() if second is None else second, kept):  # pass 2: probabilities, output, received
             p = torch.exp((_masked_logits(chunk, qr, pos_r, options) if logits is None else logits) - m) * inv
             acc = acc + chunk.values(p)
             key = (chunk.region, chunk.start)

@@ -252,7 +252,14 @@ class LayerStore:
         total = int(count.sum())
         end = start + count
         self._ensure_float_blocks(np.maximum(self.float_len, end))
-        if total:
+        if total and width == 1 and total == self.streams:  # a decode step: one token per stream
+            slot = torch.from_numpy(start).to(self.device)  # (S,)
+            block = self.float_table.gather(1, (slot // self.fbs)[:, None])[:, 0].long()  # (S,)
+            target = block * self.fbs + slot % self.fbs
+            for name, values in data.items():
+                flat = self.float_flat(name)
+                flat[target] = values[:, 0].to(flat.dtype)
+        elif total:
             if (count == width).all():  # every row written whole: no gather of the sources
                 rows_t = torch.arange(self.streams, device=self.device).repeat_interleave(width)
                 j_t = torch.arange(width, device=self.device).repeat(self.streams)
