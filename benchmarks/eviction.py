@@ -3,7 +3,7 @@
     python -m benchmarks.eviction                          # full grid (~20 min on 2 CPU cores)
     python -m benchmarks.eviction --fractions 0.5 --policies h2o snapkv --samples 1
     python -m benchmarks.eviction --model smollm2-135m --parts ppl --seq-len 1024 --prefill 768 --fractions 0.5 0.25 \
-        --policies h2o snapkv tova chunkkv ada-snapkv --thresholds --no-extras   # new policies vs H2O/SnapKV
+        --policies h2o snapkv tova chunkkv ada-snapkv cake pyramidinfer --thresholds --no-extras   # new policies vs H2O/SnapKV
 
 For every policy (StreamingLLM, H2O, SnapKV, VATP, KNorm, SnapKV with PyramidKV budgets,
 SnapKV with budgets fitted by `kvtool profile`) and fraction of the cache kept (50 / 25 /
@@ -60,6 +60,10 @@ VARIANTS = {  # benchmark name -> (policy, extra EvictionSpec fields)
     "ada-h2o": ("h2o", {"head_budgets": "adaptive"}),
     "ada-snapkv": ("snapkv", {"head_budgets": "adaptive"}),
     "ada-tova": ("tova", {"window": 1, "head_budgets": "adaptive"}),
+    "cake": ("cake", {"pooling": 5}),  # recipe `cake`: tau1 = tau2 = 1, gamma 200, average pooling over 5 positions
+    "pyramidinfer": ("pyramidinfer", {}),  # recipe `pyramidinfer`: retention_decay 0.9, distance_weight 1.2
+    "pyramidinfer-flat": ("pyramidinfer", {"retention_decay": 1.0}),  # nested head-shared sets, no pyramid
+    "pyramidinfer-steep": ("pyramidinfer", {"retention_decay": 0.74}),  # 30 layers: the paper's schedule at 50% (layer 0 keeps all)
 }
 EVAL_MODELS = {  # --model -> (model dir, calibration text for FastGen/fitted profiles, held-out text)
     "kvref-5m": (str(SHARED / MODELS["kvref-5m"][0]), SHARED / "data/text/wikitext2_valid.txt[0:0.9]", SHARED / MODELS["kvref-5m"][2]),

@@ -16,6 +16,7 @@ Example (``recipes/kivi-4bit.yaml``)::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,10 @@ TURBOQUANT_FRACTIONS = (0.0, 0.5)
 RANK_ALLOCATIONS = ("fisher", "uniform")
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
-EVICTION_POLICIES = ("none", "streamingllm", "h2o", "snapkv", "vatp", "knorm", "fastgen", "tova", "chunkkv")
+EVICTION_POLICIES = (
+    "none", "streamingllm", "h2o", "snapkv", "vatp", "knorm", "fastgen", "tova", "chunkkv", "cake", "pyramidinfer",
+)
+OWN_LAYER_BUDGETS = ("cake", "pyramidinfer")  # policies that set their own per-layer budgets
 LAYER_BUDGETS = ("uniform", "pyramid", "profile")
 HEAD_BUDGETS = ("uniform", "adaptive")
 ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv")  # scores comparable across heads (head_budgets: adaptive)
@@ -244,6 +248,11 @@ class CacheSpec:
         )
 
 
+def _is_number(value: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _is_fraction(value: Any, low_open: bool = True) -> bool:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return ok and (0 < value <= 1 if low_open else 0 <= value <= 1)
@@ -260,7 +269,9 @@ class EvictionSpec:
         L1 norm), ``knorm`` (lowest key L2 norm), ``fastgen`` (per-KV-head policies from
         a profile: special / +punctuation / +local / +frequent / full), ``tova`` (the
         attention of the current query only, at every step), ``chunkkv`` (whole chunks of
-        consecutive tokens by summed SnapKV importance).
+        consecutive tokens by summed SnapKV importance), ``cake`` (layer budgets from each
+        layer's attention dispersion and shift, tokens by window mean + gamma x variance),
+        ``pyramidinfer`` (one kept set per layer by recent attention, shrinking with depth).
     budget: fraction of each sequence's tokens a stream keeps (of the tokens seen so
         far; ignored by ``fastgen``, whose per-head policies imply their own sizes).
     budget_tokens: absolute tokens per stream instead of ``budget`` (memory stays flat
@@ -285,6 +296,13 @@ class EvictionSpec:
         budget is the same in all three.
     threshold, local_ratio, frequent_ratio: FastGen's attention-mass threshold T and
         the local-window and heavy-hitter ratios r_l, r_f (fractions of the length).
+    tau1, tau2, gamma: CAKE's temperatures of a layer's preference H^(1/tau1) x V^(1/tau2)
+        (H: entropy of the window's attention, V: its variance over the window queries) and
+        the weight of the variance in a token's score mean + gamma x variance (paper: 1, 1, 200).
+    retention_decay, distance_weight: PyramidInfer's depth schedule (layer l keeps r_l of
+        what layer l-1 kept, r_l falling along a cosine from 1 at the bottom to
+        retention_decay at the top; rescaled so the mean budget is ``budget``) and the weight of
+        the newest window query relative to the oldest (linear in between; paper: 0.9, 1.2).
     """
 
     policy: str = "none"
@@ -303,6 +321,11 @@ class EvictionSpec:
     threshold: float = 0.95
     local_ratio: float = 0.3
     frequent_ratio: float = 0.3
+    tau1: float = 1.0
+    tau2: float = 1.0
+    gamma: float = 200.0
+    retention_decay: float = 0.9
+    distance_weight: float = 1.2
 
     def __post_init__(self) -> None:
         p = "eviction"
@@ -341,6 +364,29 @@ class EvictionSpec:
         if self.budget_tokens is not None:
             _require(self.budget_tokens > self.sink_tokens, f"{p}.budget_tokens",
                      f"{self.budget_tokens} leaves no room beside the {self.sink_tokens} sink tokens")
+        self._check_layer_policies()
+
+    def _check_layer_policies(self) -> None:
+        """CAKE's and PyramidInfer's fields: valid numbers, and layer budgets left to the policy."""
+        p = "eviction"
+        for name in ("tau1", "tau2"):
+            value = getattr(self, name)
+            _require(_is_number(value) and value > 0, f"{p}.{name}",
+                     f"{value} must be a positive number (a CAKE temperature; the paper uses 1.0)")
+        _require(_is_number(self.gamma) and self.gamma >= 0, f"{p}.gamma",
+                 f"{self.gamma} must be a number >= 0 (CAKE's weight of the attention variance; the paper uses 200)")
+        _require(_is_fraction(self.retention_decay), f"{p}.retention_decay",
+                 f"{self.retention_decay} must be a fraction in (0, 1] (PyramidInfer uses 0.9; 1 = the same budget in every layer)")
+        _require(_is_number(self.distance_weight) and self.distance_weight >= 1, f"{p}.distance_weight",
+                 f"{self.distance_weight} must be a number >= 1 (1 = every window query alike; PyramidInfer uses 1.2)")
+        if self.policy in OWN_LAYER_BUDGETS:
+            own = "preferences measured at prefill" if self.policy == "cake" else "retention_decay"
+            _require(self.layer_budgets == "uniform", f"{p}.layer_budgets",
+                     f"policy {self.policy} sets each layer's budget itself (from {own}); set layer_budgets: uniform")
+        if self.policy == "cake":
+            _require(self.window >= 2, f"{p}.window",
+                     f"CAKE measures the variance of attention over the window's queries: {self.window} query has none; "
+                     "use window >= 2 (the paper uses 32)")
 
     @property
     def enabled(self) -> bool:

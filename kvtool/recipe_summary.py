@@ -50,6 +50,10 @@ def eviction_summary(recipe: Recipe) -> str:
     parts = [f"{spec.policy}: keep {budget}", f"{spec.sink_tokens} sink + {spec.window} recent"]
     if spec.policy == "snapkv":
         parts.append(f"pooling {spec.pooling}")
+    if spec.policy == "cake":
+        parts.append(f"layer budgets from attention preferences (tau1 {spec.tau1:g}, tau2 {spec.tau2:g}, gamma {spec.gamma:g})")
+    if spec.policy == "pyramidinfer":
+        parts.append(f"budgets shrinking with depth (retention_decay {spec.retention_decay:g}; every layer still computed)")
     if spec.layer_budgets != "uniform":
         parts.append(f"{spec.layer_budgets} layer budgets")
     return ", ".join(parts)

@@ -1,4 +1,4 @@
-"""Quality floors of TOVA, ChunkKV and AdaKV-budgeted SnapKV on SmolLM2-135M at 50% of the cache kept.
+"""Quality floors of TOVA, ChunkKV, AdaKV-budgeted SnapKV and CAKE on SmolLM2-135M at 50% of the cache kept.
 
 SmolLM2-135M is a real pretrained model (attention sinks, induction heads), materialized by
 ``python ../shared/models/fetch_pretrained.py`` into $KVTOOL_TEST_MODELS (default
@@ -7,7 +7,8 @@ prefilled, 63 decoded one per step with the budget enforced at every step. Floor
 within 10% of the full cache's perplexity (same code path, fp16 storage). The issue's 3% is
 not met on this short-context decode setup by these policies (nor by H2O, +9.4%; SnapKV
 +2.2%): see benchmarks/RESULTS.md. With a 256-token prefill all three lose 15-20%. The kept fraction and
-the bytes held are checked too, so a policy that kept everything fails.
+the bytes held are checked too, so a policy that kept everything fails. PyramidInfer has no
+floor here: it loses +19.7% in this setting (benchmarks/RESULTS.md).
 """
 
 import os
@@ -50,7 +51,7 @@ def scorer(smollm2):
     return score, score(uncompressed_recipe("float16"))
 
 
-@pytest.mark.parametrize("name", ["tova", "chunkkv", "ada-snapkv"])
+@pytest.mark.parametrize("name", ["tova", "chunkkv", "ada-snapkv", "cake"])
 def test_half_the_cache_stays_within_10_percent(scorer, name):
     score, full = scorer
     recipe = load_recipe(name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -116,7 +117,7 @@ class CompressedRuntime:
         check_context(self.adapter, tokens)
 
     # --- eviction -----------------------------------------------------------------------------
-    def _eviction_parts(self) -> tuple[EvictionPolicy, BudgetRule]:
+    def _eviction_parts(self) -> tuple[EvictionPolicy, Callable[[int, torch.Tensor], torch.Tensor]]:
         spec, profile = self.recipe.eviction, self.profile or {}
         geometry = self.adapter.geometry
         if spec.needs_profile and not profile:
@@ -134,7 +135,8 @@ class CompressedRuntime:
             profile = {**profile, "heads.policy": fastgen_head_policies(spec, profile)}
         weights = layer_budgets(spec, geometry.num_layers, profile.get("layers.budget_weight"))
         policy = policy_class(spec.policy)(spec, profile)
-        return policy, BudgetRule(spec.budget, spec.budget_tokens, weights)
+        rule = BudgetRule(spec.budget, spec.budget_tokens, policy.layer_weights(weights))  # PyramidInfer: its own pyramid
+        return policy, policy.budget_rule(rule, geometry.num_layers)  # CAKE: budgets from the preferences it measures
 
 
 def fastgen_settings(spec: EvictionSpec) -> torch.Tensor:

@@ -209,8 +209,10 @@ class KvtoolLayer(CacheLayerMixin):
             sink_logits = self._sink_logits(options.sinks, b, t)
             if scoring:
                 window_rows = (torch.arange(r, device=q.device) % t >= t - policy.spec.window) if t > 1 else None
+                observer = policy.window_observer(t) if t > 1 else None  # CAKE, PyramidInfer: more window statistics
                 out, received = attend_scored(
                     q, nk, nv, stream_mask, lambda: self._chunks(s, r, options), options, window_rows, query_pos, sink_logits,
+                    observer,
                 )
             else:
                 out = attend(q, nk, nv, stream_mask, self._chunks(s, r, options), options, query_pos, sink_logits)
@@ -331,6 +333,8 @@ class KvtoolLayer(CacheLayerMixin):
             data["score"] = compact(received.new)
             if received.new_window is not None:
                 received.new_window = compact(received.new_window)  # aligned with the compacted new tokens
+            if received.observer is not None:
+                received.observer.compact_new(compact)
         if policy is not None and policy.uses_feature:
             data["feature"] = policy.token_feature(data["k"][:, :, 0], data["v"][:, :, 0])
         if policy is not None and policy.uses_token_classes:
@@ -411,6 +415,7 @@ class KvtoolLayer(CacheLayerMixin):
             attention=gather("score", data["score"]) if "score" in data else zeros,
             window_attention=self._window_attention(table, received, t) if received is not None else None,
             current_attention=self._current_attention(table, received, data, t) if received is not None else None,
+            window_stats=None if received is None or received.observer is None else received.observer.placed(table),
             feature=gather("feature", data["feature"]) if "feature" in data else None,
             is_special=(classes & SPECIAL) > 0,
             is_punct=(classes & PUNCT) > 0,

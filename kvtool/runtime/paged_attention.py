@@ -73,6 +73,7 @@ class Received:
     new: torch.Tensor | None = None  # (S, t)
     chunks_window: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
     new_window: torch.Tensor | None = None
+    observer: object | None = None  # the policy's window observer (CAKE, PyramidInfer), fed every probability block
 
 
 def chunk_tokens(streams: int, heads: int, rows: int, head_dim: int, block: int) -> int:
@@ -180,6 +181,7 @@ def attend_scored(
     window_rows: torch.Tensor | None = None,  # (R,) bool: rows of the last ``window`` query tokens
     query_pos: torch.Tensor | None = None,
     sink_logits: torch.Tensor | None = None,
+    observe=None,  # policy hook: observe(region, start, p (S, g, rows lo:hi, C), lo, hi) for stored chunks and "new"
 ) -> tuple[torch.Tensor, Received]:
     """Attention with normalised probabilities: output (S, g, R, D) and the attention every token received.
 
@@ -221,13 +223,17 @@ def attend_scored(
             acc = acc + chunk.values(p)
             key = (chunk.region, chunk.start)
             totals[key] = totals.get(key, 0) + p.sum(dim=(1, 2))
+            if observe is not None:
+                observe(chunk.region, chunk.start, p, lo, hi)
             if in_window is not None:
                 totals_window[key] = totals_window.get(key, 0) + (p * in_window).sum(dim=(1, 2))
         new_total += p_new.sum(dim=(1, 2))
+        if observe is not None:
+            observe("new", 0, p_new, lo, hi)
         if in_window is not None:
             new_window += (p_new * in_window).sum(dim=(1, 2))
         out[:, :, lo:hi] = acc
-    received = Received(chunks=[(region, start, t) for (region, start), t in totals.items()], new=new_total)
+    received = Received(chunks=[(region, start, t) for (region, start), t in totals.items()], new=new_total, observer=observe)
     if window_rows is not None:
         received.chunks_window = [(region, start, t) for (region, start), t in totals_window.items()]
         received.new_window = new_window

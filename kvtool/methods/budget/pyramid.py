@@ -10,9 +10,13 @@ total is the same as a uniform budget.
   1 - slope (top layer).
 * ``profile``: fitted by `kvtool profile` from each layer's measured need (the
   fraction of tokens that holds attention mass T), stored as ``layers.budget_weight``.
+* `pyramidinfer_weights`: PyramidInfer's cosine retention schedule (used by the
+  ``pyramidinfer`` eviction policy, not a ``layer_budgets`` value).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -27,6 +31,19 @@ def pyramid_weights(num_layers: int, slope: float) -> Tensor:
     """(L,) float32 linear from 1 + slope at layer 0 to 1 - slope at the last layer, mean 1."""
     weights = torch.linspace(1 + slope, 1 - slope, num_layers, dtype=torch.float64)  # (L,)
     return (weights / weights.mean()).float()
+
+
+def pyramidinfer_weights(num_layers: int, decay: float) -> Tensor:
+    """(L,) float32 PyramidInfer's depth schedule (Yang et al., Findings of ACL 2024), mean 1.
+
+    Layer l keeps r_l of what layer l-1 kept, r_l = decay + (1 - decay) (1 + cos(pi l / L)) / 2
+    (the paper's cosine strategy: 1 at the bottom, close to ``decay`` at the top); layer l's
+    share is the running product r_0 ... r_l, rescaled to mean 1. Non-increasing with depth.
+    """
+    depth = torch.arange(num_layers, dtype=torch.float64)  # (L,)
+    ratio = decay + (1 - decay) * (1 + torch.cos(math.pi * depth / num_layers)) / 2
+    kept = torch.cumprod(ratio, dim=0)
+    return (kept / kept.mean()).float()
 
 
 def fitted_weights(need: Tensor) -> Tensor:

@@ -9,7 +9,10 @@ each stream's budget with the best-scored *units*: a unit is one token, or one q
 block of ``block_size`` tokens (its codes share scales, so it is freed whole). Everything
 is batched over streams with tensor ops: no Python loop over sequences or heads. FastGen
 overrides `keep` (its per-head policies imply their own sizes). Policies never import the
-runtime; the runtime calls them through the registry (`policy_class`).
+runtime; the runtime calls them through the registry (`policy_class`) and three hooks whose
+defaults change nothing: `window_observer` (more statistics of the window's attention),
+`layer_weights` (a policy's own per-layer budget schedule) and `budget_rule` (budgets that
+depend on what the policy measured).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class StreamView:
     forward's newest queries only (the last ``window`` at prefill, the single query when
     decoding; TOVA), or None when the policy does not use attention; units int64: unit id per slot in
     [0, unit_count), slots of one unit are kept or freed together; layer: the layer index;
-    heads (S,) int64: the KV head of each stream.
+    heads (S,) int64: the KV head of each stream; window_stats: at prefill, the sums of the
+    policy's `window_observer` statistics per slot (name -> (S, N)), else None.
     """
 
     positions: torch.Tensor
@@ -53,6 +57,7 @@ class StreamView:
     layer: int
     heads: torch.Tensor
     current_attention: torch.Tensor | None = None
+    window_stats: dict[str, torch.Tensor] | None = None
 
     @property
     def single_token_units(self) -> bool:
@@ -83,6 +88,18 @@ class EvictionPolicy:
     def token_feature(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """(S, t) a fixed score part of new tokens from their keys/values (S, t, D) float32 (keys after RoPE)."""
         raise NotImplementedError
+
+    def window_observer(self, t: int):
+        """A `WindowStats` fed the window queries' attention of a forward of ``t`` > 1 tokens, or None."""
+        return None
+
+    def layer_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """(L,) per-layer budget weights (mean 1) the runtime's budget rule uses; default: the recipe's."""
+        return weights
+
+    def budget_rule(self, rule, num_layers: int):
+        """The budget callable ``(layer, length (S,)) -> (S,)`` the runtime asks; default: its own ``rule``."""
+        return rule
 
     def protected(self, view: StreamView) -> torch.Tensor:
         """(S, N) bool: sinks (first positions) and the recent window (last positions) are always kept."""
@@ -116,7 +133,7 @@ class EvictionPolicy:
     def _sinks_and_newest(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
         """Budget smaller than the protected set: keep sinks, then the newest tokens (whole units by majority)."""
         priority = view.positions.float().masked_fill(view.positions < self.spec.sink_tokens, math.inf)
-        keep = _rank_desc(priority.masked_fill(~view.valid, -math.inf)) < budget[:, None]
+        keep = rank_desc(priority.masked_fill(~view.valid, -math.inf)) < budget[:, None]
         return whole_units(keep & view.valid, view)
 
 
@@ -134,19 +151,56 @@ def adaptive_budgets(scores: torch.Tensor, protected: torch.Tensor, view: Stream
     s, n = scores.shape
     heads = int(view.heads.max()) + 1 if s else 1
     open_ = view.valid & ~protected
-    own_rank = _rank_desc(scores.masked_fill(~open_, -math.inf))  # (S, N)
+    own_rank = rank_desc(scores.masked_fill(~open_, -math.inf))  # (S, N)
     guaranteed_room = (torch.ceil(floor * budget.double() - 1e-9).long() - protected.sum(dim=1)).clamp(min=0)  # (S,)
     guaranteed = open_ & (own_rank < guaranteed_room[:, None])
     fixed = (protected | guaranteed).sum(dim=1)  # (S,)
     room = (budget.reshape(-1, heads).sum(dim=1) - fixed.reshape(-1, heads).sum(dim=1)).clamp(min=0)  # (B,)
     candidates = (open_ & ~guaranteed).reshape(-1, heads * n)
-    joint = _rank_desc(scores.reshape(-1, heads * n).masked_fill(~candidates, -math.inf))  # (B, heads N)
+    joint = rank_desc(scores.reshape(-1, heads * n).masked_fill(~candidates, -math.inf))  # (B, heads N)
     chosen = (candidates & (joint < room[:, None])).reshape(s, n)
     # a stream whose uniform budget cannot hold its protected tokens keeps that budget (sinks and newest)
     return torch.where(protected.sum(dim=1) >= budget, budget, fixed + chosen.sum(dim=1))
 
 
-def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
+def by_position(values: torch.Tensor, view: StreamView, fill) -> torch.Tensor:
+    """(S, P) the valid slots' ``values`` (S, N) at their positions, ``fill`` elsewhere (P = largest position + 1)."""
+    position = view.positions.masked_fill(~view.valid, 0).long()  # (S, N)
+    width = int(position.max()) + 1 if position.numel() else 1
+    dense = torch.full((values.shape[0], width), fill, dtype=values.dtype, device=values.device)
+    rows = torch.arange(values.shape[0], device=values.device)[:, None].expand_as(position)
+    dense[rows[view.valid], position[view.valid]] = values[view.valid]
+    return dense
+
+
+def at_positions(dense: torch.Tensor, view: StreamView, fill) -> torch.Tensor:
+    """(S, N) ``dense`` (S, P) read back at the view's slots; ``fill`` for invalid slots and positions >= P."""
+    position = view.positions.masked_fill(~view.valid, 0).clamp(max=dense.shape[1] - 1).long()
+    inside = view.valid & (view.positions < dense.shape[1])
+    return dense.gather(1, position).masked_fill(~inside, fill)
+
+
+@dataclass
+class LayerKept:
+    """What one layer kept in one forward, by position (S, P) bool: for a later layer of the same forward."""
+
+    layer: int
+    length: torch.Tensor  # (S,) tokens seen by each stream's sequence
+    kept: torch.Tensor
+
+    @classmethod
+    def record(cls, keep: torch.Tensor, view: StreamView) -> "LayerKept":
+        return cls(view.layer, view.length.clone(), by_position(keep, view, False))
+
+    def at(self, view: StreamView, layer: int) -> torch.Tensor | None:
+        """(S, N) bool: what ``layer`` kept of the view's slots, when it is this record's layer in the same forward
+        (same streams, same lengths); else None."""
+        if layer != self.layer or self.length.shape != view.length.shape or not torch.equal(self.length, view.length):
+            return None
+        return at_positions(self.kept, view, False)
+
+
+def rank_desc(scores: torch.Tensor) -> torch.Tensor:
     """(S, N) rank of each entry in its row, 0 = highest (ties: lower index first)."""
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     return torch.empty_like(order).scatter_(1, order, torch.arange(scores.shape[1], device=scores.device).expand_as(order))
@@ -155,7 +209,7 @@ def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
 def _top_tokens(scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
     """Protected tokens, then the best-scored others while the budget allows."""
     room = (budget - protected.sum(dim=1)).clamp(min=0)  # (S,)
-    rank = _rank_desc(scores.masked_fill(protected | ~valid, -math.inf))
+    rank = rank_desc(scores.masked_fill(protected | ~valid, -math.inf))
     return protected | (valid & ~protected & (rank < room[:, None]))
 
 
@@ -188,7 +242,7 @@ def _fill_units(scores: torch.Tensor, protected: torch.Tensor, view: StreamView,
     keep_unit.scatter_(1, order, fits & open_units.gather(1, order) | keep_unit.gather(1, order))
     left = room - (size * (keep_unit & ~unit_protected)).sum(dim=1)  # room the prefix left unused
     singles = open_units & ~keep_unit & (size == 1)
-    rank = _rank_desc(mean.masked_fill(~singles, -math.inf))
+    rank = rank_desc(mean.masked_fill(~singles, -math.inf))
     keep_unit |= singles & (rank < left.clamp(min=0)[:, None])
     return keep_unit.gather(1, view.units) & view.valid
 
@@ -210,7 +264,9 @@ def register_policy(name: str):
 
 
 def _load_builtin() -> None:
-    from kvtool.methods.evict import chunkkv, fastgen, h2o, knorm, snapkv, streamingllm, tova, vatp  # noqa: F401  (register on import)
+    from kvtool.methods.evict import (  # noqa: F401  (register on import)
+        cake, chunkkv, fastgen, h2o, knorm, pyramidinfer, snapkv, streamingllm, tova, vatp,
+    )
 
 
 def policy_class(name: str) -> type[EvictionPolicy]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_policy
+from kvtool.methods.evict.base import EvictionPolicy, LayerKept, StreamView, register_policy
 
 
 def chunk_sums(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def lexicographic_scores(primary: torch.Tensor, secondary: torch.Tensor) -> torc
 class ChunkKV(EvictionPolicy):
     def __init__(self, spec, profile=None) -> None:
         super().__init__(spec, profile)
-        self._anchor: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (layer, lengths (S,), kept (S, P) by position)
+        self._anchor: LayerKept | None = None  # what the last anchor layer kept
         self._reused: torch.Tensor | None = None  # (S, N) bool: positions the anchor layer kept, during `keep`
 
     def head_scores(self, view: StreamView):
@@ -62,27 +62,12 @@ class ChunkKV(EvictionPolicy):
 
     def keep(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
         anchor = view.layer - view.layer % self.spec.reuse_layers
-        self._reused = self._anchor_kept(view) if anchor != view.layer else None
+        # the anchor layer's kept tokens, when it ran in this same forward
+        self._reused = self._anchor.at(view, anchor) if anchor != view.layer and self._anchor is not None else None
         try:
             keep = super().keep(view, budget)
         finally:
             self._reused = None
         if anchor == view.layer and self.spec.reuse_layers > 1:
-            width = int(view.positions.masked_fill(~view.valid, 0).max()) + 1
-            kept = torch.zeros(view.positions.shape[0], width, dtype=torch.uint8, device=keep.device)
-            kept.scatter_reduce_(1, view.positions.masked_fill(~view.valid, 0), keep.to(torch.uint8), reduce="amax")
-            self._anchor = (view.layer, view.length.clone(), kept.bool())
+            self._anchor = LayerKept.record(keep, view)
         return keep
-
-    def _anchor_kept(self, view: StreamView) -> torch.Tensor | None:
-        """(S, N) bool: the tokens the group's anchor layer kept in this same forward, or None."""
-        if self._anchor is None:
-            return None
-        layer, length, kept = self._anchor
-        if layer != view.layer - view.layer % self.spec.reuse_layers or length.shape != view.length.shape:
-            return None
-        if not torch.equal(length, view.length):
-            return None
-        position = view.positions.masked_fill(~view.valid, 0).clamp(max=kept.shape[1] - 1)
-        inside = view.positions < kept.shape[1]
-        return kept.gather(1, position) & inside & view.valid

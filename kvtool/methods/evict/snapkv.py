@@ -13,14 +13,20 @@ import torch
 from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_policy
 
 
-def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Max of ``scores`` (S, N) over tokens within kernel // 2 positions of each token (valid tokens only)."""
+def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, kernel: int,
+                     mean: bool = False) -> torch.Tensor:
+    """Max of ``scores`` (S, N) over tokens within kernel // 2 positions of each token (valid tokens only).
+
+    mean: the average over the ``kernel`` positions instead (positions no valid token holds count as 0; CAKE).
+    """
     half = kernel // 2
     pos = positions.masked_fill(~valid, 0).long()
     width = int(pos.max()) + 1 + 2 * half if pos.numel() else 1
-    dense = torch.full((scores.shape[0], width), -math.inf, device=scores.device)
-    dense.scatter_reduce_(1, pos + half, scores.float().masked_fill(~valid, -math.inf), reduce="amax")
-    pooled = torch.nn.functional.max_pool1d(dense[:, None], kernel, stride=1)[:, 0]  # (S, width - 2 half)
+    empty = 0.0 if mean else -math.inf
+    dense = torch.full((scores.shape[0], width), empty, device=scores.device)
+    dense.scatter_reduce_(1, pos + half, scores.float().masked_fill(~valid, empty), reduce="sum" if mean else "amax")
+    pool = torch.nn.functional.avg_pool1d if mean else torch.nn.functional.max_pool1d
+    pooled = pool(dense[:, None], kernel, stride=1)[:, 0]  # (S, width - 2 half)
     return pooled.gather(1, pos)
 
 

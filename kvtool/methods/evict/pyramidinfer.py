@@ -1,0 +1,72 @@
+"""PyramidInfer (Yang et al., "PyramidInfer: Pyramid KV Cache Compression for High-throughput LLM
+Inference", Findings of ACL 2024): fewer kept tokens layer after layer, chosen by recent attention.
+
+Recent attention consistency: the last queries of a prompt keep attending to the same few
+"pivotal" tokens, and those are what later tokens need. At prefill a token's score is the
+attention the last ``window`` prompt queries give it, each query weighted linearly from 1
+(the oldest of them) to ``distance_weight`` (the newest), summed over every query head of the
+layer: one kept set per layer and sequence, shared by its KV heads (the paper drops a token
+from the whole layer). Layer-wise shrinking: layer l keeps only tokens that layer l-1 kept in
+the same forward, and fewer of them: budgets follow `pyramidinfer_weights` (layer l keeps r_l
+of what the layer below keeps, r_l falling from 1 to ``retention_decay`` along a cosine),
+rescaled so the mean over layers is the recipe's budget. Sinks and the window are always kept.
+
+Limits. The paper also *computes* fewer tokens in deeper layers: only the kept tokens' hidden
+states go on, which saves prefill time and activation memory. kvtool's runtime evicts after a
+layer has attended over the whole prompt, so this policy stores fewer tokens in deeper layers;
+it does not yet skip their computation. While decoding, every layer keeps its own budget,
+ranking by the attention accumulated since prefill summed over the layer's heads (the paper's
+generation stage compresses each layer's new tokens on its own; layers are not nested then).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtool.methods.budget.pyramid import pyramidinfer_weights
+from kvtool.methods.evict.base import EvictionPolicy, LayerKept, StreamView, register_policy
+from kvtool.methods.evict.tova import sum_over_heads
+from kvtool.methods.evict.window_stats import WindowStats
+
+
+@register_policy("pyramidinfer")
+class PyramidInfer(EvictionPolicy):
+    def __init__(self, spec, profile=None) -> None:
+        super().__init__(spec, profile)
+        self._below: LayerKept | None = None  # what the last layer prefilled kept
+        self._allowed: torch.Tensor | None = None  # (S, N) bool while `keep` runs: what the layer below kept
+
+    def window_observer(self, t: int) -> WindowStats:
+        return WindowStats(t, self.spec.window, {"recent": self._recency_weighted})
+
+    def _recency_weighted(self, p: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
+        """p (S, g, W, C) x the weight of each window row: distance_weight for the newest query, 1 for the oldest."""
+        slope = (self.spec.distance_weight - 1) / max(self.spec.window - 1, 1)
+        return p * (self.spec.distance_weight - slope * age)[:, None]  # (W, 1) broadcast over tokens
+
+    def layer_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        return pyramidinfer_weights(len(weights), self.spec.retention_decay)
+
+    def token_scores(self, view: StreamView) -> torch.Tensor:
+        recent = view.window_stats["recent"] if view.window_stats is not None else view.attention  # (S, N)
+        scores = sum_over_heads(recent, view)  # one score per position and sequence: the layer keeps one set
+        return scores if self._allowed is None else scores.masked_fill(~self._allowed, -math.inf)
+
+    def keep(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
+        prefill = view.window_stats is not None
+        self._allowed = self._kept_below(view) if prefill else None
+        try:
+            keep = super().keep(view, budget)
+            if self._allowed is not None:
+                keep &= self._allowed | self.protected(view)  # nested: never what the layer below dropped
+        finally:
+            self._allowed = None
+        if prefill:
+            self._below = LayerKept.record(keep, view)
+        return keep
+
+    def _kept_below(self, view: StreamView) -> torch.Tensor | None:
+        """(S, N) bool: the tokens layer l-1 kept in this same forward, or None (layer 0, another forward)."""
+        return None if self._below is None else self._below.at(view, view.layer - 1)
