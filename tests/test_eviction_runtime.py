@@ -147,6 +147,12 @@ def test_an_eviction_interval_evicts_once_per_interval_and_keeps_batches_exact(p
             assert cache.nbytes() == cache.expected_nbytes()
     assert max(held) == 27 and min(held) == 20, held  # at most budget + interval - 1, then back to the budget
     assert held[:8] == list(range(21, 28)) + [20]
+    with torch.no_grad():  # a multi-token forward between decode steps (a new chat turn): down to the budget again
+        model(short[:, :5], past_key_values=cache)
+        assert set(cache.layers[0].store.tokens().tolist()) == {20}
+        for step in range(10):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            assert int(cache.layers[0].store.tokens().max()) == (21 + step if step < 7 else 20 + step - 7)
 
 
 @pytest.mark.parametrize("policy", registered_policies())

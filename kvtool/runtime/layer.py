@@ -29,7 +29,7 @@ from kvtool.methods.evict.base import StreamView
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
-from kvtool.runtime.eviction import SlotTable, choose
+from kvtool.runtime.eviction import BudgetRule, SlotTable, choose
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend, attend_scored, chunk_tokens
 from kvtool.runtime.positions import SequencePositions
@@ -96,6 +96,7 @@ class KvtoolLayer(CacheLayerMixin):
         self.index, self.plan, self.context = index, plan, context
         self.seen = 0  # token slots seen, padding included: transformers' logical length
         self._pending = None
+        self._quiet_steps = 0  # decode steps in which no stream can reach its eviction point
         self.store: LayerStore | None = None
 
     # --- transformers' CacheLayerMixin contract -------------------------------------------------
@@ -151,6 +152,7 @@ class KvtoolLayer(CacheLayerMixin):
         self.is_initialized = False
         self.seen = 0
         self._pending = None
+        self._quiet_steps = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -168,6 +170,7 @@ class KvtoolLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         sequences = sequences.to(self.device).long()
+        self._quiet_steps = 0
         streams = (sequences[:, None] * self.groups + torch.arange(self.groups, device=self.device)).flatten()
         self.store.select_streams(streams)
         self.store.shrink()
@@ -363,13 +366,22 @@ class KvtoolLayer(CacheLayerMixin):
         freed slots), False when they still have to be appended (nothing to evict).
         """
         store, policy = self.store, self.context.policy
+        decoding = positions.shape[1] == 1
+        if policy.budgeted and decoding and self._quiet_steps > 0:  # no stream can be due yet (see below)
+            self._quiet_steps -= 1
+            return False
+        self._quiet_steps = 0  # a forward of several tokens breaks the one-token-per-step count
         length = self.lengths.repeat_interleave(self.groups)  # (S,)
         budget = self.context.budget(self.index, length)
         if policy.budgeted:  # a stream is cut back to its budget once it holds ``interval`` tokens more
-            slack = 0 if positions.shape[1] > 1 else policy.spec.interval - 1  # prefill: always to the budget
+            slack = policy.spec.interval - 1 if decoding else 0  # prefill: always down to the budget
             held = torch.from_numpy(store.tokens() + counts).to(self.device)  # (S,) after this forward
             due = held > budget + slack
             if not bool(due.any()):
+                # a decode step adds at most one token per stream and a plain budget never shrinks as the
+                # sequence grows: the closest stream is due in (margin + 1) steps at the earliest
+                if decoding and isinstance(self.context.budget, BudgetRule):
+                    self._quiet_steps = int((budget + slack - held).min())
                 return False
             budget = torch.where(due, budget, held)  # streams not due keep everything (as they would alone)
         t = positions.shape[1]
