@@ -63,7 +63,9 @@ def stream_split(recipe: Recipe, tokens: int) -> tuple[int, int]:
 
 
 def predict_cache_bytes(runtime, context: int, batch: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes the runtime's cache holds after ``context`` tokens of ``batch`` unpadded sequences.
+    """Bytes the runtime's cache holds after a prefill of ``context`` tokens of ``batch`` unpadded sequences.
+
+    Sliding-window layers hold their window (and a position per token) once the context is longer.
 
     runtime: a `CompressedRuntime` (its recipe and fitted tensors); dtype: the K/V dtype the model
     produces (default: the model's parameter dtype).
@@ -75,14 +77,19 @@ def predict_cache_bytes(runtime, context: int, batch: int, dtype: torch.dtype | 
     dtype = dtype or next(runtime.model.parameters()).dtype
     store_dtype = storage_dtype(recipe, dtype)
     quantized = recipe.quantizes or recipe.keys.pre_rope
-    float_tokens, body_blocks = stream_split(recipe, context)
+    windows = tuple(geometry.sliding_windows)
     total = 0
-    for fitted in runtime.layer_tensors:
+    for index, fitted in enumerate(runtime.layer_tensors):
+        window = windows[index] if index < len(windows) else None
+        tokens = context
+        if window is not None and context > window + (recipe.cache.block_size if quantized else 0):
+            tokens = window  # a sliding-window layer keeps the prefill's last `window` tokens (`SlidingWindowRule`)
+        float_tokens, body_blocks = stream_split(recipe, tokens)
         prefix = lambda part: {k[len(part) + 1 :]: v for k, v in fitted.items() if k.startswith(f"{part}.")}  # noqa: E731
         key_format, value_format, g = build_formats(recipe, prefix, geometry.head_dim, geometry.num_kv_heads, store_dtype)
         layout = StoreLayout(block_size=recipe.cache.block_size, heads_per_stream=g, head_dim=geometry.head_dim,
                              float_dtype=store_dtype, quantized=quantized, sink_tokens=recipe.cache.sink_tokens,
-                             recent_tokens=recipe.cache.recent_tokens)
+                             recent_tokens=recipe.cache.recent_tokens, meta=("pos",) if window is not None else ())
         store = LayerStore(layout, key_format, value_format, 0, "cpu")  # empty pools: their block sizes
         streams = batch * (geometry.num_kv_heads // g)
         float_blocks = _ceil_div(float_tokens, FLOAT_BLOCK)

@@ -260,9 +260,17 @@ def test_4bit_logits_stay_within_tolerance(family, models):
     for bits in (8, 4):
         cache = CompressedRuntime.from_recipe(model, quant_recipe(bits)).new_cache()
         errors[bits] = ((_next_token_logits(model, cache, ids) - exact).norm() / exact.norm()).item()
-        assert all((layer.store.body_len == 3).all() for layer in cache.layers)  # 99 tokens -> 3 quantized blocks of 32
+        for layer, window in zip(cache.layers, cache.context.sliding_windows or [None] * len(cache.layers)):
+            if window is None:  # 100 tokens -> 3 quantized blocks of 32 + 4 in float
+                assert (layer.store.body_len == 3).all(), (layer.index, layer.store.body_len)
+            else:  # a sliding-window layer frees what its window no longer sees (a body block whole)
+                assert (layer.store.tokens() <= window + 32 + 15).all() and (layer.store.tokens() < 100).all()
     assert errors[8] < 0.02 and errors[4] < 0.2, errors
-    assert errors[4] > 4 * errors[8] > 0, errors  # compression is active and bits matter
+    windows = cache.context.sliding_windows or [None]
+    if any(w is None or w > 64 for w in windows):
+        assert errors[4] > 4 * errors[8] > 0, errors  # compression is active and bits matter
+    else:  # every layer slides over fewer tokens than a block plus its slack: they stay in float, nothing to quantize
+        assert all((layer.store.body_len == 0).all() for layer in cache.layers)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
@@ -296,3 +304,39 @@ def test_attention_profiling_keeps_softcap_and_sinks(family, models):
         b, h, g, _, t = probs[0].shape
         observed = torch.cat(probs, dim=3).reshape(b, h * g, t, t)  # (B, H_q, T, T)
         torch.testing.assert_close(observed, weights[layer].float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, recipe_bits", [("gemma3_text", 16), ("gemma3_text", 4), ("mistral", 16)])
+def test_sliding_window_layers_free_what_no_later_query_sees(family, recipe_bits, models):
+    """Sliding-window layers hold the window (+ at most one body block and the 15-token eviction slack),
+    not the whole sequence; global layers hold everything; generation still equals transformers' own
+    (checked over 80 generated tokens, five windows); the bytes held are the tokens held, walked from outside;
+    per layer at most transformers' own sliding cache's tokens plus the eviction slack (and one body block)."""
+    from kvtool.runtime.memory import walked_nbytes
+
+    model = models[family]
+    recipe = uncompressed_recipe("model") if recipe_bits == 16 else quant_recipe(recipe_bits)
+    reference = _generate(model, DynamicCache(config=model.config), batch=2, new_tokens=80)
+    cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
+    ours = _generate(model, cache, batch=2, new_tokens=80)
+    if recipe_bits == 16:
+        assert torch.equal(ours.sequences, reference.sequences)
+    windows = cache.context.sliding_windows
+    assert any(w is not None for w in windows)
+    for layer, window in zip(cache.layers, windows):
+        held = layer.store.tokens()  # (S,) per stream
+        if window is None:
+            assert (held == layer.lengths.repeat_interleave(layer.groups).cpu().numpy()).all()
+        else:
+            assert (held <= window + (32 if recipe_bits != 16 else 0) + 15).all(), (layer.index, held)
+            _, _, positions, valid = layer.decoded()
+            newest = positions.masked_fill(~valid, -1).amax(dim=-1, keepdim=True)
+            inside = valid & (positions > newest - window)
+            assert (inside.sum(dim=-1) == torch.minimum(torch.full_like(newest[..., 0], window),
+                                                        valid.sum(dim=-1))).all()  # every token in the window is held
+    assert cache.nbytes() == cache.expected_nbytes()
+    assert walked_nbytes(cache) - cache.constant_nbytes() == cache.reserved_nbytes()
+    reference_cache = DynamicCache(config=model.config)
+    _generate(model, reference_cache, batch=2, new_tokens=80)
+    for layer, theirs in zip(cache.layers, reference_cache.layers):  # tokens held: transformers' + the 16-token slack
+        assert layer.store.tokens().max() <= theirs.keys.shape[-2] + 16 + (32 if recipe_bits != 16 else 0)

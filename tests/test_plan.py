@@ -17,7 +17,7 @@ from kvtool.plan import Candidate, default_candidates, pareto_front, plan, predi
 from kvtool.recipe import load_recipe
 from kvtool.runtime.attach import CompressedRuntime
 from tests.conftest import shared_path
-from tests.tiny_models import tiny_model
+from tests.tiny_models import featured_model, tiny_model
 
 
 def data() -> str:
@@ -42,6 +42,17 @@ def test_predicted_bytes_match_the_runtime(name, context, batch):
     runtime = CompressedRuntime.from_recipe(model, load_recipe(name))
     predicted, held = predict_cache_bytes(runtime, context, batch), held_bytes(runtime, context, batch)
     assert abs(predicted - held) <= 0.02 * held, (predicted, held)
+
+
+@pytest.mark.parametrize("name", ["uncompressed", "kivi-4bit", "kivi-2bit"])
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+def test_predicted_bytes_match_the_runtime_with_sliding_window_layers(family, name):
+    model = featured_model(family)
+    runtime = CompressedRuntime.from_recipe(model, load_recipe(name))
+    assert any(w is not None for w in runtime.adapter.geometry.sliding_windows)
+    for context, batch in [(10, 2), (200, 2)]:  # inside and far beyond the windows
+        predicted, held = predict_cache_bytes(runtime, context, batch), held_bytes(runtime, context, batch)
+        assert abs(predicted - held) <= 0.02 * held, (context, batch, predicted, held)
 
 
 @pytest.mark.parametrize("name", ["kvquant-3bit-1pct", "palu-30", "palu-30-3bit"])

@@ -51,11 +51,6 @@ class CacheContext:
             self.shared_formats[key] = build_formats(plan.recipe, plan.fitted_for, head_dim, heads, dtype)
         return self.shared_formats[key]
 
-    @property
-    def slot_positions(self) -> bool:
-        """Per-slot positions: evicting caches (dense caches look positions up per sequence)."""
-        return self.policy is not None
-
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
 

@@ -1,5 +1,8 @@
 """Eviction on the paged store: budgets per layer and stream, the policies' view, applying their choice.
 
+Sliding-window layers (Gemma 2/3, Mistral) of a recipe that evicts nothing free the tokens
+no future query can see (`SlidingWindowRule`) through the same machinery.
+
 Every forward of a layer whose recipe evicts: the attention each stored and new token
 received is added to its score, a `StreamView` of all streams (stored slots, then the new
 tokens) goes to the policy with a budget per stream, and the keep mask comes back split
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.methods.evict.base import EvictionPolicy, StreamView, ratio_budget
+from kvtool.methods.evict.base import EvictionPolicy, StreamView, ratio_budget, unit_sums
 
 
 class BudgetRule:
@@ -78,3 +81,42 @@ class SlotTable:
 def choose(policy: EvictionPolicy, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
     """The policy's keep mask (S, N), never more than the valid slots."""
     return policy.keep(view, budget) & view.valid
+
+
+@dataclass(frozen=True)
+class _RuleSpec:
+    interval: int  # tokens a stream may gain past its budget before the rule runs (as `EvictionSpec.interval`)
+    window: int
+
+
+class SlidingWindowRule:
+    """Frees what a sliding-window layer can never attend to again (used when the recipe evicts nothing).
+
+    A query at position q of a layer with window W sees stored positions p > q - W, and every later
+    query is further right, so once a stream's newest position is ``latest`` only p > latest - W can
+    ever be seen again. The rule keeps those (whole body blocks while any of their tokens is
+    inside) and frees the rest; it runs once a stream holds ``interval`` - 1 tokens more than its
+    budget (W, plus one body block of slack for quantized stores, whose blocks are freed whole).
+    Attention masks by position as before, so what it keeps is exactly what the model reads.
+    """
+
+    name = "sliding-window"
+    uses_attention = False
+    uses_feature = False
+    uses_token_classes = False
+    budgeted = True
+
+    def __init__(self, window: int, block_size: int, interval: int = 16) -> None:
+        self.window, self.block_size = window, block_size
+        self.spec = _RuleSpec(interval=interval, window=window)
+
+    def budget(self, length: torch.Tensor) -> torch.Tensor:
+        """(S,) tokens a stream may hold before the rule runs: the window plus one body block."""
+        return torch.full_like(length, self.window + self.block_size)
+
+    def keep(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
+        """(S, N) bool: tokens (whole units) with a position inside the newest query's window."""
+        inside = view.valid & (view.positions > (view.latest() - self.window)[:, None])
+        if not view.single_token_units:
+            inside = (unit_sums(inside.float(), view) > 0).gather(1, view.units) & view.valid
+        return inside

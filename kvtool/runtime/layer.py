@@ -29,7 +29,7 @@ from kvtool.methods.evict.base import StreamView
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
-from kvtool.runtime.eviction import BudgetRule, SlotTable, choose
+from kvtool.runtime.eviction import BudgetRule, SlidingWindowRule, SlotTable, choose
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend, attend_scored, chunk_tokens
 from kvtool.runtime.positions import SequencePositions
@@ -97,6 +97,7 @@ class KvtoolLayer(CacheLayerMixin):
         self.seen = 0  # token slots seen, padding included: transformers' logical length
         self._pending = None
         self._quiet_steps = 0  # decode steps in which no stream can reach its eviction point
+        self.policy = None  # the recipe's eviction policy, or a sliding window's rule (set with the store)
         self.store: LayerStore | None = None
 
     # --- transformers' CacheLayerMixin contract -------------------------------------------------
@@ -107,9 +108,13 @@ class KvtoolLayer(CacheLayerMixin):
         store_dtype = storage_dtype(recipe, key_states.dtype)
         self.key_format, self.value_format, self.g = context.formats(self.index, self.plan, d, h, store_dtype)
         self.heads, self.groups = h, h // self.g
-        policy = context.policy
+        policy = self.policy = context.policy
+        window = context.sliding_window(self.index)
+        if policy is None and window:  # a sliding-window layer frees what no later query can see
+            block = recipe.cache.block_size if (recipe.quantizes or recipe.keys.pre_rope) else 0
+            policy = self.policy = SlidingWindowRule(window, block)
         meta = []
-        if context.slot_positions:
+        if policy is not None:  # evicting: positions per slot
             meta.append("pos")
         if policy is not None and policy.uses_attention:
             meta.append("score")
@@ -193,7 +198,7 @@ class KvtoolLayer(CacheLayerMixin):
             scaling=scaling, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
             sliding_window=kwargs.get("sliding_window") or self.context.sliding_window(self.index),
         )
-        policy = self.context.policy
+        policy = self.policy
         scoring = policy is not None and policy.uses_attention
         nk = new_k.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
         nv = new_v.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
@@ -311,6 +316,7 @@ class KvtoolLayer(CacheLayerMixin):
         """Accumulate scores, let the policy choose, then write the kept new tokens into the store."""
         b = self.lengths.shape[0]
         groups, store, context = self.groups, self.store, self.context
+        policy = self.policy
         if real is None:
             counts = np.full(b, t, dtype=np.int64)
             order = None
@@ -328,7 +334,6 @@ class KvtoolLayer(CacheLayerMixin):
 
         data = {"k": compact(nk.transpose(1, 2)), "v": compact(nv.transpose(1, 2))}  # (S, t, g, D)
         stream_pos = compact(positions.repeat_interleave(groups, dim=0))  # (S, t)
-        policy = context.policy
         if "pos" in store.layout.meta:
             data["pos"] = stream_pos
         if received is not None:
@@ -365,14 +370,15 @@ class KvtoolLayer(CacheLayerMixin):
         Returns True when it also stored the kept new tokens (a float store: they fill the
         freed slots), False when they still have to be appended (nothing to evict).
         """
-        store, policy = self.store, self.context.policy
+        store, policy = self.store, self.policy
         decoding = positions.shape[1] == 1
         if policy.budgeted and decoding and self._quiet_steps > 0:  # no stream can be due yet (see below)
             self._quiet_steps -= 1
             return False
         self._quiet_steps = 0  # a forward of several tokens breaks the one-token-per-step count
         length = self.lengths.repeat_interleave(self.groups)  # (S,)
-        budget = self.context.budget(self.index, length)
+        rule = isinstance(policy, SlidingWindowRule)
+        budget = policy.budget(length) if rule else self.context.budget(self.index, length)
         if policy.budgeted:  # a stream is cut back to its budget once it holds ``interval`` tokens more
             slack = policy.spec.interval - 1 if decoding else 0  # prefill: always down to the budget
             held = torch.from_numpy(store.tokens() + counts).to(self.device)  # (S,) after this forward
@@ -380,7 +386,7 @@ class KvtoolLayer(CacheLayerMixin):
             if not bool(due.any()):
                 # a decode step adds at most one token per stream and a plain budget never shrinks as the
                 # sequence grows: the closest stream is due in (margin + 1) steps at the earliest
-                if decoding and isinstance(self.context.budget, BudgetRule):
+                if decoding and (rule or isinstance(self.context.budget, BudgetRule)):
                     self._quiet_steps = int((budget + slack - held).min())
                 return False
             budget = torch.where(due, budget, held)  # streams not due keep everything (as they would alone)
@@ -508,7 +514,7 @@ class KvtoolLayer(CacheLayerMixin):
         column = column.clamp(max=max(keys.shape[2] - 1, 0))
         valid = j < total[:, None]
         pos = pos.gather(1, column)
-        if self.context.slot_positions:  # unordered float slots: present by position
+        if "pos" in store.layout.meta:  # unordered float slots: present by position
             column = column.gather(1, torch.sort(pos.masked_fill(~valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices)
             pos = pos.gather(1, torch.sort(pos.masked_fill(~valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices)
         rows = torch.arange(s, device=self.device)[:, None]
