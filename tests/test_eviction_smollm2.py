@@ -57,6 +57,8 @@ def test_half_the_cache_stays_within_10_percent(scorer, name):
     recipe = load_recipe(name)
     assert recipe.eviction.budget == 0.5
     result = score(recipe)
-    assert abs(result.kept_fraction - 0.5) < 0.03, "the cache did not keep the fraction it was asked to"
-    assert result.cache_bytes < 0.56 * full.cache_bytes
+    # the budget, plus at most interval - 1 tokens a stream may gain while decoding before it is cut back
+    slack = (recipe.eviction.interval - 1) / SEQ_LEN
+    assert 0.47 < result.kept_fraction < 0.5 + slack + 0.01, "the cache did not keep the fraction it was asked to"
+    assert result.cache_bytes < (0.56 + slack) * full.cache_bytes
     assert 100 * (result.ppl / full.ppl - 1) < 10.0, (result.ppl, full.ppl)

@@ -382,14 +382,21 @@ class KvtoolLayer(CacheLayerMixin):
         if policy.budgeted:  # a stream is cut back to its budget once it holds ``interval`` tokens more
             slack = policy.spec.interval - 1 if decoding else 0  # prefill: always down to the budget
             held = torch.from_numpy(store.tokens() + counts).to(self.device)  # (S,) after this forward
-            due = held > budget + slack
-            if not bool(due.any()):
+            room = (budget + slack - held).reshape(-1, self.groups)  # (B, H/g): a sequence's streams
+            if getattr(policy.spec, "head_budgets", "uniform") == "adaptive":  # heads share the sequence's budget
+                due_sequences, steps = room.sum(dim=1) < 0, room.sum(dim=1) // self.groups
+            else:
+                due_sequences, steps = (room < 0).any(dim=1), room.amin(dim=1)
+            if not bool(due_sequences.any()):
                 # a decode step adds at most one token per stream and a plain budget never shrinks as the
-                # sequence grows: the closest stream is due in (margin + 1) steps at the earliest
+                # sequence grows: no sequence is due before (steps + 1) more steps
                 if decoding and (rule or isinstance(self.context.budget, BudgetRule)):
-                    self._quiet_steps = int((budget + slack - held).min())
+                    self._quiet_steps = int(steps.min())
                 return False
-            budget = torch.where(due, budget, held)  # streams not due keep everything (as they would alone)
+            # a sequence is cut back whole once one of its streams is due (the policy may share budgets
+            # among its heads); sequences not due keep everything, as they would alone
+            due = due_sequences.repeat_interleave(self.groups)  # (S,)
+            budget = torch.where(due, budget, held)
         t = positions.shape[1]
         fbs = store.fbs
         table = SlotTable(int(store.float_blocks().max()) * fbs, int(store.body_len.max()) if store.body_pool else 0, store.bs, t)
