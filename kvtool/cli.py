@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli_usage import OneLineErrorsGroup
-from kvtool.errors import KvtoolError
+from kvtool.errors import KvtoolError, RuntimeConfigError
 
 app = typer.Typer(
     cls=OneLineErrorsGroup,  # usage errors: one `error:` line, exit 2
@@ -398,6 +398,8 @@ def eval_retrieval(
 def inspect(
     artifact: Annotated[Path, typer.Argument(help="Any kvtool artifact (profile, calibration or deployable).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest and tensor list as JSON.")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the artifact's model-card section (Markdown), "
+                                           "ready for a hub README.")] = False,
     plot: PlotOpt = None,
 ):
     """Show an artifact's manifest, model, recipe, quality, tensors and FastGen policy map."""
@@ -405,11 +407,18 @@ def inspect(
     from kvtool.attention_profile import load_policy_map
     from kvtool.cli_render import render_inspect, render_policy_map
 
+    if as_json and markdown:
+        raise RuntimeConfigError("--json and --markdown are two output formats: pass one of them")
     if plot is not None:
         from kvtool.plots_profile import check_plot_path
 
         check_plot_path(plot)
     info = api.inspect(artifact)
+    if markdown:
+        from kvtool.hub import model_card
+
+        print(model_card(info["manifest"]))
+        return
     has_map = any(name.endswith("heads.policy") for name in info["tensors"])
     policies = load_policy_map(artifact) if has_map else None
     _write_plot(plot, policies)

@@ -125,3 +125,11 @@ def test_card_command_prints_the_markdown(artifact):
     result = CliRunner().invoke(app, ["card", str(artifact)])
     assert result.exit_code == 0 and result.stdout.strip() == model_card(load_artifact(artifact).manifest).strip()
     assert "## kvtool KV-cache compression" in result.stdout and "4-bit per channel" in result.stdout
+
+
+def test_inspect_markdown_prints_the_card(artifact):
+    """`kvtool inspect --markdown` is the same model-card section as `kvtool card`; with --json it is a usage error."""
+    result = CliRunner().invoke(app, ["inspect", str(artifact), "--markdown"])
+    assert result.exit_code == 0 and result.stdout.strip() == model_card(load_artifact(artifact).manifest).strip()
+    both = CliRunner().invoke(app, ["inspect", str(artifact), "--markdown", "--json"])
+    assert both.exit_code == 2 and "pass one of them" in both.output and "Traceback" not in both.output
