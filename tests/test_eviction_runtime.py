@@ -102,17 +102,24 @@ def left_padded_pair(seed: int):
     return long, short, ids, mask
 
 
+def decode_batch_like_alone(model, rt, seed: int, new_tokens: int = 30):
+    """Greedy-decode a left-padded pair as one batch and each sequence alone; assert the same new tokens.
+
+    Returns the batch's cache."""
+    long, short, ids, mask = left_padded_pair(seed)
+    batch_cache = rt.new_cache()
+    together = _generate(model, batch_cache, ids, mask, new_tokens=new_tokens)
+    alone = [_generate(model, rt.new_cache(), x, torch.ones_like(x), new_tokens=new_tokens) for x in (long, short)]
+    assert torch.equal(together[0, 48:], alone[0][0, 48:])
+    assert torch.equal(together[1, 48:], alone[1][0, 33:])
+    return batch_cache
+
+
 @pytest.mark.parametrize("bits", [16, 4])
 @pytest.mark.parametrize("policy", registered_policies())
 def test_batch_equals_each_sequence_alone(policy, bits):
     model = tiny_model("llama")
-    long, short, ids, mask = left_padded_pair(2)
-    rt = runtime(model, evicting(policy, bits=bits, budget=0.5))
-    batch_cache = rt.new_cache()
-    together = _generate(model, batch_cache, ids, mask)
-    alone = [_generate(model, rt.new_cache(), x, torch.ones_like(x)) for x in (long, short)]
-    assert torch.equal(together[0, 48:], alone[0][0, 48:])
-    assert torch.equal(together[1, 48:], alone[1][0, 33:])
+    batch_cache = decode_batch_like_alone(model, runtime(model, evicting(policy, bits=bits, budget=0.5)), seed=2)
     # the two sequences keep different numbers of tokens: storage is ragged, nothing is padded
     layer = batch_cache.layers[0]
     assert layer.lengths.tolist() == [48 + 29, 33 + 29]
@@ -128,13 +135,9 @@ def test_an_eviction_interval_evicts_once_per_interval_and_keeps_batches_exact(p
     batch is cut when it is due (so a batch decodes exactly as its sequences alone), and the cache really
     holds the tokens it reports (bytes = the kept tokens' blocks) at every step."""
     model = tiny_model("llama")
-    long, short, ids, mask = left_padded_pair(3)
     rt = runtime(model, evicting(policy, budget_tokens=20, interval=8))
-    batch_cache = rt.new_cache()
-    together = _generate(model, batch_cache, ids, mask, new_tokens=40)
-    alone = [_generate(model, rt.new_cache(), x, torch.ones_like(x), new_tokens=40) for x in (long, short)]
-    assert torch.equal(together[0, 48:], alone[0][0, 48:])
-    assert torch.equal(together[1, 48:], alone[1][0, 33:])
+    decode_batch_like_alone(model, rt, seed=3, new_tokens=40)
+    long, short, _, _ = left_padded_pair(3)
     cache = rt.new_cache()
     held = []
     with torch.no_grad():

@@ -20,7 +20,13 @@ from kvtool.methods.evict.base import EvictionPolicy, StreamView, ratio_budget, 
 
 
 class BudgetRule:
-    """Tokens each stream of ``layer`` may keep when its sequence has seen ``length`` (S,) tokens."""
+    """Tokens each stream of ``layer`` may keep when its sequence has seen ``length`` (S,) tokens.
+
+    ``never_shrinks``: a longer sequence never gets a smaller budget (the runtime may then skip
+    the budget check for decode steps that cannot reach it); rules without it are asked every step.
+    """
+
+    never_shrinks = True
 
     def __init__(self, ratio: float, tokens: int | None, layer_weights: torch.Tensor) -> None:
         self.ratio, self.tokens, self.weights = ratio, tokens, layer_weights.double()
@@ -87,6 +93,7 @@ def choose(policy: EvictionPolicy, view: StreamView, budget: torch.Tensor) -> to
 class _RuleSpec:
     interval: int  # tokens a stream may gain past its budget before the rule runs (as `EvictionSpec.interval`)
     window: int
+    head_budgets: str = "uniform"
 
 
 class SlidingWindowRule:
@@ -101,6 +108,7 @@ class SlidingWindowRule:
     """
 
     name = "sliding-window"
+    never_shrinks = True  # it is its own budget rule (`__call__`)
     uses_attention = False
     uses_feature = False
     uses_token_classes = False
@@ -110,7 +118,7 @@ class SlidingWindowRule:
         self.window, self.block_size = window, block_size
         self.spec = _RuleSpec(interval=interval, window=window)
 
-    def budget(self, length: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, length: torch.Tensor) -> torch.Tensor:
         """(S,) tokens a stream may hold before the rule runs: the window plus one body block."""
         return torch.full_like(length, self.window + self.block_size)
 

@@ -29,7 +29,7 @@ from kvtool.methods.evict.base import StreamView
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
-from kvtool.runtime.eviction import BudgetRule, SlidingWindowRule, SlotTable, choose
+from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend, attend_scored, chunk_tokens
 from kvtool.runtime.positions import SequencePositions
@@ -98,6 +98,7 @@ class KvtoolLayer(CacheLayerMixin):
         self._pending = None
         self._quiet_steps = 0  # decode steps in which no stream can reach its eviction point
         self.policy = None  # the recipe's eviction policy, or a sliding window's rule (set with the store)
+        self.budget = None  # (layer, length (S,)) -> (S,) tokens a stream may keep: the policy's budget rule
         self.store: LayerStore | None = None
 
     # --- transformers' CacheLayerMixin contract -------------------------------------------------
@@ -108,11 +109,12 @@ class KvtoolLayer(CacheLayerMixin):
         store_dtype = storage_dtype(recipe, key_states.dtype)
         self.key_format, self.value_format, self.g = context.formats(self.index, self.plan, d, h, store_dtype)
         self.heads, self.groups = h, h // self.g
-        policy = self.policy = context.policy
+        policy, self.budget = context.policy, context.budget
         window = context.sliding_window(self.index)
         if policy is None and window:  # a sliding-window layer frees what no later query can see
             block = recipe.cache.block_size if (recipe.quantizes or recipe.keys.pre_rope) else 0
-            policy = self.policy = SlidingWindowRule(window, block)
+            policy = self.budget = SlidingWindowRule(window, block)
+        self.policy = policy
         meta = []
         if policy is not None:  # evicting: positions per slot
             meta.append("pos")
@@ -377,20 +379,19 @@ class KvtoolLayer(CacheLayerMixin):
             return False
         self._quiet_steps = 0  # a forward of several tokens breaks the one-token-per-step count
         length = self.lengths.repeat_interleave(self.groups)  # (S,)
-        rule = isinstance(policy, SlidingWindowRule)
-        budget = policy.budget(length) if rule else self.context.budget(self.index, length)
+        budget = self.budget(self.index, length)
         if policy.budgeted:  # a stream is cut back to its budget once it holds ``interval`` tokens more
             slack = policy.spec.interval - 1 if decoding else 0  # prefill: always down to the budget
             held = torch.from_numpy(store.tokens() + counts).to(self.device)  # (S,) after this forward
             room = (budget + slack - held).reshape(-1, self.groups)  # (B, H/g): a sequence's streams
-            if getattr(policy.spec, "head_budgets", "uniform") == "adaptive":  # heads share the sequence's budget
+            if policy.spec.head_budgets == "adaptive":  # heads share the sequence's budget
                 due_sequences, steps = room.sum(dim=1) < 0, room.sum(dim=1) // self.groups
             else:
                 due_sequences, steps = (room < 0).any(dim=1), room.amin(dim=1)
             if not bool(due_sequences.any()):
                 # a decode step adds at most one token per stream and a plain budget never shrinks as the
                 # sequence grows: no sequence is due before (steps + 1) more steps
-                if decoding and (rule or isinstance(self.context.budget, BudgetRule)):
+                if decoding and getattr(self.budget, "never_shrinks", False):
                     self._quiet_steps = int(steps.min())
                 return False
             # a sequence is cut back whole once one of its streams is due (the policy may share budgets
