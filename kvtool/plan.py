@@ -34,6 +34,7 @@ import torch
 from kvtool.calibration import needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.recipe import Recipe, bundled_recipe_dir, load_recipe
+from kvtool.runtime.eviction import SlidingWindowRule
 from kvtool.runtime.layer import build_formats, storage_dtype
 from kvtool.runtime.store import FLOAT_BLOCK, LayerStore, StoreLayout
 
@@ -82,8 +83,8 @@ def predict_cache_bytes(runtime, context: int, batch: int, dtype: torch.dtype | 
     for index, fitted in enumerate(runtime.layer_tensors):
         window = windows[index] if index < len(windows) else None
         tokens = context
-        if window is not None and context > window + (recipe.cache.block_size if quantized else 0):
-            tokens = window  # a sliding-window layer keeps the prefill's last `window` tokens (`SlidingWindowRule`)
+        if window is not None and context > SlidingWindowRule(window, recipe.cache.block_size if quantized else 0).limit:
+            tokens = window  # a prefill past the rule's limit keeps the last `window` tokens
         float_tokens, body_blocks = stream_split(recipe, tokens)
         prefix = lambda part: {k[len(part) + 1 :]: v for k, v in fitted.items() if k.startswith(f"{part}.")}  # noqa: E731
         key_format, value_format, g = build_formats(recipe, prefix, geometry.head_dim, geometry.num_kv_heads, store_dtype)

@@ -116,11 +116,12 @@ class SlidingWindowRule:
 
     def __init__(self, window: int, block_size: int, interval: int = 16) -> None:
         self.window, self.block_size = window, block_size
+        self.limit = window + block_size  # tokens a stream may hold before the rule runs (plus the interval)
         self.spec = _RuleSpec(interval=interval, window=window)
 
     def __call__(self, layer: int, length: torch.Tensor) -> torch.Tensor:
         """(S,) tokens a stream may hold before the rule runs: the window plus one body block."""
-        return torch.full_like(length, self.window + self.block_size)
+        return torch.full_like(length, self.limit)
 
     def keep(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:
         """(S, N) bool: tokens (whole units) with a position inside the newest query's window."""
