@@ -176,7 +176,8 @@ def perplexity_rows(args, console: Console, rows: list[dict], save) -> list[dict
 def retrieval_rows(args, console: Console, rows: list[dict], save) -> list[dict]:
     """Copy-needle accuracy per policy and fraction on the copy model, against the full cache."""
     from kvtool.eval.copy_model import CopyVocab, train_copy_model
-    from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid
+    from kvtool.eval.retrieval import evaluate_grid
+    from kvtool.eval.retrieval_request import RetrievalGrid
     from kvtool.eval.retrieval_tasks import CopyTask
 
     model = train_copy_model(seed=0)

@@ -585,10 +585,11 @@ def evaluate_retrieval(
     compress each context before its question is fed (one compressed document, any question).
     """
     from kvtool.eval.baselines import sixteen_bit_recipe
-    from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid, retrieval_caveats
+    from kvtool.eval.retrieval import evaluate_grid, retrieval_caveats
+    from kvtool.eval.retrieval_request import RetrievalGrid, check_retrieval_request
 
     grid = RetrievalGrid(tuple(lengths), tuple(depths), seeds)
-    _check_retrieval_request(task, data, facts, plot)
+    check_retrieval_request(task, data, facts, plot)
     spec = None if data is None else _checked_data(data)
     hf_model, _, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, tokenizer=False,
                                     backend=backend)
@@ -609,23 +610,6 @@ def evaluate_retrieval(
 
         report["plot"] = str(plot_retrieval(report, plot))
     return report
-
-
-def _check_retrieval_request(task: str, data, facts: int, plot) -> None:
-    from kvtool.errors import DataError
-    from kvtool.eval.retrieval import TASKS
-
-    if task not in TASKS:
-        raise RuntimeConfigError(f"--task '{task}' is unknown: use one of {', '.join(TASKS)}")
-    if task == "passkey" and data is None:
-        raise DataError("the passkey task hides the key in text: give held-out text with --data "
-                        "(e.g. 'book.txt[0.9:1]'); for models without a tokenizer use --task copy")
-    if task == "copy" and facts != 1:
-        raise RuntimeConfigError(f"--facts {facts} applies to the passkey task; the copy task hides one needle (leave out --facts)")
-    if plot is not None:
-        from kvtool.plots_profile import check_plot_path
-
-        check_plot_path(plot)
 
 
 def _passkey_tokenizer(hf_model):

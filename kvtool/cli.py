@@ -14,7 +14,6 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from kvtool.cli_usage import OneLineErrorsGroup
 from kvtool.errors import KvtoolError, RuntimeConfigError
@@ -129,6 +128,20 @@ def _check_recipe(recipe: Optional[str]) -> None:
         load_recipe(recipe)
 
 
+def _check_context(model: Optional[str], tokens: int, asked: str, fix: str) -> None:
+    """Refuse a request longer than the model's context limit from its config.json, before the model loads."""
+    from kvtool.context_limit import check_context_early
+
+    check_context_early(model, tokens, asked, fix)
+
+
+def _check_plot_path(path: Optional[Path]) -> None:
+    if path is not None:
+        from kvtool.plotting import check_plot_path
+
+        check_plot_path(path)
+
+
 def _check_json_path(path: Optional[Path]) -> None:
     """Refuse an unusable --json path before any work starts."""
     if path is not None:
@@ -171,15 +184,13 @@ def profile(
     spec = _data(data, text_column)
     _check_recipe(recipe)
     _check_model(model)
+    _check_context(model, seq_len, f"--seq-len {seq_len}", "lower --seq-len")
+    _check_plot_path(plot)
     from kvtool import api
     from kvtool.attention_profile import policy_map
     from kvtool.cli_render import render_profile
 
     _quiet_libraries()
-    if plot is not None:
-        from kvtool.plots_profile import check_plot_path
-
-        check_plot_path(plot)
     artifact = api.profile(
         spec, out, model, recipe=recipe, threshold=threshold, local_ratio=local_ratio,
         frequent_ratio=frequent_ratio, samples=samples, seq_len=seq_len, seed=seed,
@@ -225,6 +236,8 @@ def calibrate(
     spec = _data(data, text_column)
     _check_recipe(recipe)
     _check_model(model)
+    if seq_len is not None:
+        _check_context(model, seq_len, f"--seq-len {seq_len}", "lower --seq-len")
     from kvtool import api
     from kvtool.cli_render import render_calibration
 
@@ -282,13 +295,17 @@ def generate(
     backend: BackendOpt = "auto",
 ):
     """Generate with the compressed cache; ends with cache bytes vs the 16-bit cache and tokens/s."""
+    from kvtool.cli_render import read_prompts
+
+    prompts = read_prompts(prompt, prompt_file)
     _check_recipe(recipe)
     _check_model(model)
+    _check_context(model, max_new_tokens + 1, f"--max-new-tokens {max_new_tokens} after a prompt",
+                   "lower --max-new-tokens (-n)")
     from kvtool import api
-    from kvtool.cli_render import render_generation, read_prompts
+    from kvtool.cli_render import render_generation
 
     _quiet_libraries()
-    prompts = read_prompts(prompt, prompt_file)
     stream = _prompt_then_text(prompts[0]) if len(prompts) == 1 else None
     result = api.generate(
         prompts, model, artifact, recipe, max_new_tokens=max_new_tokens, do_sample=sample,
@@ -337,6 +354,7 @@ def eval_ppl(
     _check_recipe(recipe)
     _check_model(model)
     _check_json_path(json_out)
+    _check_context(model, seq_len, f"--seq-len {seq_len}", "lower --seq-len")
     from kvtool import api
     from kvtool.cli_render import render_perplexity
 
@@ -374,18 +392,21 @@ def eval_retrieval(
     backend: BackendOpt = "auto",
 ):
     """Retrieval through the real runtime: a fact at depth d of an n-token context, asked at the end; exact-match accuracy."""
+    from kvtool.eval.retrieval_request import RetrievalGrid, check_retrieval_request, parse_numbers
+
     spec = None if data is None else _data(data, text_column)
+    grid = RetrievalGrid(parse_numbers(lengths, int, "--lengths"), parse_numbers(depths, float, "--depths"), seeds)
+    check_retrieval_request(task, spec, facts, plot)
     _check_recipe(recipe)
     _check_model(model)
     _check_json_path(json_out)
+    _check_context(model, max(grid.lengths), f"--lengths up to {max(grid.lengths)}", "lower --lengths")
     from kvtool import api
     from kvtool.cli_render import render_retrieval
-    from kvtool.eval.retrieval import parse_numbers
 
     _quiet_libraries()
     report = api.evaluate_retrieval(
-        model, artifact, recipe, task=task, data=spec,
-        lengths=parse_numbers(lengths, int, "--lengths"), depths=parse_numbers(depths, float, "--depths"),
+        model, artifact, recipe, task=task, data=spec, lengths=grid.lengths, depths=grid.depths,
         seeds=seeds, facts=facts, baseline=baseline, plot=plot, profile=profile,
         load=_load_options(dtype, device, device_map), progress=_progress, backend=backend, question_agnostic=question_agnostic,
     )
@@ -409,10 +430,7 @@ def inspect(
 
     if as_json and markdown:
         raise RuntimeConfigError("--json and --markdown are two output formats: pass one of them")
-    if plot is not None:
-        from kvtool.plots_profile import check_plot_path
-
-        check_plot_path(plot)
+    _check_plot_path(plot)
     info = api.inspect(artifact)
     if markdown:
         from kvtool.hub import model_card
@@ -459,7 +477,7 @@ def run(
     eval_samples: Annotated[int, typer.Option(help="Evaluation windows.")] = 4,
     eval_seq_len: Annotated[int, typer.Option(help="Tokens per evaluation window (half prefill, half decoded).")] = 512,
     prompt: Annotated[str, typer.Option(help="Prompt for the generated sample.")] = "Once upon a time",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate for the sample.")] = 48,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate for the sample (enough to fill a quantized block).")] = 128,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
 ):
@@ -467,6 +485,8 @@ def run(
     _data(data, "text")  # bad data or recipe: one error line before torch or a model loads
     _check_recipe(recipe)
     _check_model(model)
+    _check_context(model, seq_len, f"--seq-len {seq_len}", "lower --seq-len")
+    _check_context(model, eval_seq_len, f"--eval-seq-len {eval_seq_len}", "lower --eval-seq-len")
     from kvtool.cli_render import render_summary
     from kvtool.pipeline import run_pipeline
 

@@ -94,6 +94,23 @@ class DataSpec:
         """JSON-able provenance of the data."""
         return {"source": self.source, "text_column": self.text_column, "start": self.start, "end": self.end}
 
+    def label(self) -> str:
+        """The spec as the CLI takes it: 'book.txt', 'book.txt[0.9:1]', plus '(column c)' when not 'text'."""
+        text = self.source
+        if (self.start, self.end) != (0.0, 1.0):
+            text += f"[{self.start:g}:{self.end:g}]"
+        return text if self.text_column == "text" else f"{text} (column {self.text_column})"
+
+    @classmethod
+    def label_of(cls, described) -> str:
+        """`label()` of a `describe()` dict read back from a manifest; other values as they are."""
+        if isinstance(described, dict) and "source" in described:
+            try:
+                return cls(**{key: described[key] for key in ("source", "text_column", "start", "end") if key in described}).label()
+            except (DataError, TypeError):
+                pass
+        return str(described)
+
     def is_local(self) -> bool:
         """True if the source is a local file or folder (existing or written like a path)."""
         source = os.path.expanduser(self.source)

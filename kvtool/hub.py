@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kvtool.data import DataSpec
 from kvtool.errors import ArtifactError, ModelError
 
 HUB_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+):(?P<file>[^@:]+\.safetensors)(?:@(?P<rev>[\w./-]+))?$")
@@ -83,14 +84,14 @@ def model_card(manifest: dict) -> str:
     if bits:
         lines.append("- **expected bits per element (body)**: " + ", ".join(f"{k} {_num(v)}" for k, v in bits.items()))
     if calibration:
-        lines.append(f"- **calibrated on**: {calibration.get('data', '?')} — {calibration.get('samples', '?')} windows x "
+        lines.append(f"- **calibrated on**: {DataSpec.label_of(calibration.get('data', '?'))} — {calibration.get('samples', '?')} windows x "
                      f"{calibration.get('seq_len', '?')} tokens ({calibration.get('tokens', '?')} tokens, seed {calibration.get('seed', '?')})")
     quality = manifest.get("quality") or {}
     if quality:
         lines.append("- **measured quality (on the calibration data)**: " + ", ".join(f"{k} {_num(v)}" for k, v in quality.items()))
     if manifest.get("profile"):
-        lines.append(f"- **attention profile from**: {manifest['profile'].get('data', '?')}")
-    lines += ["", "Use: `kvtool generate --artifact OWNER/NAME:FILE.safetensors --model MODEL \"prompt\"`, "
+        lines.append(f"- **attention profile from**: {DataSpec.label_of(manifest['profile'].get('data', '?'))}")
+    lines += ["", "Use: `kvtool generate --artifact OWNER/NAME:FILE.safetensors --model MODEL --prompt \"...\"`, "
               "or `kvtool.load(model, path)` in Python.", ""]
     return "\n".join(lines)
 

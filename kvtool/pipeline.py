@@ -41,7 +41,7 @@ def run_pipeline(
     eval_samples: int = 4,
     eval_seq_len: int = 512,
     prompt: str = "Once upon a time",
-    max_new_tokens: int = 48,
+    max_new_tokens: int = 128,
     load: api.LoadOptions = api.LoadOptions(),
     progress: Progress = no_progress,
     log: Callable[[str], None] = lambda message: None,

@@ -1,6 +1,6 @@
 """PNG heatmap of a profile's FastGen policy map (layer x KV head), for `kvtool profile/inspect --plot`.
 
-matplotlib comes from the ``plots`` extra; `require_matplotlib` fails early with the
+matplotlib comes from the ``plots`` extra; `kvtool.plotting.require_matplotlib` fails early with the
 install command, before any long run.
 """
 
@@ -9,33 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtool.attention_profile import PolicyMap
-from kvtool.errors import KvtoolError
-from kvtool.fileio import atomic_write, check_output_path
+from kvtool.fileio import atomic_write
 from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, PUNCTUATION
+from kvtool.plotting import require_matplotlib
 
 # one colour per policy, cheap (cool) to expensive (warm); the terminal map uses the same hues
 POLICY_COLOURS = ("#8e44ad", "#f1c40f", "#27ae60", "#2e86c1", "#c0392b")
-
-
-def require_matplotlib():
-    """The pyplot module (Agg backend); KvtoolError with the install command when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise KvtoolError(f'--plot needs matplotlib ({exc}): install it with pip install -e ".[plots]"') from exc
-    return plt
-
-
-def check_plot_path(path: str | Path) -> Path:
-    """Fail before any work unless ``path`` is a writable file path ending in .png."""
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise KvtoolError(f"--plot writes a PNG image: give a path ending in .png, not '{path}'")
-    require_matplotlib()
-    return check_output_path(path)
 
 
 def write_policy_heatmap(policies: PolicyMap, path: str | Path, title: str = "FastGen policy per KV head") -> Path:

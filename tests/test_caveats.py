@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from kvtool.eval.caveats import (
     uncompressed_note,
 )
 from kvtool.eval.speed import DecodeClock, StepTimes, speed_note
-from kvtool.recipe import EvictionSpec, load_recipe
+from kvtool.recipe import load_recipe
 
 IDLE = {"load_average": 0.0, "cores": 2}
 
@@ -147,3 +146,24 @@ def test_quiet_progress_bars_restores_the_callers_setting():
         pass
     assert not transformers_logging.is_progress_bar_enabled()
     transformers_logging.enable_progress_bar()
+
+
+def test_rows_are_scored_interleaved_step_by_step_and_each_as_if_alone():
+    """`perplexities` runs decode step s of every cache before step s + 1 (the rows meet the same machine
+    load), and each row's result is what `perplexity` gives for that cache alone."""
+    from kvtool.eval.perplexity import perplexities, perplexity
+    from kvtool.runtime.attach import CompressedRuntime
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    windows = torch.randint(3, 128, (3, 120), generator=torch.Generator().manual_seed(0))  # 120 > 4 sink + 64 recent + 32
+    runtimes = [CompressedRuntime.from_recipe(model, load_recipe(name)) for name in ("kivi-2bit", "uncompressed")]
+    order = []
+    on_steps = [lambda tokens, seconds, row=row: order.append(row) for row in range(len(runtimes))]
+    together = perplexities(model, windows, [r.new_cache for r in runtimes], prefill=100, batch_size=2, on_steps=on_steps)
+    assert order == [0, 1] * (len(order) // 2) and len(order) == 2 * 2 * (120 - 1 - 100)  # 2 batches x 19 steps x 2 rows
+    for runtime, result in zip(runtimes, together):
+        alone = perplexity(model, windows, runtime.new_cache, prefill=100, batch_size=2)
+        assert result.ppl == pytest.approx(alone.ppl, rel=1e-6) and result.scored_tokens == alone.scored_tokens
+        assert result.cache_bytes == alone.cache_bytes and result.fp16_cache_bytes == alone.fp16_cache_bytes
+    assert together[0].cache_bytes < together[1].cache_bytes  # two different caches, not one scored twice

@@ -546,7 +546,7 @@ def test_run_defaults(rec):
     args, kwargs = rec.one("run_pipeline")
     assert args == ("f.txt", Path("kvtool-run"), None, None)
     expected = {"calib_fraction": 0.9, "samples": 8, "seq_len": 512, "eval_samples": 4, "eval_seq_len": 512,
-                "prompt": "Once upon a time", "max_new_tokens": 48, "load": LoadOptions()}
+                "prompt": "Once upon a time", "max_new_tokens": 128, "load": LoadOptions()}
     assert {k: kwargs[k] for k in expected} == expected
 
 
@@ -725,6 +725,47 @@ def test_bad_data_fails_before_anything_loads(rec, monkeypatch, argv, data, need
         rec.patch(name, raises=AssertionError("the API was called before --data was checked"))
     rec.patch("run_pipeline", target=kvtool.pipeline, raises=AssertionError("the pipeline ran before --data was checked"))
     assert_friendly_error(invoke(*argv, "-d", data), needle)
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (("profile", "-d", "f.txt", "-o", "p.safetensors", "--seq-len", "600"), ("--seq-len 600", "512 positions", "lower --seq-len")),
+    (("calibrate", "-d", "f.txt", "-o", "c.safetensors", "--seq-len", "600"), ("--seq-len 600", "lower --seq-len")),
+    (("eval", "ppl", "-d", "f.txt", "--seq-len", "1024"), ("--seq-len 1024", "512 positions")),
+    (("eval", "retrieval", "--task", "copy", "--lengths", "256,4096"), ("--lengths up to 4096", "lower --lengths")),
+    (("generate", "--prompt", "hi", "-n", "600"), ("--max-new-tokens 600", "lower --max-new-tokens")),
+    (("run", "-d", "f.txt", "--eval-seq-len", "700"), ("--eval-seq-len 700", "512 positions")),
+])
+def test_context_beyond_the_model_fails_before_anything_loads(rec, argv, needles):
+    """The model's context limit is read from its config.json: the API (torch, the model) is never reached."""
+    Path("f.txt").write_text("some text\n")
+    for name in ("profile", "calibrate", "evaluate_perplexity", "evaluate_retrieval", "generate"):
+        rec.patch(name, raises=AssertionError(f"the API ({name}) was called before the context was checked"))
+    rec.patch("run_pipeline", target=kvtool.pipeline, raises=AssertionError("the pipeline ran before the context was checked"))
+    assert_friendly_error(invoke(*argv, "-m", stories()), *needles, "stories260K")
+
+
+def test_context_limit_of_the_embedded_model_and_of_unreadable_configs(tmp_path):
+    from kvtool.context_limit import max_positions
+
+    assert max_positions(None) == 2048  # kvref-5m, embedded
+    assert max_positions(str(tmp_path)) is None  # a folder without config.json: the model load says why
+    (tmp_path / "config.json").write_text("{not json")
+    assert max_positions(str(tmp_path)) is None
+    (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 32768}}')  # Gemma 3 style
+    assert max_positions(str(tmp_path)) == 32768
+    assert max_positions("nobody/uncached-model") is None  # not cached: nothing to read, no network touched
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("--task", "bogus"), "--task 'bogus' is unknown"),
+    (("--task", "passkey"), "give held-out text with --data"),
+    (("--task", "copy", "--depths", "0,2"), "--depths"),
+    (("--task", "copy", "--lengths", "a,b"), "--lengths 'a,b'"),
+    (("--task", "copy", "--plot", "grid.jpg"), "PNG"),
+])
+def test_bad_retrieval_request_fails_before_anything_loads(rec, argv, needle):
+    rec.patch("evaluate_retrieval", raises=AssertionError("the API was called before the request was checked"))
+    assert_friendly_error(invoke("eval", "retrieval", *argv), needle)
 
 
 def test_bad_recipe_fails_before_anything_loads(rec):

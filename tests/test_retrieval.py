@@ -23,7 +23,8 @@ from kvtool.cli import app
 from kvtool.data import DataSpec
 from kvtool.errors import DataError, KvtoolError, ModelError, RuntimeConfigError
 from kvtool.eval.copy_model import CopyVocab, copy_losses, save_copy_model
-from kvtool.eval.retrieval import RetrievalGrid, evaluate_grid, parse_numbers
+from kvtool.eval.retrieval import evaluate_grid
+from kvtool.eval.retrieval_request import RetrievalGrid, parse_numbers
 from kvtool.eval.retrieval_tasks import CopyTask, PasskeyTask, text_filler
 from kvtool.recipe import EvictionSpec, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe

@@ -15,7 +15,6 @@ from transformers import DynamicCache
 
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
-from kvtool.runtime.memory import walked_nbytes
 from kvtool.runtime.store import FLOAT_BLOCK
 from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer_free_inputs
 

@@ -60,21 +60,31 @@ def _check_args(windows: torch.Tensor, prefill: int, chunk: int) -> None:
 
 
 @torch.no_grad()
-def _score_batch(model, ids: torch.Tensor, cache, prefill: int, chunk: int, on_step=None) -> tuple[float, int, float]:
-    """Prefill then decode one batch of windows (b, T); return (sum NLL, scored tokens, decode seconds)."""
-    model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True)
-    total, count, start_time = 0.0, 0, time.perf_counter()
+def _score_batch(model, ids: torch.Tensor, caches: list, prefill: int, chunk: int,
+                 on_steps: list | None = None) -> list[tuple[float, int, float]]:
+    """Prefill then decode one batch of windows (b, T) into every cache, the caches taking turns step by step.
+
+    Returns (sum NLL, scored tokens, decode seconds) per cache. Decode step s runs for cache 0,
+    then cache 1, ..., before step s + 1: the caches' timed steps meet the same machine load.
+    """
+    for cache in caches:
+        model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True)
+    totals = [[0.0, 0, 0.0] for _ in caches]  # NLL, tokens, seconds
     last = ids.shape[1] - 1
     for start in range(prefill, last, chunk):
-        step_start = time.perf_counter()
         end = min(start + chunk, last)
-        logits = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits  # (b, c, V)
         targets = ids[:, start + 1 : end + 1]  # (b, c)
-        total += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
-        count += targets.numel()
-        if on_step is not None:  # per-step progress and timing (kvtool.eval.ppl_report)
-            on_step(targets.numel(), time.perf_counter() - step_start)
-    return total, count, time.perf_counter() - start_time
+        for row, cache in enumerate(caches):
+            step_start = time.perf_counter()
+            logits = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits  # (b, c, V)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
+            seconds = time.perf_counter() - step_start
+            totals[row][0] += nll
+            totals[row][1] += targets.numel()
+            totals[row][2] += seconds
+            if on_steps is not None and on_steps[row] is not None:  # per-step progress and timing
+                on_steps[row](targets.numel(), seconds)
+    return [tuple(total) for total in totals]
 
 
 def perplexity(
@@ -93,35 +103,69 @@ def perplexity(
     ``on_step(tokens, seconds)`` is called after every decode forward with the tokens it scored
     and the seconds it took (per-token progress bars, repeated timings).
     """
+    (result,) = perplexities(model, windows, [new_cache], prefill=prefill, chunk=chunk, batch_size=batch_size,
+                             progress=progress, on_steps=[on_step])
+    return result
+
+
+def perplexities(
+    model,
+    windows: torch.Tensor,
+    new_caches: list[Callable[[], object]],
+    *,
+    prefill: int,
+    chunk: int = 1,
+    batch_size: int = 4,
+    progress: Progress = no_progress,
+    on_steps: list[Callable[[int, float], None] | None] | None = None,
+) -> list[PerplexityResult]:
+    """`perplexity` for several caches at once, interleaved step by step (`_score_batch`), so their speeds compare.
+
+    Every cache sees the same windows, batches and steps; results come back in the order of ``new_caches``.
+    """
     _check_args(windows, prefill, chunk)
     device = next(model.parameters()).device
-    nll = seconds = kept = 0.0
-    count = held = expected = fp16 = reserved = 0
+    rows = [_Totals() for _ in new_caches]
     batches = windows.split(batch_size)
     for batch in progress(batches, "scoring through the cache", len(batches)):
-        cache = new_cache()
-        batch_nll, batch_count, batch_seconds = _score_batch(model, batch.to(device), cache, prefill, chunk, on_step)
-        nll, count, seconds = nll + batch_nll, count + batch_count, seconds + batch_seconds
-        held, expected, fp16 = held + cache.nbytes(), expected + cache.expected_nbytes(), fp16 + cache.fp16_nbytes()
-        reserved += cache.reserved_nbytes()
-        kept += (cache.kept_fraction() if hasattr(cache, "kept_fraction") else 1.0) * batch.shape[0]
-    mean = nll / count
-    tokens_held = windows.shape[0] * (windows.shape[1] - 1)
-    return PerplexityResult(
-        ppl=math.exp(mean),
-        nll=mean,
-        scored_tokens=count,
-        windows=windows.shape[0],
-        seq_len=windows.shape[1],
-        prefill=prefill,
-        chunk=chunk,
-        exact_decoding=chunk == 1,
-        cache_bytes=held,
-        expected_cache_bytes=expected,
-        reserved_cache_bytes=reserved,
-        fp16_cache_bytes=fp16,
-        bits_per_element=16 * held / fp16,
-        bytes_per_token=held / tokens_held,
-        decode_tokens_per_s=count / seconds if seconds else 0.0,
-        kept_fraction=kept / windows.shape[0],
-    )
+        caches = [new_cache() for new_cache in new_caches]
+        scored = _score_batch(model, batch.to(device), caches, prefill, chunk, on_steps)
+        for totals, cache, (nll, count, seconds) in zip(rows, caches, scored):
+            totals.add(cache, nll, count, seconds, batch.shape[0])
+    return [totals.result(windows, prefill, chunk) for totals in rows]
+
+
+class _Totals:
+    """One cache's sums over batches of windows."""
+
+    def __init__(self) -> None:
+        self.nll = self.seconds = self.kept = 0.0
+        self.count = self.held = self.expected = self.fp16 = self.reserved = 0
+
+    def add(self, cache, nll: float, count: int, seconds: float, windows: int) -> None:
+        self.nll, self.count, self.seconds = self.nll + nll, self.count + count, self.seconds + seconds
+        self.held, self.expected = self.held + cache.nbytes(), self.expected + cache.expected_nbytes()
+        self.fp16, self.reserved = self.fp16 + cache.fp16_nbytes(), self.reserved + cache.reserved_nbytes()
+        self.kept += (cache.kept_fraction() if hasattr(cache, "kept_fraction") else 1.0) * windows
+
+    def result(self, windows: torch.Tensor, prefill: int, chunk: int) -> PerplexityResult:
+        mean = self.nll / self.count
+        tokens_held = windows.shape[0] * (windows.shape[1] - 1)
+        return PerplexityResult(
+            ppl=math.exp(mean),
+            nll=mean,
+            scored_tokens=self.count,
+            windows=windows.shape[0],
+            seq_len=windows.shape[1],
+            prefill=prefill,
+            chunk=chunk,
+            exact_decoding=chunk == 1,
+            cache_bytes=self.held,
+            expected_cache_bytes=self.expected,
+            reserved_cache_bytes=self.reserved,
+            fp16_cache_bytes=self.fp16,
+            bits_per_element=16 * self.held / self.fp16,
+            bytes_per_token=self.held / tokens_held,
+            decode_tokens_per_s=self.count / self.seconds if self.seconds else 0.0,
+            kept_fraction=self.kept / windows.shape[0],
+        )

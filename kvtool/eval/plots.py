@@ -1,6 +1,6 @@
 """PNG heatmap of retrieval accuracy (depth x length), for `kvtool eval retrieval --plot`.
 
-matplotlib comes from the ``plots`` extra (`kvtool.plots_profile.require_matplotlib` says how to
+matplotlib comes from the ``plots`` extra (`kvtool.plotting.require_matplotlib` says how to
 install it when missing).
 """
 
@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from kvtool.fileio import atomic_write
-from kvtool.plots_profile import check_plot_path, require_matplotlib
+from kvtool.plotting import check_plot_path, require_matplotlib
 
 
 def _accuracy_matrix(report: dict, key: str) -> list[list[float]]:

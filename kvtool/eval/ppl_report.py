@@ -12,7 +12,9 @@ Decode speed is the mean over the run (``decode_tokens_per_s``) plus the median 
 per-step rates (`kvtool.eval.speed`); progress advances per decoded token. The rows are
 timed alike, so their speeds compare: every runtime (all on the runtime's backend) is
 first warmed up on the same short window (prefill + `WARMUP_STEPS` decode steps, not
-counted), then scores the same windows in the same batches with the same number of steps.
+counted), then all rows score the same windows in the same batches *interleaved*: decode
+step s runs for every row before step s + 1 (`kvtool.eval.perplexity.perplexities`), so a
+change of machine load during the run slows every row alike instead of one.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kvtool.eval.baselines import (
     sixteen_bit_recipe,
 )
 from kvtool.eval.caveats import uncompressed_note
-from kvtool.eval.perplexity import perplexity
+from kvtool.eval.perplexity import perplexities, perplexity
 from kvtool.eval.speed import StepTimes, machine_load, speed_note
 
 ROW_KEYS = ("ppl", "cache_bytes", "reserved_cache_bytes", "bits_per_element", "bytes_per_token", "decode_tokens_per_s")
@@ -67,13 +69,12 @@ def perplexity_report(
     settings = {"prefill": prefill, "chunk": chunk, "batch_size": batch_size}
     for _, row_runtime in rows:
         _warm_up(model, windows, row_runtime, settings)
-    report, times = {"backend": runtime.backend}, []
-    for prefix, row_runtime in rows:
-        steps = StepTimes()
-        result = _score(model, windows, row_runtime, steps, progress, settings).to_dict()
+    report, times = {"backend": runtime.backend}, [StepTimes() for _ in rows]
+    results = _score(model, windows, [row_runtime for _, row_runtime in rows], times, progress, settings)
+    for (prefix, _), result, steps in zip(rows, results, times):
+        result = result.to_dict()
         report.update(result if not prefix else {prefix + key: result[key] for key in ROW_KEYS})
         report.update(steps.summary(prefix))
-        times.append(steps)
     return {**report, **_relative(report, model, baseline), **_notes(report, runtime, windows, times)}
 
 
@@ -85,18 +86,23 @@ def _warm_up(model, windows: torch.Tensor, runtime, settings: dict) -> None:
                chunk=chunk, batch_size=settings["batch_size"])
 
 
-def _score(model, windows, runtime, steps: StepTimes, progress: Progress, settings: dict):
-    """One perplexity pass with a progress bar that advances per decoded token."""
-    total = windows.shape[0] * (windows.shape[1] - 1 - settings["prefill"])
-    bar = iter(progress(range(total), f"{runtime.recipe.name}: scoring while decoding", total))
+def _score(model, windows, runtimes: list, times: list[StepTimes], progress: Progress, settings: dict):
+    """One interleaved perplexity pass of every runtime, with a progress bar that advances per decoded token."""
+    total = len(runtimes) * windows.shape[0] * (windows.shape[1] - 1 - settings["prefill"])
+    names = " vs ".join(runtime.recipe.name for runtime in runtimes)
+    bar = iter(progress(range(total), f"{names}: scoring while decoding", total))
 
-    def on_step(tokens: int, seconds: float) -> None:
-        steps.add(tokens, seconds)
-        for _ in range(tokens):
-            next(bar, None)
+    def on_step_of(steps: StepTimes):
+        def on_step(tokens: int, seconds: float) -> None:
+            steps.add(tokens, seconds)
+            for _ in range(tokens):
+                next(bar, None)
+
+        return on_step
 
     try:
-        return perplexity(model, windows, runtime.new_cache, on_step=on_step, **settings)
+        return perplexities(model, windows, [runtime.new_cache for runtime in runtimes],
+                            on_steps=[on_step_of(steps) for steps in times], **settings)
     finally:
         for _ in bar:  # finish (and close) the bar
             pass

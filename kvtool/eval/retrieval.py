@@ -15,48 +15,10 @@ evicting cache scores.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 from kvtool.capture import Progress, no_progress
-from kvtool.errors import RuntimeConfigError
-
-TASKS = ("passkey", "copy")
-
-
-@dataclass(frozen=True)
-class RetrievalGrid:
-    """Context lengths (tokens, prompt included) x depths (0 = start, 1 = just before the question) x seeds."""
-
-    lengths: tuple[int, ...]
-    depths: tuple[float, ...]
-    seeds: int = 3
-
-    def __post_init__(self) -> None:
-        lengths, depths = tuple(self.lengths), tuple(self.depths)
-        if not lengths or not depths:
-            raise RuntimeConfigError("the retrieval grid is empty: give at least one length (--lengths 256,512) "
-                                     "and one depth (--depths 0,0.5,1)")
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in lengths):
-            raise RuntimeConfigError(f"--lengths {list(lengths)}: every length must be a whole number of tokens >= 2")
-        if any(not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 <= d <= 1 for d in depths):
-            raise RuntimeConfigError(f"--depths {list(depths)}: every depth must be a fraction in [0, 1] "
-                                     "(0 = start of the context, 1 = just before the question)")
-        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
-            raise RuntimeConfigError(f"--seeds {self.seeds} must be a whole number >= 1")
-        object.__setattr__(self, "lengths", lengths)
-        object.__setattr__(self, "depths", tuple(float(d) for d in depths))
-
-
-def parse_numbers(text: str, kind: type, option: str) -> tuple:
-    """'256,512' -> (256, 512) (kind int or float); RuntimeConfigError naming the option otherwise."""
-    try:
-        return tuple(kind(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        example = "256,512" if kind is int else "0,0.5,1"
-        raise RuntimeConfigError(f"{option} '{text}' is not a comma-separated list of numbers, e.g. {example}") from None
+from kvtool.eval.retrieval_request import RetrievalGrid
 
 
 @torch.no_grad()
@@ -116,7 +78,7 @@ def evaluate_grid(
     longest question (``task.question_tokens(n, seeds)``): rows with a shorter one see a few
     context tokens after compression too. The baseline runs the same way.
     """
-    runtime.check_context(max(grid.lengths) + task.new_tokens)
+    runtime.check_context(max(grid.lengths) + task.new_tokens, "lower --lengths")
     cells = [(n, d, *task.cases(n, d, grid.seeds)) for n in grid.lengths for d in grid.depths]  # all built before any run
     rows = []
     for n, depth, prompts, answers in progress(cells, "retrieval grid", len(cells)):

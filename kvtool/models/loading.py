@@ -11,13 +11,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from kvtool.context_limit import DEFAULT_MODEL_DIR, DEFAULT_MODEL_ENV
 from kvtool.errors import ModelError
 from kvtool.hub import check_hub_reachable
 from kvtool.models.adapter import TESTED_FAMILIES, adapter_for, refusal_reason
 from kvtool.quiet import quiet_progress_bars
-
-DEFAULT_MODEL_DIR: Path = Path(__file__).resolve().parent.parent / "default_model"
-DEFAULT_MODEL_ENV = "KVTOOL_DEFAULT_MODEL"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

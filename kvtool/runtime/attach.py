@@ -112,9 +112,9 @@ class CompressedRuntime:
         )
         return KvtoolCache([LayerPlan(self.recipe, fitted) for fitted in self.layer_tensors], context)
 
-    def check_context(self, tokens: int) -> None:
-        """Refuse contexts beyond the model's position limit."""
-        check_context(self.adapter, tokens)
+    def check_context(self, tokens: int, fix: str = "lower --seq-len") -> None:
+        """Refuse contexts beyond the model's position limit; ``fix`` names the option to lower."""
+        check_context(self.adapter, tokens, fix)
 
     # --- eviction -----------------------------------------------------------------------------
     def _eviction_parts(self) -> tuple[EvictionPolicy, Callable[[int, torch.Tensor], torch.Tensor]]:
@@ -164,11 +164,8 @@ def fastgen_head_policies(spec: EvictionSpec, profile: dict[str, torch.Tensor]) 
     return profile["heads.policy"]
 
 
-def check_context(adapter: ModelAdapter, tokens: int) -> None:
-    """Refuse contexts beyond the model's position limit, with the fix."""
+def check_context(adapter: ModelAdapter, tokens: int, fix: str = "lower --seq-len") -> None:
+    """Refuse contexts beyond the model's position limit; ``fix`` names the option to lower."""
     limit = adapter.geometry.max_positions
     if tokens > limit:
-        raise RuntimeConfigError(
-            f"{tokens} tokens exceed the model's context limit of {limit} positions; "
-            "shorten the prompt or lower --max-new-tokens / --seq-len"
-        )
+        raise RuntimeConfigError(f"{tokens} tokens exceed the model's context limit of {limit} positions; {fix}")

@@ -32,7 +32,6 @@ from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend, attend_scored, chunk_tokens
-from kvtool.runtime.positions import SequencePositions
 from kvtool.runtime.store import LayerStore, StoreLayout
 
 SPECIAL, PUNCT = 1, 2  # bits of the FastGen token-class byte
