@@ -53,8 +53,8 @@ def plan(
     check = report["check"]
     console.print(
         f"check on held-out text: {report['chosen']} perplexity delta {check['ppl_delta_pct']:+.2f}% "
-        f"(baseline {check['baseline_ppl']:.3f}); cache up to {check['context']} tokens: "
-        f"at most {check['measured_bytes']} bytes held vs {check['predicted_bytes']} predicted"
+        f"(baseline {check['baseline_ppl']:.3f}); cache after {check['context']} tokens: "
+        f"{check['measured_bytes']} bytes held (at most {check['most_bytes_held']} on the way) vs {check['predicted_bytes']} predicted"
     )
     for name, path in report["files"].items():
         console.print(f"wrote {name}: {path}")

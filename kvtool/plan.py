@@ -16,8 +16,8 @@ For every candidate recipe (the bundled ones by default) the plan
    ``max_ppl_delta`` is given, whose delta is at most that; chooses the one with the best
    measured delta (ties: fewer bytes);
 4. **checks** the choice once on held-out windows (second half of ``data``): a real perplexity
-   evaluation, and the most bytes the cache really holds while it prefills half a window and
-   decodes the rest, against the prediction for that length.
+   evaluation, and the bytes the cache really holds after it prefilled half a window and decoded
+   the rest (and the most it held on the way), against the prediction for that length.
 
 Not planned (a clear error names the reason, `plan_bytes.unpredictable_reason`): FastGen and
 CAKE, whose kept tokens depend on the text, budgets from a profile, AdaKV on quantized blocks;
@@ -154,7 +154,7 @@ def plan(
         "ppl_delta_pct": 100 * (ppl(chosen, held_out) / base_check - 1),
         "baseline_ppl": base_check,
         "context": adapter_context,
-        "measured_bytes": most_bytes_held(chosen, held_out[:1], prefill),
+        **dict(zip(("measured_bytes", "most_bytes_held"), bytes_while_decoding(chosen, held_out[:1], prefill))),
         "predicted_bytes": predict_cache_bytes(chosen, adapter_context, 1),
     }
     report = {
@@ -173,15 +173,19 @@ def plan(
     return report
 
 
-def most_bytes_held(runtime, ids: torch.Tensor, prefill: int) -> int:
-    """The most bytes a cache holds while it prefills ids[:, :prefill] (B, T) and decodes the rest one token a step."""
+def bytes_while_decoding(runtime, ids: torch.Tensor, prefill: int) -> tuple[int, int]:
+    """(bytes held at the end, most bytes held) of a cache that prefills ids[:, :prefill] (B, T), then decodes the rest.
+
+    Evicting caches hold their most between two cuts, before the end; a quantizing cache holds a
+    little more just before it encodes a full block of its float window than just after.
+    """
     cache = runtime.new_cache()
     most = 0
     with torch.no_grad():
         for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
             runtime.model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True)
             most = max(most, cache.nbytes())
-    return most
+    return cache.nbytes(), most
 
 
 def pareto_front(rows: list[Candidate]) -> list[Candidate]:
