@@ -73,13 +73,17 @@ class RangeStats:
 
     Parts: ``keys`` (after RoPE), ``keys_pre_rope`` and ``values``; the first ``skip_first``
     positions of every window (the cache's float sinks) are left out. The sample keeps at
-    most ``max_tokens`` rows per layer and part (uniform: random tags, smallest kept).
+    most ``max_tokens`` rows per layer and part (uniform: random tags, smallest kept). Every
+    layer draws its tags from its own Generator(seed), as `SampleReservoir` does, so a layer's
+    sample does not depend on the order layers are observed in (whole model per batch in
+    memory, one layer over all batches in `kvtool.layer_by_layer`).
     """
 
     def __init__(self, max_tokens: int = 4096, seed: int = 0, skip_first: int = 0, parts: tuple[str, ...] = PARTS) -> None:
         self.max_tokens, self.skip_first = max_tokens, skip_first
         self.parts = tuple(parts)  # the parts kept (the others are not reduced at all)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generators: dict[int, torch.Generator] = {}
         self.lo: dict[tuple[int, str], torch.Tensor] = {}
         self.hi: dict[tuple[int, str], torch.Tensor] = {}
         self.rows: dict[tuple[int, str], torch.Tensor] = {}  # (n, H, D) float32 on CPU
@@ -91,7 +95,8 @@ class RangeStats:
         if not parts or parts[0].shape[2] == 0:
             return
         rows = [x.permute(0, 2, 1, 3).reshape(-1, *x.shape[1:2], x.shape[-1]).cpu() for x in parts]  # (B*T', H, D)
-        new_tags = torch.rand(rows[0].shape[0], generator=self.generator)
+        generator = self.generators.setdefault(layer, torch.Generator().manual_seed(self.seed))
+        new_tags = torch.rand(rows[0].shape[0], generator=generator)
         tags = torch.cat([self.tags.get(layer, torch.empty(0)), new_tags])
         keep = tags.topk(min(self.max_tokens, tags.numel()), largest=False).indices
         self.tags[layer] = tags[keep]

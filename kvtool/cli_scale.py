@@ -24,7 +24,7 @@ def plan(
     budget_gb: Annotated[Optional[float], typer.Option("--budget-gb", help="Cache budget in GB (10^9 bytes), K and V of every layer.")] = None,
     target_ratio: Annotated[Optional[float], typer.Option("--target-ratio", help="Instead of --budget-gb: times smaller than a 16-bit cache.")] = None,
     max_ppl_delta: Annotated[Optional[float], typer.Option("--max-ppl-delta", help="Refuse candidates whose measured perplexity delta (%) is larger.")] = None,
-    recipe: Annotated[Optional[list[str]], typer.Option("--recipe", "-r", help="Candidate recipe (repeat). Default: every bundled recipe that does not evict.")] = None,
+    recipe: Annotated[Optional[list[str]], typer.Option("--recipe", "-r", help="Candidate recipe (repeat). Default: every bundled recipe whose bytes it can predict (all but FastGen and CAKE).")] = None,
     out_dir: Annotated[Path, typer.Option("--out-dir", "-o", help="Folder for plan.yaml (the chosen recipe), plan.json and pareto.png.")] = Path("kvtool-plan"),
     samples: Annotated[int, typer.Option(help="Windows the quality of each candidate is measured on.")] = 2,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per measurement window (half prefill, half decoded).")] = 256,
@@ -54,7 +54,7 @@ def plan(
     console.print(
         f"check on held-out text: {report['chosen']} perplexity delta {check['ppl_delta_pct']:+.2f}% "
         f"(baseline {check['baseline_ppl']:.3f}); cache after {check['context']} tokens: "
-        f"{check['measured_bytes']} bytes held vs {check['predicted_bytes']} predicted"
+        f"{check['measured_bytes']} bytes held (at most {check['most_bytes_held']} on the way) vs {check['predicted_bytes']} predicted"
     )
     for name, path in report["files"].items():
         console.print(f"wrote {name}: {path}")

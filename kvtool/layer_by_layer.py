@@ -11,13 +11,16 @@ hidden states of the windows, and one batch's activations.
 Phases (each step saved to the store before the next starts, see `calibration_checkpoint`):
 
 * ``forward``  layers 0..L-1: sample + fit (methods that learn), measure SQNR, next inputs.
+  Static scales (fp8 / int_static, fitted from `RangeStats`) see the layer's K/V in the same
+  pass as the sample; their rows are drawn per layer from Generator(seed) as in memory.
 * Fisher-weighted recipes (KVQuant's fisher-kmeans nuq, Palu's fisher ranks) need the loss
   gradient w.r.t. every layer's K/V through all later layers. The ``forward`` sweep then only
   stores each layer's inputs; ``head`` runs the model's head on the last outputs and takes
   d loss / d hidden; ``backward`` goes from layer L-1 down to 0, recomputing each layer with
   gradients from its stored inputs and back-propagating the incoming gradient through it:
   the K/V gradients are the same total derivatives as one backward through the whole model
-  (`kvtool.sensitivity`), one window at a time as there.
+  (`kvtool.sensitivity`), one window at a time as there. Static scales of such a recipe are
+  collected there too, by one plain pass of the layer over its stored inputs before the fit.
 * Palu ranks are allocated jointly across layers: per-layer bases and samples are kept in the
   store, ``palu`` allocates the ranks at the end (`fit_palu`, one layer's data loaded at a
   time), and ``measure`` runs the layers once more from their stored inputs to measure SQNR.
@@ -36,12 +39,22 @@ from typing import Callable
 
 import torch
 
-from kvtool.calibration import QuantErrorStats, fit_layers, fits_ranges, needs_fisher, needs_fit, palu_entry, uses_palu
+from kvtool.calibration import (
+    QuantErrorStats,
+    RangeStats,
+    fit_layers,
+    fits_ranges,
+    fits_reservoir,
+    needs_fisher,
+    needs_fit,
+    palu_entry,
+    range_parts,
+    uses_palu,
+)
 from kvtool.calibration_checkpoint import CheckpointStore, MemoryStore
 from kvtool.capture import CaptureCache, InputSecondMoments, Progress, WindowRope, no_progress, window_rope
 from kvtool.models.layer_stack import LayerCall, head_loss_gradient, record_layer_calls, run_layer
 from kvtool.models.offload import execution_device, fingerprint, onloaded
-from kvtool.errors import RecipeError
 from kvtool.recipe import Recipe
 from kvtool.sensitivity import GradientCaptureCache, SampleReservoir, next_token_loss
 
@@ -78,13 +91,25 @@ class _Batch:
 
 
 class _AsLayerZero:
-    """Feeds one layer's observations to a reservoir under index 0 (every layer gets a fresh reservoir)."""
+    """Feeds one layer's observations to a `SampleReservoir` or `RangeStats` under index 0 (a fresh one per layer)."""
 
-    def __init__(self, reservoir: SampleReservoir) -> None:
-        self.reservoir = reservoir
+    def __init__(self, observer: SampleReservoir | RangeStats) -> None:
+        self.observer = observer
 
     def observe(self, layer, keys_pre_rope, keys, values) -> None:
-        self.reservoir.observe(0, keys_pre_rope, keys, values)
+        self.observer.observe(0, keys_pre_rope, keys, values)
+
+
+@dataclass
+class _Samplers:
+    """What one layer's fit reads: token sample (nuq, Palu), static ranges (fp8 / int_static), Palu input moments."""
+
+    reservoir: SampleReservoir | None
+    ranges: RangeStats | None
+    moments: object  # InputSecondMoments (a context manager) or nullcontext()
+
+    def observers(self) -> list[_AsLayerZero]:
+        return [_AsLayerZero(o) for o in (self.reservoir, self.ranges) if o is not None]
 
 
 class _StoredPart(Mapping):
@@ -126,11 +151,6 @@ def calibrate_layer_by_layer(
     progress: Progress = no_progress,
 ) -> LayerByLayerResult:
     """Fit and measure the recipe's quantizers on token windows (N, T), one decoder layer at a time."""
-    if fits_ranges(recipe):
-        raise RecipeError(
-            f"recipe '{recipe.name}' fits static ranges (fp8/int static scales), which --layer-by-layer does not "
-            "collect yet; calibrate it without --layer-by-layer"
-        )
     model_fingerprint = fingerprint(adapter)
     key = run_key(recipe, windows, model_fingerprint, batch_size, max_fit_tokens)
     store = CheckpointStore(options.checkpoint, key, options.resume) if options.checkpoint else MemoryStore()
@@ -236,10 +256,10 @@ class _Run:
                 if self.fisher:
                     outputs = self._pass(layer, size, hidden, [], gradient_cache=True)
                 elif self.fit:
-                    reservoir, moments = self._sampler()
-                    with moments:
-                        outputs = self._pass(layer, size, hidden, [_AsLayerZero(reservoir)])
-                    self._fit_layer(layer, reservoir, moments)
+                    samplers = self._samplers()
+                    with samplers.moments:
+                        outputs = self._pass(layer, size, hidden, samplers.observers())
+                    self._fit_layer(layer, samplers)
                 if not self.fisher and not self.palu:
                     outputs = self._pass(layer, size, hidden, [self.errors])
                     self._save_energy(layer)
@@ -267,10 +287,12 @@ class _Run:
             hidden = self._inputs(layer, 1)
             incoming = self.store.load(f"grad.{layer + 1}")["grad"]
             with onloaded(self.layers[layer]):
-                reservoir, moments = self._sampler()
-                with moments:
-                    outgoing = self._gradient_pass(layer, hidden, incoming, reservoir)
-                self._fit_layer(layer, reservoir, moments)
+                samplers = self._samplers(fisher=True)
+                with samplers.moments:
+                    outgoing = self._gradient_pass(layer, hidden, incoming, samplers.reservoir)
+                if samplers.ranges is not None:  # static scales: plain K/V, in batches as in memory
+                    self._pass(layer, self.batch_size, hidden, [_AsLayerZero(samplers.ranges)])
+                self._fit_layer(layer, samplers)
                 if not self.palu:
                     self._pass(layer, self.batch_size, hidden, [self.errors])
                     self._save_energy(layer)
@@ -306,12 +328,22 @@ class _Run:
                 self.store.delete(f"hidden.{layer}")
 
     # --- per layer ------------------------------------------------------------------------------
-    def _sampler(self):
+    def _samplers(self, fisher: bool = False) -> _Samplers:
+        """Fresh samplers for one layer, as `api._fit` builds them for the whole model.
+
+        fisher: the reservoir is fed by the gradient pass (always there), else only when a method reads it.
+        """
         from contextlib import nullcontext
 
-        sinks = self.recipe.cache.sink_tokens  # float in the cache: never fitted on (as in api._fit)
-        reservoir = SampleReservoir(max_tokens=self.max_fit_tokens, seed=self.recipe.calibration.seed, skip_first=sinks)
-        return reservoir, (InputSecondMoments(self.adapter) if self.palu else nullcontext())
+        recipe, seed = self.recipe, self.recipe.calibration.seed
+        sinks = recipe.cache.sink_tokens  # float in the cache: never fitted on (as in api._fit)
+        reservoir = None
+        if fisher or fits_reservoir(recipe):
+            reservoir = SampleReservoir(max_tokens=self.max_fit_tokens, seed=seed, skip_first=sinks)
+        ranges = None
+        if fits_ranges(recipe):
+            ranges = RangeStats(max_tokens=self.max_fit_tokens, seed=seed, skip_first=sinks, parts=range_parts(recipe))
+        return _Samplers(reservoir, ranges, InputSecondMoments(self.adapter) if self.palu else nullcontext())
 
     def _gradient_pass(self, layer: int, hidden: torch.Tensor, incoming: torch.Tensor, reservoir) -> torch.Tensor | None:
         """Per window: recompute the layer with gradients, feed K/V and their Fisher weights to the reservoir.
@@ -335,10 +367,12 @@ class _Run:
                 outgoing.append(grads[2].detach().cpu())
         return torch.cat(outgoing) if outgoing else None
 
-    def _fit_layer(self, layer: int, reservoir: SampleReservoir, moments) -> None:
-        fitted = fit_layers(self.recipe, self.adapter.geometry.head_dim, 1, reservoir)[0]
+    def _fit_layer(self, layer: int, samplers: _Samplers) -> None:
+        reservoir = samplers.reservoir if fits_reservoir(self.recipe) else None
+        fitted = fit_layers(self.recipe, self.adapter.geometry.head_dim, 1, reservoir, samplers.ranges)[0]
         if self.palu:
-            entry = palu_entry(self.recipe, self.adapter, layer, reservoir, moments.moment, reservoir_layer=0)
+            moments = samplers.moments
+            entry = palu_entry(self.recipe, self.adapter, layer, samplers.reservoir, moments.moment, reservoir_layer=0)
             flat = {f"{part}.{k}": v for part, values in entry.items() for k, v in values.items() if v is not None}
             self.store.save(f"palu.{layer}", flat)
             moments.sums.pop(layer, None)

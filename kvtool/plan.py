@@ -2,11 +2,13 @@
 
 For every candidate recipe (the bundled ones by default) the plan
 
-1. **predicts the bytes** the runtime's cache will hold after ``context`` tokens for ``batch``
-   sequences, from the same rules the paged store follows (`kvtool.runtime.store`): sinks and the
-   recent window in float blocks of 16 tokens, the rest in encoded body blocks of
+1. **predicts the bytes** the runtime's cache will hold at ``context`` tokens for ``batch``
+   sequences (`kvtool.plan_bytes`), from the same rules the paged store and eviction follow:
+   sinks and the recent window in float blocks of 16 tokens, the rest in encoded body blocks of
    ``cache.block_size`` tokens whose size comes from the recipe's own block formats
-   (`BlockQuantizer.block_nbytes`, fitted ranks included), plus block tables and lengths;
+   (`BlockQuantizer.block_nbytes`, fitted ranks included), plus block tables and lengths; for
+   recipes that evict, the most a stream holds between two cuts (its budget at ``context`` plus
+   ``interval`` - 1 tokens), quantized when the recipe also quantizes;
 2. **measures the quality**: perplexity through the real runtime on a few windows of the
    first half of ``data`` (recipes that learn from data, nuq and palu, are calibrated on
    that half first), as a delta against the uncompressed cache on the same windows;
@@ -14,11 +16,12 @@ For every candidate recipe (the bundled ones by default) the plan
    ``max_ppl_delta`` is given, whose delta is at most that; chooses the one with the best
    measured delta (ties: fewer bytes);
 4. **checks** the choice once on held-out windows (second half of ``data``): a real perplexity
-   evaluation, and the bytes the cache really holds there against the prediction for that length.
+   evaluation, and the bytes the cache really holds after it prefilled half a window and decoded
+   the rest (and the most it held on the way), against the prediction for that length.
 
-Not yet planned (they raise a clear error if named): recipes that evict tokens, whose kept
-tokens depend on a profile and per-layer budgets, and per-layer mixes (bits per layer): the
-search is over whole recipes.
+Not planned (a clear error names the reason, `plan_bytes.unpredictable_reason`): FastGen and
+CAKE, whose kept tokens depend on the text, budgets from a profile, AdaKV on quantized blocks;
+and per-layer mixes (bits per layer): the search is over whole recipes.
 """
 
 from __future__ import annotations
@@ -33,80 +36,13 @@ import torch
 
 from kvtool.calibration import needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
+from kvtool.plan_bytes import check_predictable, fp16_cache_bytes, predict_cache_bytes, unpredictable_reason
 from kvtool.recipe import Recipe, bundled_recipe_dir, load_recipe
-from kvtool.runtime.eviction import SlidingWindowRule
-from kvtool.runtime.layer import build_formats, storage_dtype
-from kvtool.runtime.store import FLOAT_BLOCK, LayerStore, StoreLayout
-
-INDEX_BYTES = 4  # int32 block-table entries
-LENGTH_BYTES = 8  # int64 lengths
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 def default_candidates() -> list[str]:
-    """Bundled recipes the plan can predict (everything that does not evict)."""
+    """Bundled recipes whose bytes the plan can predict (`unpredictable_reason` names the others)."""
     names = sorted(p.stem for p in bundled_recipe_dir().glob("*.yaml"))
-    return [name for name in names if not load_recipe(name).evicts]
-
-
-def stream_split(recipe: Recipe, tokens: int) -> tuple[int, int]:
-    """(float tokens, body blocks) one stream holds after ``tokens`` tokens, as `LayerStore.append` leaves them."""
-    quantized = recipe.quantizes or recipe.keys.pre_rope
-    if not quantized:
-        return tokens, 0
-    sinks = min(recipe.cache.sink_tokens, tokens)
-    rest = tokens - sinks
-    body = max(rest - recipe.cache.recent_tokens, 0) // recipe.cache.block_size
-    return sinks + rest - body * recipe.cache.block_size, body
-
-
-def predict_cache_bytes(runtime, context: int, batch: int, dtype: torch.dtype | None = None) -> int:
-    """Bytes the runtime's cache holds after a prefill of ``context`` tokens of ``batch`` unpadded sequences.
-
-    Sliding-window layers hold their window (and a position per token) once the context is longer.
-
-    runtime: a `CompressedRuntime` (its recipe and fitted tensors); dtype: the K/V dtype the model
-    produces (default: the model's parameter dtype).
-    """
-    recipe = runtime.recipe
-    if recipe.evicts:
-        raise RecipeError(f"kvtool plan cannot predict recipe '{recipe.name}' yet: it evicts tokens (use a recipe that does not)")
-    geometry = runtime.adapter.geometry
-    dtype = dtype or next(runtime.model.parameters()).dtype
-    store_dtype = storage_dtype(recipe, dtype)
-    quantized = recipe.quantizes or recipe.keys.pre_rope
-    windows = tuple(geometry.sliding_windows)
-    total = 0
-    for index, fitted in enumerate(runtime.layer_tensors):
-        window = windows[index] if index < len(windows) else None
-        tokens = context
-        if window is not None and context > SlidingWindowRule(window, recipe.cache.block_size if quantized else 0).limit:
-            tokens = window  # a prefill past the rule's limit keeps the last `window` tokens
-        float_tokens, body_blocks = stream_split(recipe, tokens)
-        prefix = lambda part: {k[len(part) + 1 :]: v for k, v in fitted.items() if k.startswith(f"{part}.")}  # noqa: E731
-        key_format, value_format, g = build_formats(recipe, prefix, geometry.head_dim, geometry.num_kv_heads, store_dtype)
-        layout = StoreLayout(block_size=recipe.cache.block_size, heads_per_stream=g, head_dim=geometry.head_dim,
-                             float_dtype=store_dtype, quantized=quantized, sink_tokens=recipe.cache.sink_tokens,
-                             recent_tokens=recipe.cache.recent_tokens, meta=("pos",) if window is not None else ())
-        store = LayerStore(layout, key_format, value_format, 0, "cpu")  # empty pools: their block sizes
-        streams = batch * (geometry.num_kv_heads // g)
-        float_blocks = _ceil_div(float_tokens, FLOAT_BLOCK)
-        total += streams * float_blocks * store.float_pool.block_nbytes()
-        if store.body_pool is not None:
-            total += streams * body_blocks * store.body_pool.block_nbytes()
-        total += streams * (float_blocks + body_blocks) * INDEX_BYTES  # block tables (at least this wide)
-        total += streams * 3 * LENGTH_BYTES + (batch + streams) * LENGTH_BYTES  # store lengths, layer lengths
-    if recipe.keys.pre_rope:  # positions of each sequence's tokens, to rotate pre-RoPE keys
-        total += batch * context * 4 + batch * LENGTH_BYTES
-    return total
-
-
-def fp16_cache_bytes(geometry, context: int, batch: int) -> int:
-    """A 16-bit K and V cache of every layer for the same tokens."""
-    return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * 2 * context * batch
+    return [name for name in names if unpredictable_reason(load_recipe(name)) is None]
 
 
 @dataclass(frozen=True)
@@ -178,8 +114,7 @@ def plan(
     names = recipes or default_candidates()
     resolved = [load_recipe(name) for name in names]  # bad names fail before the model loads
     for recipe in resolved:
-        if recipe.evicts:
-            raise RecipeError(f"kvtool plan cannot predict recipe '{recipe.name}' yet: it evicts tokens; leave it out of --recipe")
+        check_predictable(recipe)
     hf_model, tokenizer = api._load(model, load or api.LoadOptions())
     adapter = adapter_for(hf_model)
     adapter_context = min(seq_len, adapter.geometry.max_positions)
@@ -215,14 +150,11 @@ def plan(
     rows = [dataclasses.replace(c, chosen=c is best) for c in rows]
     chosen = runtimes[best.recipe]
     # the check: one real evaluation on held-out windows, and the bytes the cache really holds there
-    check_cache = chosen.new_cache()
-    with torch.no_grad():
-        hf_model(input_ids=held_out[:1], past_key_values=check_cache, use_cache=True)
     check = {
         "ppl_delta_pct": 100 * (ppl(chosen, held_out) / base_check - 1),
         "baseline_ppl": base_check,
         "context": adapter_context,
-        "measured_bytes": check_cache.nbytes(),
+        **dict(zip(("measured_bytes", "most_bytes_held"), bytes_while_decoding(chosen, held_out[:1], prefill))),
         "predicted_bytes": predict_cache_bytes(chosen, adapter_context, 1),
     }
     report = {
@@ -239,6 +171,21 @@ def plan(
     plot_pareto(rows, budget, out / "pareto.png", f"{Path(report['model']).name}: context {context} x batch {batch}")
     write_json_atomic(out / "plan.json", report)
     return report
+
+
+def bytes_while_decoding(runtime, ids: torch.Tensor, prefill: int) -> tuple[int, int]:
+    """(bytes held at the end, most bytes held) of a cache that prefills ids[:, :prefill] (B, T), then decodes the rest.
+
+    Evicting caches hold their most between two cuts, before the end; a quantizing cache holds a
+    little more just before it encodes a full block of its float window than just after.
+    """
+    cache = runtime.new_cache()
+    most = 0
+    with torch.no_grad():
+        for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
+            runtime.model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True)
+            most = max(most, cache.nbytes())
+    return cache.nbytes(), most
 
 
 def pareto_front(rows: list[Candidate]) -> list[Candidate]:

@@ -48,6 +48,11 @@ def small(name: str, samples: int = 3, seq_len: int = 96, **spec):
     return recipe
 
 
+def with_values_of(name: str, other: str):
+    """A bundled recipe (small calibration) with the values of another: e.g. Fisher nuq keys with static values."""
+    return dataclasses.replace(small(name), values=load_recipe(other).values)
+
+
 def assert_same_tensors(a, b, rtol: float = 0.0) -> None:
     assert a.tensors.keys() == b.tensors.keys()
     for name, x in a.tensors.items():
@@ -108,13 +113,31 @@ RECIPES = [  # (recipe, overrides, relative tolerance): Fisher-weighted fits dif
     ("kvquant-3bit-1pct", {}, 1e-4),
     ("palu-30", {}, 0.0),
     ("palu-30", {"rank_allocation": "fisher"}, 1e-3),
+    ("fp8-e4m3-static", {}, 0.0),  # static scales: every token's range (amax)
+    ("int4-static-channel", {}, 0.0),  # ... and the sampled rows the mse clip is searched on
+    ("int8-static-tensor", {}, 0.0),
 ]
 
 
 @pytest.mark.parametrize("name,spec,rtol", RECIPES, ids=[f"{r[0]}{'-fisher' if r[1] else ''}" for r in RECIPES])
-def test_same_artifact_as_in_memory(kvref, name, spec, rtol):
+def test_same_artifact_as_in_memory(kvref, monkeypatch, name, spec, rtol):
     model, tokenizer = kvref
+    monkeypatch.setattr(api, "FIT_SAMPLE_TOKENS", 100)  # fewer than the windows hold: the fits see a random subsample
     recipe = small(name, **spec)
+    assert_layer_by_layer_matches(model, tokenizer, recipe, rtol)
+
+
+def test_fisher_keys_with_static_values_match_in_memory(kvref, monkeypatch):
+    """Fisher nuq keys (fitted in the backward sweep) beside int_static values (ranges collected there too)."""
+    model, tokenizer = kvref
+    monkeypatch.setattr(api, "FIT_SAMPLE_TOKENS", 100)
+    recipe = with_values_of("kvquant-3bit-1pct", "int4-static-channel")
+    staged = assert_layer_by_layer_matches(model, tokenizer, recipe, 1e-4)
+    assert any(name.endswith("values.lo") for name in staged.tensors), "the static values were fitted"
+
+
+def assert_layer_by_layer_matches(model, tokenizer, recipe, rtol: float):
+    """Calibrate in memory and layer by layer; the same tensors (within rtol), model, tokens and quality."""
     reference = api.calibrate_loaded(model, tokenizer, data(), recipe, batch_size=2)
     staged = api.calibrate_loaded(model, tokenizer, data(), recipe, batch_size=2, layer_by_layer=LayerByLayer())
     assert_same_tensors(reference, staged, rtol)
@@ -123,6 +146,7 @@ def test_same_artifact_as_in_memory(kvref, name, spec, rtol):
     assert staged.manifest["calibration"]["tokens"] == reference.manifest["calibration"]["tokens"]
     for part, db in reference.manifest["quality"].items():
         assert staged.manifest["quality"][part] == pytest.approx(db, rel=max(rtol, 1e-12))
+    return staged
 
 
 @pytest.mark.parametrize("recipe,rtol", [("kivi-4bit", 0.0), ("kvquant-3bit-1pct", 1e-4)])
@@ -191,16 +215,6 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
     assert load_artifact(out).manifest["recipe"]["name"] == "kivi-2bit"
 
 
-def test_static_range_recipes_are_refused_layer_by_layer_and_nothing_is_written(tmp_path):
-    from kvtool.errors import RecipeError
-
-    out = tmp_path / "c.safetensors"
-    with pytest.raises(RecipeError, match="without --layer-by-layer"):
-        api.calibrate(data(), out, str(shared_path("models/kvref-5m")), "fp8-e4m3-static", samples=2, seq_len=64,
-                      batch_size=2, layer_by_layer=True)
-    assert not out.exists()
-
-
 def test_resume_needs_layer_by_layer(tmp_path):
     with pytest.raises(RuntimeConfigError, match="--layer-by-layer"):
         api.calibrate(data(), tmp_path / "c.safetensors", None, resume=True)
@@ -265,11 +279,12 @@ def test_parse_max_memory():
 
 
 @pytest.mark.slow
-def test_smollm2_under_max_memory_matches_in_memory(tmp_path):
+@pytest.mark.parametrize("recipe", ["kivi-4bit", "int4-static-channel"])
+def test_smollm2_under_max_memory_matches_in_memory(tmp_path, recipe):
     """SmolLM2-135M (540 MB in float32) calibrated under a 100 MB cap equals the in-memory run."""
     smollm2 = test_model_path("smollm2-135m")  # skipped when missing, failed under CI
     kwargs = {"samples": 2, "seq_len": 128, "batch_size": 2}
-    reference = api.calibrate(data(), tmp_path / "mem.safetensors", str(smollm2), "kivi-4bit", **kwargs)
-    api.calibrate(data(), tmp_path / "lbl.safetensors", str(smollm2), "kivi-4bit", layer_by_layer=True,
+    reference = api.calibrate(data(), tmp_path / "mem.safetensors", str(smollm2), recipe, **kwargs)
+    api.calibrate(data(), tmp_path / "lbl.safetensors", str(smollm2), recipe, layer_by_layer=True,
                   load=api.LoadOptions(max_memory="100MB"), **kwargs)
     assert_same_tensors(reference, load_artifact(tmp_path / "lbl.safetensors"))

@@ -66,6 +66,20 @@ def build_formats(recipe: Recipe, fitted_for, head_dim: int, num_kv_heads: int, 
     return lift_format(formats[0], g), lift_format(formats[1], g), g
 
 
+def slot_meta(policy) -> tuple[str, ...]:
+    """Per-slot metadata a store keeps for an eviction policy or sliding-window rule (None: nothing)."""
+    if policy is None:
+        return ()
+    meta = ["pos"]  # evicting: the original position of every kept token
+    if policy.uses_attention:
+        meta.append("score")
+    if policy.uses_feature:
+        meta.append("feature")
+    if policy.uses_token_classes:
+        meta.append("cls")
+    return tuple(meta)
+
+
 def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """((B, t, t) bool: which new tokens each new query may see, (B, t) bool real tokens or None = all).
 
@@ -114,19 +128,10 @@ class KvtoolLayer(CacheLayerMixin):
             block = recipe.cache.block_size if (recipe.quantizes or recipe.keys.pre_rope) else 0
             policy = self.budget = SlidingWindowRule(window, block)
         self.policy = policy
-        meta = []
-        if policy is not None:  # evicting: positions per slot
-            meta.append("pos")
-        if policy is not None and policy.uses_attention:
-            meta.append("score")
-        if policy is not None and policy.uses_feature:
-            meta.append("feature")
-        if policy is not None and policy.uses_token_classes:
-            meta.append("cls")
         layout = StoreLayout(
             block_size=recipe.cache.block_size, heads_per_stream=self.g, head_dim=d, float_dtype=store_dtype,
             quantized=recipe.quantizes or recipe.keys.pre_rope, sink_tokens=recipe.cache.sink_tokens, recent_tokens=recipe.cache.recent_tokens,
-            meta=tuple(meta),
+            meta=slot_meta(policy),
         )
         self.store = LayerStore(layout, self.key_format, self.value_format, b * self.groups, self.device)
         self.lengths = torch.zeros(b, dtype=torch.int64, device=self.device)  # real tokens each sequence has seen
