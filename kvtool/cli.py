@@ -128,11 +128,35 @@ def _check_recipe(recipe: Optional[str]) -> None:
         load_recipe(recipe)
 
 
-def _check_context(model: Optional[str], tokens: int, asked: str, fix: str) -> None:
-    """Refuse a request longer than the model's context limit from its config.json, before the model loads."""
+def _check_context(model: Optional[str], tokens: int, asked: str, fix: str, artifact: Optional[Path] = None) -> None:
+    """Refuse a request longer than the model's context limit from its config.json, before the model loads.
+
+    Without --model an artifact brings its own model (found when it loads): then the runtime checks.
+    """
+    if model is None and artifact is not None:
+        return
     from kvtool.context_limit import check_context_early
 
     check_context_early(model, tokens, asked, fix)
+
+
+def _check_prompts(model: Optional[str], artifact: Optional[Path], prompts: list[str], max_new_tokens: int) -> None:
+    """Refuse prompts + --max-new-tokens beyond the context limit before the model loads.
+
+    A token covers at least one byte of UTF-8, so short prompts pass on their length alone; longer
+    ones are counted with the model's tokenizer (no weights loaded).
+    """
+    from kvtool.context_limit import max_positions
+
+    limit = None if (model is None and artifact is not None) else max_positions(model)
+    if limit is None or max(len(p.encode()) for p in prompts) + max_new_tokens + 8 <= limit:
+        return
+    from kvtool.models.loading import load_tokenizer, resolve_model_path
+
+    tokens = max(len(load_tokenizer(resolve_model_path(model))(p).input_ids) for p in prompts)
+    if tokens + max_new_tokens > limit:
+        raise RuntimeConfigError(f"the prompt ({tokens} tokens) + --max-new-tokens {max_new_tokens} exceed the "
+                                 f"model's context limit of {limit} tokens: shorten the prompt or lower --max-new-tokens")
 
 
 def _check_plot_path(path: Optional[Path]) -> None:
@@ -301,7 +325,8 @@ def generate(
     _check_recipe(recipe)
     _check_model(model)
     _check_context(model, max_new_tokens + 1, f"--max-new-tokens {max_new_tokens} after a prompt",
-                   "lower --max-new-tokens (-n)")
+                   "lower --max-new-tokens (-n)", artifact)
+    _check_prompts(model, artifact, prompts, max_new_tokens)
     from kvtool import api
     from kvtool.cli_render import render_generation
 
@@ -354,7 +379,7 @@ def eval_ppl(
     _check_recipe(recipe)
     _check_model(model)
     _check_json_path(json_out)
-    _check_context(model, seq_len, f"--seq-len {seq_len}", "lower --seq-len")
+    _check_context(model, seq_len, f"--seq-len {seq_len}", "lower --seq-len", artifact)
     from kvtool import api
     from kvtool.cli_render import render_perplexity
 
@@ -400,7 +425,7 @@ def eval_retrieval(
     _check_recipe(recipe)
     _check_model(model)
     _check_json_path(json_out)
-    _check_context(model, max(grid.lengths), f"--lengths up to {max(grid.lengths)}", "lower --lengths")
+    _check_context(model, max(grid.lengths), f"--lengths up to {max(grid.lengths)}", "lower --lengths", artifact)
     from kvtool import api
     from kvtool.cli_render import render_retrieval
 

@@ -744,6 +744,24 @@ def test_context_beyond_the_model_fails_before_anything_loads(rec, argv, needles
     assert_friendly_error(invoke(*argv, "-m", stories()), *needles, "stories260K")
 
 
+def test_a_prompt_beyond_the_context_is_counted_with_the_tokenizer_before_the_model_loads(rec):
+    rec.patch("generate", raises=AssertionError("the API was called before the prompt was checked"))
+    long_prompt = "Once upon a time there was a cat. " * 120  # ~1000 tokens, the model holds 512
+    assert_friendly_error(invoke("generate", "--prompt", long_prompt, "-m", stories(), "-n", "8"),
+                          "--max-new-tokens 8", "context limit of 512", "shorten the prompt")
+
+
+def test_a_short_prompt_is_not_tokenized_and_an_artifact_brings_its_own_limit(rec, monkeypatch):
+    import kvtool.models.loading
+
+    monkeypatch.setattr(kvtool.models.loading, "load_tokenizer", lambda path: (_ for _ in ()).throw(
+        AssertionError("a short prompt was tokenized")))
+    rec.patch("generate", fake_generation(["Once upon a time there was"]))
+    ok(invoke("generate", "--prompt", "Once upon a time", "-m", stories(), "-n", "8"))
+    rec.patch("evaluate_perplexity", fake_report())  # no --model: the artifact's model decides (checked when it loads)
+    ok(invoke("eval", "ppl", "-d", "f.txt", "--artifact", "a.kvt.safetensors", "--seq-len", "4096"))
+
+
 def test_context_limit_of_the_embedded_model_and_of_unreadable_configs(tmp_path):
     from kvtool.context_limit import max_positions
 
