@@ -11,8 +11,6 @@ the bytes held are checked too, so a policy that kept everything fails. PyramidI
 floor here: it loses +19.7% in this setting (benchmarks/RESULTS.md).
 """
 
-import os
-from pathlib import Path
 
 import pytest
 
@@ -24,19 +22,6 @@ from tests.conftest import shared_path
 
 pytestmark = pytest.mark.slow
 SEQ_LEN, PREFILL = 448, 384  # the setting of benchmarks/RESULTS.md (issue 13 section)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from kvtool.models.loading import load_model
-
-    root = Path(os.environ.get("KVTOOL_TEST_MODELS", Path.home() / ".cache" / "kvtool-test-models")) / "smollm2-135m"
-    if not (root / "config.json").exists():
-        message = f"{root} not found: run `python ../shared/models/fetch_pretrained.py smollm2-135m --install-deps`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return load_model(str(root))
 
 
 @pytest.fixture(scope="module")

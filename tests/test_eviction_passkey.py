@@ -1,0 +1,84 @@
+"""Pass-key retrieval floors of every bundled eviction recipe at 50% kept, on SmolLM2-135M.
+
+A pass key ("The pass key is 41235. Remember it. ...") hidden at depth d of 512 tokens of
+held-out WikiText-2 test, asked for at the end ("What is the pass key? The pass key is");
+exact match of the digits, greedy decoding through the runtime (`kvtool.eval.retrieval`).
+Measured 2026-11-23 on the 2-core CPU VM: 16-bit 1.0; H2O, SnapKV, AdaKV-SnapKV, ChunkKV 1.0;
+pyramid-SnapKV 0.9; CAKE 0.6; StreamingLLM 0.5; TOVA 0.4; PyramidInfer 0.4 (kept fractions
+0.507-0.508). Each floor is one case (0.1) or more below the measured value.
+5 depths x 2 seeds = 10 cases per recipe; the 16-bit cache answers all of them (checked).
+
+Floors (issue 11: at 50% kept, pass-key accuracy within 10 points of the full cache) are met
+by the score-based policies that see the question at prefill (H2O, SnapKV and its variants,
+ChunkKV; pyramid-SnapKV just: its top layers keep 25% and one early needle is lost).
+Measured misses (benchmarks/RESULTS.md, "Pass-key retrieval on SmolLM2-135M"):
+
+* StreamingLLM keeps sinks + the recent half: it must lose the early needles and keep the late
+  ones (recency, not a broken cache);
+* TOVA scores tokens by the last query's attention averaged over all heads: the question's few
+  retrieval heads are diluted and early needles are dropped (0.4 measured);
+* CAKE splits the total budget by layer dispersion: the layers it starves drop needles (0.6);
+* PyramidInfer keeps each layer a subset of the one below, chosen by the attention of the
+  recent prompt queries, which do not ask for the key yet: early needles are dropped (0.4).
+"""
+
+
+import pytest
+
+from kvtool.data import DataSpec
+from kvtool.eval.baselines import sixteen_bit_recipe
+from kvtool.eval.retrieval import evaluate_grid
+from kvtool.eval.retrieval_request import RetrievalGrid
+from kvtool.eval.retrieval_tasks import PasskeyTask, text_filler
+from kvtool.recipe import load_recipe
+from kvtool.runtime.attach import CompressedRuntime
+from tests.conftest import shared_path
+
+pytestmark = pytest.mark.slow
+GRID = RetrievalGrid((512,), (0.0, 0.25, 0.5, 0.75, 1.0), 2)
+
+# recipe -> least accuracy (of 1.0 for the full cache); see the module docstring for the misses
+FLOORS = {
+    "h2o": 0.9, "snapkv": 0.9, "pyramid-snapkv": 0.8, "ada-snapkv": 0.9, "chunkkv": 0.9,
+    "streamingllm": 0.4, "tova": 0.3, "cake": 0.5, "pyramidinfer": 0.3,
+}
+
+
+@pytest.fixture(scope="module")
+def passkey(smollm2):
+    model, tokenizer = smollm2
+    task = PasskeyTask(tokenizer, text_filler(tokenizer, DataSpec.parse(str(shared_path("data/text/wikitext2_test.txt")))))
+
+    def accuracy(recipe) -> dict:
+        runtime = CompressedRuntime.from_recipe(model, recipe)
+        return evaluate_grid(model, runtime, task, GRID, pad_id=tokenizer.pad_token_id)
+
+    return accuracy
+
+
+def by_depth(result: dict) -> dict[float, float]:
+    return {row["depth"]: row["accuracy"] for row in result["grid"]}
+
+
+def test_the_full_cache_answers_every_case(passkey):
+    assert passkey(sixteen_bit_recipe())["accuracy"] == 1.0
+
+
+def test_every_bundled_evicting_recipe_at_half_the_cache_has_a_floor():
+    from kvtool.recipe import bundled_recipe_dir
+
+    recipes = [load_recipe(path.stem) for path in bundled_recipe_dir().glob("*.yaml")]  # top level, not ablations
+    evicting = {r.name for r in recipes if r.evicts and r.eviction.policy != "fastgen"}  # fastgen: needs a profile
+    assert evicting == set(FLOORS)
+
+
+@pytest.mark.parametrize("name", sorted(FLOORS))
+def test_pass_key_floor_at_half_the_cache(passkey, name):
+    recipe = load_recipe(name)
+    assert recipe.eviction.budget == 0.5
+    result = passkey(recipe)
+    assert 0.45 <= result["kept_fraction"] <= 0.6, result["kept_fraction"]  # it really evicted
+    assert result["accuracy"] >= FLOORS[name], (name, result["accuracy"], by_depth(result))
+    if name == "streamingllm":  # recency: the early needles are gone, the last ones kept
+        depths = by_depth(result)
+        assert depths[0.0] == 0.0 and depths[1.0] == 1.0, depths
