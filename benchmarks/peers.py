@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -161,10 +162,14 @@ def make_press(kvpress, name: str, compression_ratio: float):
     return getattr(kvpress, name)(compression_ratio=compression_ratio)
 
 
+def prefill_only(recipe, seq_len: int):
+    """``recipe`` evicting at prefill only (kvpress's protocol): an interval of ``seq_len`` tokens is never reached
+    while the rest of a ``seq_len``-token window is decoded (a stream holds at most budget + interval - 1 tokens)."""
+    return dataclasses.replace(recipe, eviction=dataclasses.replace(recipe.eviction, interval=seq_len))
+
+
 def kvtool_rows(model, windows: torch.Tensor, log) -> list[dict]:
     """Full `DynamicCache`, kvtool's eviction at prefill only (kvpress's protocol) and its quantization throughout."""
-    import dataclasses
-
     from transformers import DynamicCache
 
     from benchmarks.eviction import eviction_recipe
@@ -178,17 +183,14 @@ def kvtool_rows(model, windows: torch.Tensor, log) -> list[dict]:
                      **score(model, windows, new_cache, float_as_16bit=new_cache is full_cache)})
         log(rows[-1])
 
-    def prefill_only(recipe):  # no cut while decoding: the decoded half never reaches budget + interval
-        return dataclasses.replace(recipe, eviction=dataclasses.replace(recipe.eviction, interval=windows.shape[1]))
-
     full_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     add("full cache (DynamicCache)", "both", full_cache)
     add("kvtool uncompressed fp16", "both", CompressedRuntime.from_recipe(model, uncompressed_recipe("float16")).new_cache)
     for fraction in FRACTIONS:
         for variant in KVTOOL_EVICTION:
-            runtime = CompressedRuntime.from_recipe(model, prefill_only(eviction_recipe(variant, fraction)))
+            runtime = CompressedRuntime.from_recipe(model, prefill_only(eviction_recipe(variant, fraction), windows.shape[1]))
             add(f"kvtool {variant}", "prefill", runtime.new_cache, fraction_kept=fraction, frees_tokens=True)
-        runtime = CompressedRuntime.from_recipe(model, prefill_only(eviction_recipe("snapkv", fraction, bits=4)))
+        runtime = CompressedRuntime.from_recipe(model, prefill_only(eviction_recipe("snapkv", fraction, bits=4), windows.shape[1]))
         add("kvtool snapkv + kivi-4bit", "prefill", runtime.new_cache, fraction_kept=fraction, frees_tokens=True)
     for name in KVTOOL_QUANT:
         add(f"kvtool {name}", "decode", CompressedRuntime.from_recipe(model, load_recipe(name)).new_cache)
@@ -222,13 +224,13 @@ def run_side(args) -> None:
     print(f"wrote {out}")
 
 
-def markdown_table(model: str) -> str:
+def markdown_table(model: str, results: Path = RESULTS) -> str:
     """Both sides' rows, with delta vs each side's own full cache and the fraction of its 16-bit bytes."""
-    sides = [json.loads((RESULTS / f"peers_{model}_{side}.json").read_text()) for side in ("peers", "kvtool")]
+    sides = [json.loads((results / f"peers_{model}_{side}.json").read_text()) for side in ("peers", "kvtool")]
     if sides[0]["windows_sha256"] != sides[1]["windows_sha256"]:
         raise SystemExit(f"{model}: the two sides scored different windows (SHA-256 of the ids differ): rerun one side")
-    lines = ["| protocol | kept | method | env | ppl | delta | bytes held (as run) | 16-bit bytes | fraction of 16-bit cache |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| protocol | kept | method | env | ppl | delta | bytes walked (as run) | 16-bit bytes | fraction of 16-bit cache "
+             "| kvtool blocks in use |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for side in sides:
         full = side["rows"][0]
@@ -241,11 +243,12 @@ def markdown_table(model: str) -> str:
     for row, full, env in rows:
         kept = f"{row['fraction_kept']:.0%}" if "fraction_kept" in row else ""
         if "error" in row:
-            lines.append(f"| {row['protocol']} | {kept} | {row['method']} | {env} | failed: {row['error']} | | | | |")
+            lines.append(f"| {row['protocol']} | {kept} | {row['method']} | {env} | failed: {row['error']} | | | | | |")
             continue
         delta = 100 * (row["ppl"] / full["ppl"] - 1)
         lines.append(f"| {row['protocol']} | {kept} | {row['method']} | {env} | {row['ppl']:.3f} | {delta:+.2f}% | "
-                     f"{row['bytes_held']:,} | {row['bytes_16bit']:,} | {row['bytes_16bit'] / full['bytes_16bit']:.3f} |")
+                     f"{row['bytes_held']:,} | {row['bytes_16bit']:,} | {row['bytes_16bit'] / full['bytes_16bit']:.3f} | "
+                     f"{format(row['bytes_in_use'], ',') if 'bytes_in_use' in row else ''} |")
     return "\n".join(lines)
 
 
