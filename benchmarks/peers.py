@@ -14,9 +14,10 @@ One command per side, then one to put them side by side:
 
 Windows: `kvtool.data.token_windows` on held-out WikiText-2 test (`benchmarks.common.PRETRAINED`),
 sequential, the same call in both environments; each side records the SHA-256 of its window ids and
-``--table`` refuses to pair sides whose windows differ. Scoring: `kvtool.eval.perplexity`'s decode loop
-(prefill the first half of each window in one forward, then decode the rest one token per step; tokens
-prefill+1 .. T-1 are scored), the loop of `kvtool eval ppl`. Two protocols on that loop:
+``--table`` refuses to pair sides whose windows differ. Scoring: the loop of `kvtool eval ppl`
+(`kvtool.eval.perplexity`: prefill the first half of each window in one forward, then decode the rest one
+token per step; tokens prefill+1 .. T-1 are scored), with true positions passed as kvpress's pipeline does
+(`decode_nll`). Two protocols on that loop:
 
 * ``prefill``: the prompt is compressed once, at prefill, then decoding appends every new token
   uncompressed. This is what kvpress does (its presses act on the context only). kvtool's rows use its
@@ -49,10 +50,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from benchmarks.common import PRETRAINED, SHARED
 from kvtool.data import DataSpec, token_windows
-from kvtool.eval.perplexity import _score_batch
 from kvtool.fileio import write_json_atomic
 from kvtool.quiet import quiet_progress_bars
 from kvtool.runtime.memory import reachable_tensors
@@ -114,12 +115,29 @@ def cache_bytes(cache, float_as_16bit: bool) -> tuple[int, int]:
     return as_run, sixteen
 
 
+def decode_nll(model, windows: torch.Tensor, cache, prefill: int) -> tuple[float, int, float]:
+    """`kvtool.eval.perplexity`'s loop (prefill, then one token per step scoring the next), with every token's true
+    position passed as ``position_ids``, as kvpress's pipeline does: after a press drops tokens, transformers would
+    otherwise number the next token by the cache's (shorter) length. Returns (sum NLL, scored tokens, decode seconds)."""
+    batch, seq_len = windows.shape
+    positions = torch.arange(seq_len).expand(batch, seq_len)  # (B, T)
+    model(input_ids=windows[:, :prefill], position_ids=positions[:, :prefill], past_key_values=cache, use_cache=True)
+    nll, seconds = 0.0, 0.0
+    for t in range(prefill, seq_len - 1):
+        start = time.perf_counter()
+        logits = model(input_ids=windows[:, t:t + 1], position_ids=positions[:, t:t + 1], past_key_values=cache,
+                       use_cache=True).logits  # (B, 1, V)
+        nll += F.cross_entropy(logits[:, 0].float(), windows[:, t + 1], reduction="sum").item()
+        seconds += time.perf_counter() - start
+    return nll, batch * (seq_len - 1 - prefill), seconds
+
+
 def score(model, windows: torch.Tensor, new_cache, around=contextlib.nullcontext, float_as_16bit: bool = True) -> dict:
     """Perplexity through `new_cache()` caches (all windows as one batch) and the bytes they hold at the end."""
     start = time.perf_counter()
     cache = new_cache()
     with around():
-        ((nll, count, decode_seconds),) = _score_batch(model, windows, [cache], windows.shape[1] // 2, chunk=1)
+        nll, count, decode_seconds = decode_nll(model, windows, cache, windows.shape[1] // 2)
     as_run, sixteen = cache_bytes(cache, float_as_16bit)
     row = {"ppl": math.exp(nll / count), "scored_tokens": count, "bytes_held": as_run, "bytes_16bit": sixteen,
            "decode_tokens_per_s": count / decode_seconds, "seconds": time.perf_counter() - start}
