@@ -1,0 +1,55 @@
+"""benchmarks/peers.py without the peer environment (kvpress and quanto are not needed here, nor in CI).
+
+* the bytes walked from a transformers cache are its K/V tensors, and "16-bit bytes" halves float32;
+* kvtool's comparison rows evict at prefill only (kvpress's protocol): decoding appends without cuts;
+* the side-by-side table refuses two sides that scored different windows.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from benchmarks.eviction import eviction_recipe
+from benchmarks.peers import cache_bytes, markdown_table, prefill_only
+from kvtool.runtime.attach import CompressedRuntime
+from tests.tiny_models import tiny_model
+
+
+def test_cache_bytes_of_a_dynamic_cache_are_its_keys_and_values():
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(3, 100, (2, 10))  # (B, T)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    config = model.config
+    elements = config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * 10 * config.head_dim  # layers x K/V x (B, H_kv, T, D)
+    assert cache_bytes(cache, float_as_16bit=True) == (4 * elements, 2 * elements)
+    assert cache_bytes(cache, float_as_16bit=False) == (4 * elements, 4 * elements)
+
+
+def test_kvtool_rows_evict_at_prefill_only():
+    model = tiny_model("llama")
+    seq_len, prefill = 160, 128
+    ids = torch.randint(3, 100, (1, seq_len))  # (B, T)
+    kept = {}
+    for interval in (1, seq_len):
+        recipe = eviction_recipe("snapkv", 0.5)
+        recipe = prefill_only(recipe, seq_len) if interval == seq_len else prefill_only(recipe, 1)
+        cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
+        with torch.no_grad():
+            model(ids[:, :prefill], past_key_values=cache, use_cache=True)
+            for t in range(prefill, seq_len):
+                model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        kept[interval] = cache.kept_fraction()
+    assert kept[seq_len] == pytest.approx((prefill // 2 + seq_len - prefill) / seq_len)  # half the prompt + every decoded token
+    assert kept[1] == pytest.approx(0.5, abs=0.01)  # per-step eviction (kvtool eval ppl) stays at the budget
+
+
+def test_table_refuses_sides_with_different_windows(tmp_path):
+    for side, digest in (("peers", "a" * 64), ("kvtool", "b" * 64)):
+        payload = {"windows_sha256": digest, "environment": {"transformers": "x"}, "rows": []}
+        (tmp_path / f"peers_m_{side}.json").write_text(json.dumps(payload))
+    with pytest.raises(SystemExit, match="different windows"):
+        markdown_table("m", tmp_path)
