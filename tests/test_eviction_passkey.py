@@ -3,10 +3,11 @@
 A pass key ("The pass key is 41235. Remember it. ...") hidden at depth d of 512 tokens of
 held-out WikiText-2 test, asked for at the end ("What is the pass key? The pass key is");
 exact match of the digits, greedy decoding through the runtime (`kvtool.eval.retrieval`).
-Measured 2026-11-23 on the 2-core CPU VM: 16-bit 1.0; H2O, SnapKV, AdaKV-SnapKV, ChunkKV 1.0;
-pyramid-SnapKV 0.9; CAKE 0.6; StreamingLLM 0.5; TOVA 0.4; PyramidInfer 0.4 (kept fractions
-0.507-0.508). Each floor is one case (0.1) or more below the measured value.
-5 depths x 2 seeds = 10 cases per recipe; the 16-bit cache answers all of them (checked).
+Depths 0, 0.5 and 1 x 2 seeds = 6 cases per recipe (each cell is the same batch of prompts
+whatever the other depths, so these are 6 of the 10 cases of the RESULTS.md table); the
+16-bit cache answers all of them (checked). Measured 2026-11-23 on the 2-core CPU VM, cases
+of 6: H2O, SnapKV, AdaKV-SnapKV, ChunkKV 6; pyramid-SnapKV 5; CAKE 4; StreamingLLM 3; TOVA 2;
+PyramidInfer 2 (kept fractions 0.507-0.508). Each floor is one case below the measured count.
 
 Floors (issue 11: at 50% kept, pass-key accuracy within 10 points of the full cache) are met
 by the score-based policies that see the question at prefill (H2O, SnapKV and its variants,
@@ -16,10 +17,10 @@ Measured misses (benchmarks/RESULTS.md, "Pass-key retrieval on SmolLM2-135M"):
 * StreamingLLM keeps sinks + the recent half: it must lose the early needles and keep the late
   ones (recency, not a broken cache);
 * TOVA scores tokens by the last query's attention averaged over all heads: the question's few
-  retrieval heads are diluted and early needles are dropped (0.4 measured);
-* CAKE splits the total budget by layer dispersion: the layers it starves drop needles (0.6);
+  retrieval heads are diluted and early needles are dropped (0.4 on the 10-case grid);
+* CAKE splits the total budget by layer dispersion: the layers it starves drop needles (0.6 on the 10-case grid);
 * PyramidInfer keeps each layer a subset of the one below, chosen by the attention of the
-  recent prompt queries, which do not ask for the key yet: early needles are dropped (0.4).
+  recent prompt queries, which do not ask for the key yet: early needles are dropped (0.4 on the 10-case grid).
 """
 
 
@@ -35,12 +36,12 @@ from kvtool.runtime.attach import CompressedRuntime
 from tests.conftest import shared_path
 
 pytestmark = pytest.mark.slow
-GRID = RetrievalGrid((512,), (0.0, 0.25, 0.5, 0.75, 1.0), 2)
+GRID = RetrievalGrid((512,), (0.0, 0.5, 1.0), 2)  # 6 cases; RESULTS.md adds depths 0.25 and 0.75
 
-# recipe -> least accuracy (of 1.0 for the full cache); see the module docstring for the misses
+# recipe -> least cases answered of the 6 (the full cache answers 6); see the module docstring for the misses
 FLOORS = {
-    "h2o": 0.9, "snapkv": 0.9, "pyramid-snapkv": 0.8, "ada-snapkv": 0.9, "chunkkv": 0.9,
-    "streamingllm": 0.4, "tova": 0.3, "cake": 0.5, "pyramidinfer": 0.3,
+    "h2o": 5, "snapkv": 5, "ada-snapkv": 5, "chunkkv": 5, "pyramid-snapkv": 4,
+    "cake": 3, "streamingllm": 2, "tova": 1, "pyramidinfer": 1,
 }
 
 
@@ -78,7 +79,7 @@ def test_pass_key_floor_at_half_the_cache(passkey, name):
     assert recipe.eviction.budget == 0.5
     result = passkey(recipe)
     assert 0.45 <= result["kept_fraction"] <= 0.6, result["kept_fraction"]  # it really evicted
-    assert result["accuracy"] >= FLOORS[name], (name, result["accuracy"], by_depth(result))
+    assert round(result["accuracy"] * 6) >= FLOORS[name], (name, result["accuracy"], by_depth(result))
     if name == "streamingllm":  # recency: the early needles are gone, the last ones kept
         depths = by_depth(result)
         assert depths[0.0] == 0.0 and depths[1.0] == 1.0, depths
