@@ -31,6 +31,7 @@ from kvtool.calibration import (
     range_parts,
     uses_palu,
 )
+from kvtool.context_limit import check_prompt_fits
 from kvtool.data import DataSpec, check_source, token_windows
 from kvtool.errors import ArtifactError, RuntimeConfigError
 from kvtool.eval.generation_report import generation_memory, generation_timing
@@ -476,10 +477,7 @@ def generate(
     hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, backend=backend)
     device = next(hf_model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
-    prompt_tokens, limit = enc.input_ids.shape[1], runtime.adapter.geometry.max_positions
-    if prompt_tokens + max_new_tokens > limit:  # generate's own words: it has no --seq-len
-        raise RuntimeConfigError(f"the prompt ({prompt_tokens} tokens) + --max-new-tokens {max_new_tokens} exceed the "
-                                 f"model's context limit of {limit} tokens: shorten the prompt or lower --max-new-tokens")
+    check_prompt_fits(enc.input_ids.shape[1], max_new_tokens, runtime.adapter.geometry.max_positions)
     cache = runtime.new_cache()
     streamer = DecodeClock(_Streamer(tokenizer, on_text) if on_text and len(prompts) == 1 else None)
     torch.manual_seed(seed)

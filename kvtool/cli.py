@@ -128,12 +128,14 @@ def _check_recipe(recipe: Optional[str]) -> None:
         load_recipe(recipe)
 
 
-def _check_context(model: Optional[str], tokens: int, asked: str, fix: str, artifact: Optional[Path] = None) -> None:
-    """Refuse a request longer than the model's context limit from its config.json, before the model loads.
+def _model_known_early(model: Optional[str], artifact: Optional[Path]) -> bool:
+    """Without --model an artifact brings its own model (found when it loads): then only the runtime checks it."""
+    return not (model is None and artifact is not None)
 
-    Without --model an artifact brings its own model (found when it loads): then the runtime checks.
-    """
-    if model is None and artifact is not None:
+
+def _check_context(model: Optional[str], tokens: int, asked: str, fix: str, artifact: Optional[Path] = None) -> None:
+    """Refuse a request longer than the model's context limit from its config.json, before the model loads."""
+    if not _model_known_early(model, artifact):
         return
     from kvtool.context_limit import check_context_early
 
@@ -146,17 +148,15 @@ def _check_prompts(model: Optional[str], artifact: Optional[Path], prompts: list
     A token covers at least one byte of UTF-8, so short prompts pass on their length alone; longer
     ones are counted with the model's tokenizer (no weights loaded).
     """
-    from kvtool.context_limit import max_positions
+    from kvtool.context_limit import check_prompt_fits, max_positions
 
-    limit = None if (model is None and artifact is not None) else max_positions(model)
+    limit = max_positions(model) if _model_known_early(model, artifact) else None
     if limit is None or max(len(p.encode()) for p in prompts) + max_new_tokens + 8 <= limit:
         return
     from kvtool.models.loading import load_tokenizer, resolve_model_path
 
     tokens = max(len(load_tokenizer(resolve_model_path(model))(p).input_ids) for p in prompts)
-    if tokens + max_new_tokens > limit:
-        raise RuntimeConfigError(f"the prompt ({tokens} tokens) + --max-new-tokens {max_new_tokens} exceed the "
-                                 f"model's context limit of {limit} tokens: shorten the prompt or lower --max-new-tokens")
+    check_prompt_fits(tokens, max_new_tokens, limit)
 
 
 def _check_plot_path(path: Optional[Path]) -> None:

@@ -57,6 +57,13 @@ def check_context_early(model: str | None, tokens: int, asked: str, fix: str) ->
         raise RuntimeConfigError(f"{asked} exceeds the context limit of {limit} positions of {name}: {fix}")
 
 
+def check_prompt_fits(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+    """RuntimeConfigError when a prompt of ``prompt_tokens`` plus ``max_new_tokens`` exceeds ``limit`` positions."""
+    if prompt_tokens + max_new_tokens > limit:  # generate's own words: it has no --seq-len
+        raise RuntimeConfigError(f"the prompt ({prompt_tokens} tokens) + --max-new-tokens {max_new_tokens} exceed the "
+                                 f"model's context limit of {limit} tokens: shorten the prompt or lower --max-new-tokens")
+
+
 def _read(path: Path) -> dict | None:
     try:
         config = json.loads(path.read_text())

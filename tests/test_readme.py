@@ -41,16 +41,21 @@ def code_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def kvtool_command_lines() -> list[str]:
-    """``kvtool ...`` invocations of the bash blocks, comments dropped, ``[optional parts]`` kept."""
+def bash_command_lines() -> list[str]:
+    """Every command line of the bash blocks in order: comments dropped, ``a && b`` split."""
     lines = []
     for block in code_blocks("bash"):
         for line in block.splitlines():
             for part in line.split("&&"):
                 part = part.split("  #")[0].strip()
-                if part.startswith("kvtool "):
-                    lines.append(without_optional_brackets(part))
+                if part and not part.startswith("#"):
+                    lines.append(part)
     return lines
+
+
+def kvtool_command_lines() -> list[str]:
+    """``kvtool ...`` invocations of the bash blocks, comments dropped, ``[optional parts]`` kept."""
+    return [without_optional_brackets(line) for line in bash_command_lines() if line.startswith("kvtool ")]
 
 
 def without_optional_brackets(line: str) -> str:
@@ -138,18 +143,6 @@ def cache_ratios(output: str) -> list[float]:
     ratios = [float(value) for value in re.findall(r"│\s*([0-9.]+)x\s*│", output)]
     assert ratios, f"no cache table in the output:\n{output[-3000:]}"
     return ratios
-
-
-def bash_command_lines() -> list[str]:
-    """Every command line of the bash blocks in order: comments dropped, ``a && b`` split."""
-    lines = []
-    for block in code_blocks("bash"):
-        for line in block.splitlines():
-            for part in line.split("&&"):
-                part = part.split("  #")[0].strip()
-                if part and not part.startswith("#"):
-                    lines.append(part)
-    return lines
 
 
 def test_bash_lines_cover_every_command_and_the_skips_are_few():
