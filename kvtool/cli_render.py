@@ -51,6 +51,9 @@ def render_memory(console: Console, memory: dict, seconds_note: str = "") -> Non
     if "policy" in memory:
         console.print(f"eviction ({memory['policy']}): {memory['kept_tokens']} tokens held over all layers, sequences and "
                       f"KV heads = {100 * memory['kept_fraction']:.1f}% of the tokens seen")
+    if "sparse_read_fraction" in memory:
+        console.print(f"sparse attention: decode steps read {100 * memory['sparse_read_fraction']:.1f}% of the tokens held; "
+                      f"their key summaries take {_mib(memory['key_summary_bytes'])} of the cache")
     if seconds_note:
         console.print(seconds_note)
     render_notes(console, memory)
@@ -109,6 +112,8 @@ def render_perplexity(console: Console, report: dict) -> None:
         (f"delta vs {short}", ["" if d is None else f"{d:+.2f}%" for _, _, d in caches]),
         *((("kept", [f"{100 * report.get(p + 'kept_fraction', 1.0):.1f}%" for _, p, _ in caches]),)
           if report.get("kept_fraction", 1.0) < 1.0 else ()),
+        *((("tokens read per step", [f"{100 * report.get(p + 'sparse_read_fraction', 1.0):.1f}%" for _, p, _ in caches]),)
+          if report.get("sparse_read_fraction", 1.0) < 1.0 else ()),
         ("bits per element", [f"{_bits(report, p, fp16):.2f}" for _, p, _ in caches]),
         ("bytes per token", [f"{report[p + 'bytes_per_token']:.0f}" for _, p, _ in caches]),
         ("cache held", [_mib(report[p + "cache_bytes"]) for _, p, _ in caches]),

@@ -37,7 +37,7 @@ import torch
 from kvtool.errors import RecipeError
 from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlidingWindowRule
-from kvtool.runtime.layer import build_formats, slot_meta, storage_dtype
+from kvtool.runtime.layer import build_formats, summary_tokens, slot_meta, storage_dtype
 from kvtool.runtime.store import FLOAT_BLOCK, LayerStore, StoreLayout
 
 INDEX_BYTES = 4  # int32 block-table entries
@@ -56,6 +56,9 @@ def unpredictable_reason(recipe: Recipe) -> str | None:
     if spec.policy == "fastgen":
         return ("FastGen has no budget: each KV head keeps the special tokens, punctuation and local/frequent fractions "
                 "its profiled rule names, so how many tokens stay depends on the text")
+    if spec.policy == "rocketkv":
+        return ("RocketKV cuts the prompt once and then keeps every generated token, so the bytes depend on how much of "
+                "the context is prompt")
     if spec.policy == "cake":
         return ("CAKE splits the budget among layers by the attention preferences it measures on each prompt and holds "
                 "its larger cascade shares until the first decoded token, so the bytes depend on the text")
@@ -109,7 +112,8 @@ def _empty_store(recipe: Recipe, fitted: dict, geometry, dtype: torch.dtype, pol
     key_format, value_format, g = build_formats(recipe, prefix, geometry.head_dim, geometry.num_kv_heads, dtype)
     layout = StoreLayout(block_size=recipe.cache.block_size, heads_per_stream=g, head_dim=geometry.head_dim,
                          float_dtype=dtype, quantized=_quantized(recipe), sink_tokens=recipe.cache.sink_tokens,
-                         recent_tokens=recipe.cache.recent_tokens, meta=slot_meta(policy))
+                         recent_tokens=recipe.cache.recent_tokens, meta=slot_meta(policy),
+                         summary_tokens=summary_tokens(recipe))
     return LayerStore(layout, key_format, value_format, 0, "cpu")
 
 

@@ -40,11 +40,15 @@ AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
 EVICTION_POLICIES = (
     "none", "streamingllm", "h2o", "snapkv", "vatp", "knorm", "fastgen", "tova", "chunkkv", "cake", "pyramidinfer",
+    "rocketkv",
 )
 OWN_LAYER_BUDGETS = ("cake", "pyramidinfer")  # policies that set their own per-layer budgets
 LAYER_BUDGETS = ("uniform", "pyramid", "profile")
 HEAD_BUDGETS = ("uniform", "adaptive")
-ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv")  # scores comparable across heads (head_budgets: adaptive)
+ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv", "rocketkv")  # scores comparable across heads (head_budgets: adaptive)
+SPARSE_METHODS = ("none", "rocketkv")
+# policies that do not score tokens by attention while decoding: sparse attention reads only some blocks per step
+DECODE_UNSCORED = ("none", "streamingllm", "knorm", "rocketkv")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -271,7 +275,9 @@ class EvictionSpec:
         attention of the current query only, at every step), ``chunkkv`` (whole chunks of
         consecutive tokens by summed SnapKV importance), ``cake`` (layer budgets from each
         layer's attention dispersion and shift, tokens by window mean + gamma x variance),
-        ``pyramidinfer`` (one kept set per layer by recent attention, shrinking with depth).
+        ``pyramidinfer`` (one kept set per layer by recent attention, shrinking with depth),
+        ``rocketkv`` (RocketKV's stage 1: SnapKV's pooled window score at each multi-token
+        forward, summed over the GQA group; generated tokens are never evicted).
     budget: fraction of each sequence's tokens a stream keeps (of the tokens seen so
         far; ignored by ``fastgen``, whose per-head policies imply their own sizes).
     budget_tokens: absolute tokens per stream instead of ``budget`` (memory stays flat
@@ -399,6 +405,47 @@ class EvictionSpec:
 
 
 @dataclass(frozen=True)
+class SparseAttentionSpec:
+    """Which stored tokens a decode step reads (attention over a subset; nothing is freed).
+
+    method: ``none`` reads every token; ``rocketkv`` is RocketKV's stage 2 (hybrid sparse
+        attention): every ``summary_tokens`` consecutive slots of a float block keep the
+        per-channel max and min of their keys beside the block; a decode step scores every
+        group from them with the query's largest ``channels`` fraction of channels (head- and
+        sequence-dimension reduction) and attends exactly to the best-scored groups only.
+    read_fraction: fraction of a stream's tokens a decode step reads (0.25 reads a quarter).
+    summary_tokens: tokens per key summary (1, 2, 4, 8 or 16); the paper uses
+        ceil(sqrt(1 / read_fraction)), 2 at a quarter. Smaller is more precise and costs more
+        memory: the summaries take 2 / summary_tokens of the key bytes.
+    channels: fraction of the head dimension used for the approximate scores (1 = all; the
+        paper uses summary_tokens x read_fraction).
+    min_tokens: tokens a step reads at least (a short cache is read whole).
+    """
+
+    method: str = "none"
+    read_fraction: float = 0.25
+    summary_tokens: int = 2
+    channels: float = 0.5
+    min_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        p = "sparse_attention"
+        _require(self.method in SPARSE_METHODS, f"{p}.method", f"'{self.method}' is not one of {list(SPARSE_METHODS)}")
+        _require(_is_fraction(self.read_fraction), f"{p}.read_fraction",
+                 f"{self.read_fraction} must be a fraction in (0, 1] (0.25 reads a quarter of the tokens per step)")
+        _require(self.summary_tokens in (1, 2, 4, 8, 16), f"{p}.summary_tokens",
+                 f"{self.summary_tokens} must be 1, 2, 4, 8 or 16 (tokens per key summary within a 16-token block)")
+        _require(_is_fraction(self.channels), f"{p}.channels",
+                 f"{self.channels} must be a fraction in (0, 1] of the head dimension (1 = every channel)")
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 1, f"{p}.min_tokens",
+                 f"{self.min_tokens} must be an integer >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
 class CalibrationSpec:
     """How much calibration text to use (windows of ``seq_len`` tokens)."""
 
@@ -423,9 +470,18 @@ class Recipe:
     cache: CacheSpec = field(default_factory=CacheSpec)
     eviction: EvictionSpec = field(default_factory=EvictionSpec)
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+    sparse_attention: SparseAttentionSpec = field(default_factory=SparseAttentionSpec)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and self.name.strip() != "", "name", "must be a non-empty string")
+        if self.sparse_attention.enabled:
+            p = "sparse_attention.method"
+            _require(not (self.quantizes or self.keys.pre_rope), p,
+                     "sparse attention reads float blocks only: use keys/values method none (quantized bodies "
+                     "keep no key summaries yet), or sparse_attention.method: none")
+            _require(self.eviction.policy in DECODE_UNSCORED, p,
+                     f"eviction policy '{self.eviction.policy}' scores tokens by the attention of every decode step, which "
+                     f"a step reading only some blocks cannot give; use one of {list(DECODE_UNSCORED)}")
 
     @property
     def is_noop(self) -> bool:
@@ -463,6 +519,7 @@ class Recipe:
 
 _SECTIONS = {
     "keys": QuantSpec, "values": QuantSpec, "cache": CacheSpec, "eviction": EvictionSpec, "calibration": CalibrationSpec,
+    "sparse_attention": SparseAttentionSpec,
 }
 _TOP_LEVEL = {"name", "description", *_SECTIONS}
 

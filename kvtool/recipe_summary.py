@@ -48,8 +48,10 @@ def eviction_summary(recipe: Recipe) -> str:
         return f"fastgen T={spec.threshold:g}, r_l={spec.local_ratio:g}, r_f={spec.frequent_ratio:g} (needs a profile)"
     budget = f"{spec.budget_tokens} tokens" if spec.budget_tokens is not None else f"{spec.budget:.0%}"
     parts = [f"{spec.policy}: keep {budget}", f"{spec.sink_tokens} sink + {spec.window} recent"]
-    if spec.policy == "snapkv":
+    if spec.policy in ("snapkv", "rocketkv"):
         parts.append(f"pooling {spec.pooling}")
+    if spec.policy == "rocketkv":
+        parts[0] = f"rocketkv: keep {budget} of the prompt (generated tokens kept)"
     if spec.policy == "cake":
         parts.append(f"layer budgets from attention preferences (tau1 {spec.tau1:g}, tau2 {spec.tau2:g}, gamma {spec.gamma:g})")
     if spec.policy == "pyramidinfer":
@@ -59,11 +61,21 @@ def eviction_summary(recipe: Recipe) -> str:
     return ", ".join(parts)
 
 
+def sparse_summary(recipe: Recipe) -> str:
+    """'rocketkv: read 25% of the tokens per decode step, 2-token key summaries, 50% of channels'."""
+    spec = recipe.sparse_attention
+    return (f"{spec.method}: read {spec.read_fraction:.0%} of the tokens per decode step (at least {spec.min_tokens}), "
+            f"{spec.summary_tokens}-token key summaries, {spec.channels:.0%} of channels scored")
+
+
 def recipe_summary(recipe: Recipe) -> dict[str, str]:
-    """{keys, values, float window, eviction}: what the recipe stores and drops."""
+    """{keys, values, float window, eviction}: what the recipe stores, drops (and, with sparse attention, reads)."""
+    eviction = eviction_summary(recipe)
+    if recipe.sparse_attention.enabled:
+        eviction += f"; sparse attention {sparse_summary(recipe)}"
     return {
         "keys": tensor_summary(recipe.keys),
         "values": tensor_summary(recipe.values),
         "float window": window_summary(recipe),
-        "eviction": eviction_summary(recipe),
+        "eviction": eviction,
     }

@@ -7,11 +7,13 @@ Depths 0, 0.5 and 1 x 2 seeds = 6 cases per recipe (each cell is the same batch 
 whatever the other depths, so these are 6 of the 10 cases of the RESULTS.md table); the
 16-bit cache answers all of them (checked). Measured 2026-11-23 on the 2-core CPU VM, cases
 of 6: H2O, SnapKV, AdaKV-SnapKV, ChunkKV 6; pyramid-SnapKV 5; CAKE 4; StreamingLLM 3; TOVA 2;
-PyramidInfer 2 (kept fractions 0.507-0.508). Each floor is one case below the measured count.
+PyramidInfer 2 (kept fractions 0.507-0.508); 2026-11-24: RocketKV (both stages: half the prompt
+kept, a quarter of the held tokens read per decode step) 6. Each floor is one case below the
+measured count.
 
 Floors (issue 11: at 50% kept, pass-key accuracy within 10 points of the full cache) are met
 by the score-based policies that see the question at prefill (H2O, SnapKV and its variants,
-ChunkKV; pyramid-SnapKV just: its top layers keep 25% and one early needle is lost).
+ChunkKV, RocketKV; pyramid-SnapKV just: its top layers keep 25% and one early needle is lost).
 Measured misses (benchmarks/RESULTS.md, "Pass-key retrieval on SmolLM2-135M"):
 
 * StreamingLLM keeps sinks + the recent half: it must lose the early needles and keep the late
@@ -41,7 +43,7 @@ GRID = RetrievalGrid((512,), (0.0, 0.5, 1.0), 2)  # 6 cases; RESULTS.md adds dep
 # recipe -> least cases answered of the 6 (the full cache answers 6); see the module docstring for the misses
 FLOORS = {
     "h2o": 5, "snapkv": 5, "ada-snapkv": 5, "chunkkv": 5, "pyramid-snapkv": 4,
-    "cake": 3, "streamingllm": 2, "tova": 1, "pyramidinfer": 1,
+    "cake": 3, "streamingllm": 2, "tova": 1, "pyramidinfer": 1, "rocketkv": 5,
 }
 
 

@@ -22,6 +22,7 @@ from kvtool.runtime.store import FLOAT_BLOCK
 from tests.tiny_models import FAMILIES, tiny_model, tiny_tokenizer_free_inputs
 
 BUDGET_POLICIES = [p for p in registered_policies() if p != "fastgen"]
+PROMPT_ONLY = ("rocketkv",)  # cut the prompt once, keep every generated token (tested in test_rocketkv.py)
 TINY_PROFILE = {  # a FastGen profile for the tiny 2-layer, 2-KV-head models: one head per policy kind
     "heads.policy": torch.tensor([[0, 2], [3, 4]]),
     "tokens.special": torch.tensor([1]),
@@ -125,7 +126,9 @@ def test_batch_equals_each_sequence_alone(policy, bits):
     assert layer.lengths.tolist() == [48 + 29, 33 + 29]
     report = batch_cache.memory_report()
     assert report["cache_bytes"] == report["expected_cache_bytes"]
-    if policy != "fastgen":
+    if policy in PROMPT_ONLY:  # half of each prompt (48, 33 tokens) and every generated token
+        assert report["kept_tokens"] == 2 * 2 * (24 + 29 + 17 + 29)  # x 2 layers x 2 KV heads
+    elif policy != "fastgen":
         assert 0.4 < report["kept_fraction"] <= 0.55
 
 
@@ -162,7 +165,7 @@ def test_an_eviction_interval_evicts_once_per_interval_and_keeps_batches_exact(p
 def test_bytes_held_match_the_kept_tokens(policy):
     model = tiny_model("llama")
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=40)
-    sizes = {}
+    sizes, kept = {}, {}
     for budget in (1.0, 0.5, 0.25):
         cache = runtime(model, evicting(policy, budget=budget, float_dtype="float16")).new_cache()
         _generate(model, cache, ids, mask, new_tokens=10)
@@ -179,11 +182,14 @@ def test_bytes_held_match_the_kept_tokens(policy):
         assert total == blocks * FLOAT_BLOCK * per_token + metadata  # K + V fp16, per-token metadata, tables: nothing else
         assert total - metadata < (cache.kept_tokens() + FLOAT_BLOCK * 8) * per_token  # < one block per stream unused
         sizes[budget] = total
-    if policy != "fastgen":  # fastgen ignores the budget: its profile sets the sizes
+        kept[budget] = cache.kept_tokens()
+    if policy in PROMPT_ONLY:  # the budget cuts the prompt only: 10 / 20 / 40 prompt tokens + 10 generated, 2-3 blocks
+        assert kept[0.25] < kept[0.5] < kept[1.0] and sizes[0.25] <= sizes[0.5] < sizes[1.0]
+    elif policy != "fastgen":  # fastgen ignores the budget: its profile sets the sizes
         assert sizes[0.25] < sizes[0.5] < sizes[1.0]
 
 
-@pytest.mark.parametrize("policy", BUDGET_POLICIES)
+@pytest.mark.parametrize("policy", [p for p in BUDGET_POLICIES if p not in PROMPT_ONLY])
 def test_decoding_past_an_absolute_budget_keeps_memory_flat(policy):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(3))

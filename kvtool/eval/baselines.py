@@ -44,7 +44,7 @@ def model_dtype_recipe(model) -> Recipe:
 
 def is_model_dtype_cache(recipe: Recipe) -> bool:
     """True for a recipe that stores everything uncompressed in the model's dtype."""
-    return recipe.is_noop and recipe.cache.float_dtype == "model"
+    return recipe.is_noop and recipe.cache.float_dtype == "model" and not recipe.sparse_attention.enabled
 
 
 def model_dtype_fields(model, fp16_cache_bytes: float) -> dict:

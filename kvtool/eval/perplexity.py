@@ -46,6 +46,7 @@ class PerplexityResult:
     bytes_per_token: float  # cache bytes per token held (all layers, K and V)
     decode_tokens_per_s: float
     kept_fraction: float = 1.0  # tokens held / tokens seen at the end (eviction), averaged over windows
+    sparse_read_fraction: float = 1.0  # stored tokens decode steps read / tokens held (sparse attention)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -141,12 +142,17 @@ class _Totals:
     def __init__(self) -> None:
         self.nll = self.seconds = self.kept = 0.0
         self.count = self.held = self.expected = self.fp16 = self.reserved = 0
+        self.tokens_read = self.tokens_held = 0
 
     def add(self, cache, nll: float, count: int, seconds: float, windows: int) -> None:
         self.nll, self.count, self.seconds = self.nll + nll, self.count + count, self.seconds + seconds
         self.held, self.expected = self.held + cache.nbytes(), self.expected + cache.expected_nbytes()
         self.fp16, self.reserved = self.fp16 + cache.fp16_nbytes(), self.reserved + cache.reserved_nbytes()
         self.kept += (cache.kept_fraction() if hasattr(cache, "kept_fraction") else 1.0) * windows
+        context = getattr(cache, "context", None)
+        if context is not None:
+            self.tokens_read += context.sparse_read_tokens
+            self.tokens_held += context.sparse_held_tokens
 
     def result(self, windows: torch.Tensor, prefill: int, chunk: int) -> PerplexityResult:
         mean = self.nll / self.count
@@ -168,4 +174,5 @@ class _Totals:
             bytes_per_token=self.held / tokens_held,
             decode_tokens_per_s=self.count / self.seconds if self.seconds else 0.0,
             kept_fraction=self.kept / windows.shape[0],
+            sparse_read_fraction=self.tokens_read / self.tokens_held if self.tokens_held else 1.0,
         )

@@ -40,6 +40,8 @@ def kernel_unsupported(recipe: Recipe, quantizers=()) -> str | None:
     quantizers: the recipe's (key, value) formats; each says itself whether the kernel reads it
     (`BlockQuantizer.kernel_format`), so there is one source of truth for what the kernel covers.
     """
+    if recipe.sparse_attention.enabled:
+        return "sparse attention (sparse_attention) runs on the torch path"
     for spec, name in ((recipe.keys, "keys"), (recipe.values, "values")):
         if spec.pre_rope:
             return f"{name} are stored before RoPE (the kernel reads keys stored after RoPE)"

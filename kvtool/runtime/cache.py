@@ -43,6 +43,12 @@ class CacheContext:
     shared_formats: dict = field(default_factory=dict)  # (layer, head_dim, heads, dtype) -> formats, shared by a runtime's caches
     sequence_positions: SequencePositions | None = field(default=None, init=False)
     kernel_steps: int = field(default=0, init=False)  # layer decode steps the Triton kernel ran
+    sparse_read_tokens: int = field(default=0, init=False)  # stored tokens sparse decode steps read (whole groups)
+    sparse_held_tokens: int = field(default=0, init=False)  # stored tokens those steps could have read
+
+    def count_sparse_reads(self, read: int, held: int) -> None:
+        self.sparse_read_tokens += read
+        self.sparse_held_tokens += held
 
     def formats(self, layer: int, plan: LayerPlan, head_dim: int, heads: int, dtype: torch.dtype):
         """(key format, value format, heads per stream) of a layer, built once per runtime."""
@@ -209,6 +215,10 @@ class KvtoolCache(Cache):
             "backend": self.backend,
             "kernel_steps": self.context.kernel_steps,
         }
+        if any(layer.store.layout.summary_tokens for layer in live):  # sparse attention: its bytes and its reads
+            report["key_summary_bytes"] = sum(layer.store.summary_nbytes() for layer in live)
+            held_tokens = self.context.sparse_held_tokens
+            report["sparse_read_fraction"] = self.context.sparse_read_tokens / held_tokens if held_tokens else 1.0
         if self.policy is not None:
             report["policy"] = self.policy.name
         return report

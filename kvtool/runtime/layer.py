@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvtool.methods.evict.base import StreamView
+from kvtool.methods.sparse.rocketkv import select_groups
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
@@ -80,6 +81,12 @@ def slot_meta(policy) -> tuple[str, ...]:
     return tuple(meta)
 
 
+def summary_tokens(recipe: Recipe) -> int:
+    """Slots per key summary the float blocks keep (sparse attention reads them; float-only recipes), 0 for none."""
+    sparse = recipe.sparse_attention
+    return sparse.summary_tokens if sparse.enabled and not (recipe.quantizes or recipe.keys.pre_rope) else 0
+
+
 def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """((B, t, t) bool: which new tokens each new query may see, (B, t) bool real tokens or None = all).
 
@@ -131,7 +138,7 @@ class KvtoolLayer(CacheLayerMixin):
         layout = StoreLayout(
             block_size=recipe.cache.block_size, heads_per_stream=self.g, head_dim=d, float_dtype=store_dtype,
             quantized=recipe.quantizes or recipe.keys.pre_rope, sink_tokens=recipe.cache.sink_tokens, recent_tokens=recipe.cache.recent_tokens,
-            meta=slot_meta(policy),
+            meta=slot_meta(policy), summary_tokens=summary_tokens(recipe),
         )
         self.store = LayerStore(layout, self.key_format, self.value_format, b * self.groups, self.device)
         self.lengths = torch.zeros(b, dtype=torch.int64, device=self.device)  # real tokens each sequence has seen
@@ -205,7 +212,7 @@ class KvtoolLayer(CacheLayerMixin):
             sliding_window=kwargs.get("sliding_window") or self.context.sliding_window(self.index),
         )
         policy = self.policy
-        scoring = policy is not None and policy.uses_attention
+        scoring = policy is not None and policy.uses_attention and (t > 1 or policy.evicts_while_decoding)
         nk = new_k.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
         nv = new_v.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
         received = None
@@ -229,7 +236,8 @@ class KvtoolLayer(CacheLayerMixin):
                     observer,
                 )
             else:
-                out = attend(q, nk, nv, stream_mask, self._chunks(s, r, options), options, query_pos, sink_logits)
+                chunks = self._sparse_chunks(q, options) if self._sparse_step(t, options) else self._chunks(s, r, options)
+                out = attend(q, nk, nv, stream_mask, chunks, options, query_pos, sink_logits)
             out = out.reshape(b, groups, g, G, t, d).reshape(b, hq, t, d).transpose(1, 2).to(query.dtype)
         self._store_new(nk, nv, real, positions, received, t)
         return out
@@ -238,8 +246,38 @@ class KvtoolLayer(CacheLayerMixin):
         """The Triton decode kernel runs this step (see `backend.py` for what it covers)."""
         return (
             self.context.backend == "triton" and t == 1 and not scoring and not options.sliding_window
-            and self.g == 1 and (real is None or bool(real.all()))
+            and self.g == 1 and (real is None or bool(real.all())) and not self.store.layout.summary_tokens
         )
+
+    def _sparse_step(self, t: int, options: LayerOptions) -> bool:
+        """This decode step reads only the best-scored summary groups (RocketKV's stage 2)."""
+        return bool(self.store.layout.summary_tokens) and t == 1 and not options.sliding_window and self.store.float_pool.used > 0
+
+    def _sparse_chunks(self, q: torch.Tensor, options: LayerOptions):
+        """The float slots of the groups `select_groups` picks for the rows q (S, g, R, D), chunk by chunk; the
+        other slots are not read."""
+        store = self.store
+        n, (s, g, r, d) = store.layout.summary_tokens, q.shape
+        kmax, kmin = store.key_summaries()  # (S, N, g, D) x 2
+        held = store.lengths("float_len")  # (S,)
+        groups, count = select_groups(self.plan.recipe.sparse_attention, q, kmax, kmin, held, options.scaling)  # (S, K), (S,)
+        step = max(1, chunk_tokens(s, g, r, d, n) // n)
+        read_tokens = 0
+        for c0 in range(0, groups.shape[1], step):
+            c1 = min(groups.shape[1], c0 + step)
+            slots = (groups[:, c0:c1, None] * n + torch.arange(n, device=self.device)).flatten(1)  # (S, c) region slots
+            flat = store.float_slot_ids(slots)  # (S, c) pool slots
+            k = store.float_flat("k")[flat].float().transpose(1, 2)  # (S, g, c, D)
+            v = store.float_flat("v")[flat].float().transpose(1, 2)
+            read = (torch.arange(c0, c1, device=self.device)[None] < count[:, None]).repeat_interleave(n, dim=1)  # (S, c)
+            valid = read & (slots < held[:, None])
+            read_tokens += int(valid.sum())
+            yield Chunk(
+                scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),
+                values=lambda p, v=v: torch.matmul(p, v),
+                valid=valid, positions=None, region="float", start=c0 * n,
+            )
+        self.context.count_sparse_reads(read_tokens, int(store.float_len.sum()))
 
     def _kernel_decode(self, q, new_k, new_v, options: LayerOptions, sink_logits) -> torch.Tensor:
         """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place."""
@@ -342,6 +380,8 @@ class KvtoolLayer(CacheLayerMixin):
         stream_pos = compact(positions.repeat_interleave(groups, dim=0))  # (S, t)
         if "pos" in store.layout.meta:
             data["pos"] = stream_pos
+        if received is None and "score" in store.layout.meta:  # not scored this forward (RocketKV decoding)
+            data["score"] = torch.zeros(data["k"].shape[:2], device=self.device)
         if received is not None:
             self._accumulate(received)
             data["score"] = compact(received.new)
@@ -378,6 +418,8 @@ class KvtoolLayer(CacheLayerMixin):
         """
         store, policy = self.store, self.policy
         decoding = positions.shape[1] == 1
+        if decoding and not policy.evicts_while_decoding:  # RocketKV: only multi-token forwards evict
+            return False
         if policy.budgeted and decoding and self._quiet_steps > 0:  # no stream can be due yet (see below)
             self._quiet_steps -= 1
             return False

@@ -9,7 +9,10 @@ the longest stream, never expanded to query heads. Layout (what the Triton kerne
   plus per-slot metadata where the cache needs it: ``pos`` (cap, fbs) int32 original
   positions, ``score`` (cap, fbs) float32 accumulated attention, ``feature`` (cap, fbs)
   float32 a policy's static token score, ``cls`` (cap, fbs) uint8 FastGen token classes.
-  Float blocks hold ``fbs = FLOAT_BLOCK`` (16) tokens. A stream's float region holds its
+  Float blocks hold ``fbs = FLOAT_BLOCK`` (16) tokens. With sparse attention
+  (``summary_tokens`` = n > 0) each float block also keeps ``kmax`` / ``kmin`` (cap, fbs / n,
+  g, D): per group of n consecutive slots, the per-channel max and min of their keys
+  (RocketKV's stage-2 summaries), exact for the group's valid slots. A stream's float region holds its
   sinks (the first ``sink_tokens`` tokens, never encoded) then its newest tokens (the KIVI
   recent window and the last, partly filled block); for recipes that quantize nothing it
   holds every token.
@@ -50,6 +53,7 @@ from kvtool.runtime.pool import BlockPool
 FLOAT_BLOCK = 16  # tokens per float block
 META_DTYPES = {"pos": torch.int32, "score": torch.float32, "feature": torch.float32, "cls": torch.uint8}
 LENGTHS = ("float_len", "body_len", "n_sink")
+SUMMARIES = ("kmax", "kmin")  # per-block (not per-slot) float pool tensors
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class StoreLayout:
     sink_tokens: int  # float sinks (quantized recipes)
     recent_tokens: int  # float recent window (quantized recipes)
     meta: tuple[str, ...] = ()  # per-slot metadata kept: subset of META_DTYPES
+    summary_tokens: int = 0  # > 0: float blocks keep per-channel key max/min per this many slots (sparse attention)
 
 
 def _ceil_div(a, b):
@@ -95,7 +100,11 @@ class LayerStore:
         self.fbs, self.bs = FLOAT_BLOCK, layout.block_size
         meta = lambda tokens: {name: ((tokens,), META_DTYPES[name]) for name in layout.meta}  # noqa: E731
         kv = {"k": ((self.fbs, g, d), layout.float_dtype), "v": ((self.fbs, g, d), layout.float_dtype)}
-        self.float_pool = BlockPool({**kv, **meta(self.fbs)}, device)
+        n = layout.summary_tokens
+        summaries = {name: ((self.fbs // n, g, d), layout.float_dtype) for name in SUMMARIES} if n else {}
+        self.float_pool = BlockPool({**kv, **meta(self.fbs), **summaries}, device)
+        self.slot_names = tuple(name for name in self.float_pool.tensors if name not in SUMMARIES)  # per-slot tensors
+        self._summaries_stale = False  # True after writes the decode fast path does not follow
         self.body_pool = None
         if layout.quantized:
             spec = {f"k.{n}": s for n, s in key_format.block_spec().items()}
@@ -139,6 +148,13 @@ class LayerStore:
         host = sum(getattr(self, name).nbytes for name in LENGTHS)
         device = 0 if self.device.type == "cpu" else sum(t.numel() * 8 for t in self._device.values())
         return tables + host + device
+
+    def summary_nbytes(self) -> int:
+        """Bytes of the key max/min summaries of the float blocks in use (part of `used_nbytes`; 0 without them)."""
+        if not self.layout.summary_tokens:
+            return 0
+        t = self.float_pool.tensors["kmax"]
+        return 2 * self.float_pool.used * t[0].numel() * t.element_size()
 
     def used_nbytes(self) -> int:
         """Bytes of blocks in use plus tables and lengths."""
@@ -259,6 +275,8 @@ class LayerStore:
             for name, values in data.items():
                 flat = self.float_flat(name)
                 flat[target] = values[:, 0].to(flat.dtype)
+            if self.layout.summary_tokens and not self._summaries_stale:
+                self._absorb_into_summaries(block, slot % self.fbs, data["k"][:, 0])
         elif total:
             if (count == width).all():  # every row written whole: no gather of the sources
                 rows_t = torch.arange(self.streams, device=self.device).repeat_interleave(width)
@@ -273,6 +291,7 @@ class LayerStore:
             for name, values in source.items():
                 flat = self.float_flat(name)
                 flat[target] = values.to(flat.dtype)
+            self._summaries_stale = True
         self._set("float_len", np.maximum(self.float_len, end))
 
     def fill_holes(self, keep: torch.Tensor, data: dict[str, torch.Tensor], keep_new: torch.Tensor) -> None:
@@ -309,13 +328,55 @@ class LayerStore:
         new_index = (rank - n_movers[:, None]).clamp(min=0, max=max(keep_new.shape[1] - 1, 0))
         new_index = new_order.gather(1, new_index) if keep_new.shape[1] else new_index
         rows = torch.arange(keep.shape[0], device=self.device)[:, None].expand(-1, targets)
-        for name in self.float_pool.tensors:
+        self._summaries_stale = True
+        for name in self.slot_names:
             flat = self.float_flat(name)
             moved = flat[src[from_mover]]
             flat[dst[from_mover]] = moved
             if name in data and keep_new.shape[1]:
                 flat[dst[from_new]] = data[name][rows[from_new], new_index[from_new]].to(flat.dtype)
         self._release_float_beyond(new_len)
+
+    # --- key summaries (sparse attention) ---------------------------------------------------------
+    def _absorb_into_summaries(self, block: torch.Tensor, offset: torch.Tensor, k: torch.Tensor) -> None:
+        """One new key per stream, k (S, g, D), at ``offset`` (S,) of float block ``block`` (S,), into its group's
+        max/min (a group's first slot resets them)."""
+        pool, n = self.float_pool.tensors, self.layout.summary_tokens
+        k = k.to(pool["kmax"].dtype)
+        group = offset // n  # (S,)
+        first = (offset % n == 0)[:, None, None]
+        pool["kmax"][block, group] = torch.where(first, k, torch.maximum(pool["kmax"][block, group], k))
+        pool["kmin"][block, group] = torch.where(first, k, torch.minimum(pool["kmin"][block, group], k))
+
+    def refresh_summaries(self) -> None:
+        """Recompute every used float block's per-group key max/min from its valid slots."""
+        self._summaries_stale = False
+        blocks = self.float_blocks()
+        width = int(blocks.max()) if self.streams else 0
+        if width == 0:
+            return
+        n = self.layout.summary_tokens
+        ids = self.float_block_ids(0, width)  # (S, F)
+        k = self.float_pool.tensors["k"][ids].float()  # (S, F, fbs, g, D)
+        k = k.reshape(*k.shape[:2], self.fbs // n, n, *k.shape[3:])  # (S, F, fbs / n, n, g, D)
+        slots = torch.arange(width * self.fbs, device=self.device).reshape(width, self.fbs // n, n)
+        valid = (slots[None] < self.lengths("float_len")[:, None, None, None])[..., None, None]  # (S, F, fbs/n, n, 1, 1)
+        held = torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]  # (S, F)
+        pool = self.float_pool.tensors
+        dtype = pool["kmax"].dtype
+        pool["kmax"][ids[held]] = k.masked_fill(~valid, -torch.inf).amax(dim=3)[held].to(dtype)
+        pool["kmin"][ids[held]] = k.masked_fill(~valid, torch.inf).amin(dim=3)[held].to(dtype)
+
+    def key_summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kmax, kmin) (S, F x fbs / n, g, D) of every stream's summary groups in slot order (F = most blocks held);
+        group j covers float slots [j n, (j + 1) n)."""
+        if self._summaries_stale:
+            self.refresh_summaries()
+        width = int(self.float_blocks().max()) if self.streams else 0
+        ids = self.float_block_ids(0, width)  # (S, F)
+        pool = self.float_pool.tensors
+        kmax, kmin = pool["kmax"][ids], pool["kmin"][ids]  # (S, F, fbs / n, g, D)
+        return kmax.flatten(1, 2), kmin.flatten(1, 2)
 
     # --- appending ---------------------------------------------------------------------------------
     def append(
@@ -419,7 +480,7 @@ class LayerStore:
         order = torch.sort((~keep_float).to(torch.int8), dim=1, stable=True).indices  # kept slots first, in order
         new_len = keep_float.sum(dim=1).cpu().numpy()
         ids = self.float_slot_ids(order)
-        data = {name: self.float_flat(name)[ids] for name in self.float_pool.tensors}
+        data = {name: self.float_flat(name)[ids] for name in self.slot_names}
         self.write_float(np.zeros_like(new_len), new_len, data)
         self._release_float_beyond(new_len)
 

@@ -1,1 +1,1 @@
-"""Token eviction: which (sequence, KV head) tokens the cache keeps (StreamingLLM, H2O, SnapKV, VATP, KNorm, FastGen, TOVA, ChunkKV)."""
+"""Token eviction: which (sequence, KV head) tokens the cache keeps (StreamingLLM, H2O, SnapKV, VATP, KNorm, FastGen, TOVA, ChunkKV, CAKE, PyramidInfer, RocketKV)."""

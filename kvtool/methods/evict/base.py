@@ -76,6 +76,7 @@ class EvictionPolicy:
     uses_feature = False  # True: the runtime stores `token_feature` per token
     uses_token_classes = False  # True: the runtime records special/punctuation classes per token
     budgeted = True  # False: the kept set follows rules (FastGen), so it is re-selected every step
+    evicts_while_decoding = True  # False: only multi-token forwards (prefill, a new chat turn) evict (RocketKV)
 
     def __init__(self, spec: EvictionSpec, profile: dict[str, torch.Tensor] | None = None) -> None:
         self.spec = spec
@@ -265,7 +266,7 @@ def register_policy(name: str):
 
 def _load_builtin() -> None:
     from kvtool.methods.evict import (  # noqa: F401  (register on import)
-        cake, chunkkv, fastgen, h2o, knorm, pyramidinfer, snapkv, streamingllm, tova, vatp,
+        cake, chunkkv, fastgen, h2o, knorm, pyramidinfer, rocketkv, snapkv, streamingllm, tova, vatp,
     )
 
 

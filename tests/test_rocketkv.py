@@ -1,0 +1,201 @@
+"""RocketKV: stage 1 (prompt-only SnapKV++ eviction) and stage 2 (sparse attention from key summaries).
+
+Mechanics on tiny random models: the key summaries are the exact per-channel max/min of each
+group's valid slots after prefill, decoding and eviction; the approximate group logits bound the
+true logits from above (one query row, every channel); a needle's group is always read; a step
+reading every token reproduces the model exactly, one reading a quarter really differs and reads
+what it reports; bytes include the summaries and match the walk; batches equal each sequence
+alone; stage 1 keeps what SnapKV keeps at prefill and every generated token after. Quality on
+SmolLM2-135M: the pass-key floor in test_eviction_passkey.py, perplexity in benchmarks/RESULTS.md.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kvtool.errors import RecipeError, RuntimeConfigError
+from kvtool.methods.sparse.rocketkv import approximate_group_logits, groups_to_read, select_groups
+from kvtool.recipe import EvictionSpec, QuantSpec, SparseAttentionSpec, load_recipe
+from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
+from kvtool.runtime.backend import resolve_backend
+from kvtool.runtime.memory import walked_nbytes
+from kvtool.runtime.store import FLOAT_BLOCK
+from tests.test_eviction_runtime import decode_batch_like_alone, evicting, held, run_tokens
+from tests.tiny_models import tiny_model
+
+
+def sparse(recipe, **fields):
+    spec = SparseAttentionSpec(method="rocketkv", **{"min_tokens": 1, **fields})
+    return dataclasses.replace(recipe, name=f"{recipe.name}+sparse", sparse_attention=spec)
+
+
+def brute_summaries(store, n):
+    """(S, N, g, D) max and min of every held group of n slots (valid slots only), from the keys themselves."""
+    blocks = store.float_blocks()
+    ids = store.float_block_ids(0, int(blocks.max()))
+    keys = store.read_blocks(store.float_pool, ("k",), ids)["k"].float()  # (S, F*fbs, g, D)
+    shape = (ids.shape[0], keys.shape[1] // n, *keys.shape[2:])
+    maxes, mins = torch.full(shape, -math.inf), torch.full(shape, math.inf)
+    for s in range(ids.shape[0]):
+        for j in range(-(-int(store.float_len[s]) // n)):
+            end = min(int(store.float_len[s]), (j + 1) * n)
+            maxes[s, j] = keys[s, j * n : end].amax(dim=0)
+            mins[s, j] = keys[s, j * n : end].amin(dim=0)
+    return maxes, mins
+
+
+def check_summaries(cache, n):
+    for layer in cache.layers:
+        store = layer.store
+        want_max, want_min = brute_summaries(store, n)
+        kmax, kmin = store.key_summaries()
+        held_groups = torch.arange(kmax.shape[1])[None] < -(-torch.from_numpy(store.float_len) // n)[:, None]
+        assert torch.equal(kmax.float()[held_groups], want_max[held_groups])
+        assert torch.equal(kmin.float()[held_groups], want_min[held_groups])
+
+
+# --- the selection, on its own -------------------------------------------------------------------
+def test_approximate_group_logits_bound_every_token_of_a_group_from_above():
+    gen = torch.Generator().manual_seed(0)
+    s, f, d = 3, 5, 16
+    keys = torch.randn(s, f, 4, 1, d, generator=gen)  # (S, N, n, g, D): groups of 4 tokens
+    q = torch.randn(s, 1, 1, d, generator=gen) * d ** -0.5  # one row, already scaled
+    approx = approximate_group_logits(q, keys.amax(dim=2), keys.amin(dim=2), channels=1.0, scaling=d ** -0.5)
+    exact = torch.einsum("sgrd,sftgd->sgrft", q, keys).amax(dim=-1)  # (S, g, R, N) best token per group
+    assert (approx >= exact - 1e-5).all()
+    assert (approx > exact + 1e-3).any()  # a bound, not the max itself
+
+
+def test_a_needle_group_is_always_read():
+    gen = torch.Generator().manual_seed(1)
+    s, groups, n, d, rows = 4, 64, 2, 64, 3
+    q = torch.randn(s, 1, rows, d, generator=gen)
+    keys = 0.1 * torch.randn(s, groups, n, 1, d, generator=gen)
+    spec = SparseAttentionSpec(method="rocketkv", read_fraction=0.125, summary_tokens=n, min_tokens=1, channels=0.5)
+    held = torch.tensor([128, 80, 127, 18])  # tokens
+    needle = torch.minimum(torch.randint(0, groups, (s,), generator=gen), (held - 1) // n)
+    keys[torch.arange(s), needle, 1, 0] = 3 * q.mean(dim=2)[:, 0]  # one token every row of the group attends to
+    chosen, count = select_groups(spec, q * d ** -0.5, keys.amax(dim=2), keys.amin(dim=2), held, d ** -0.5)
+    assert count.tolist() == [8, 5, 8, 2]  # ceil(tokens / 8 / 2) groups of 2
+    for stream in range(s):
+        picked = chosen[stream, : count[stream]].tolist()
+        assert int(needle[stream]) in picked and max(picked) <= (int(held[stream]) - 1) // n
+
+
+def test_groups_to_read_take_the_fraction_rounded_up_at_least_min_tokens_at_most_all():
+    spec = SparseAttentionSpec(method="rocketkv", read_fraction=0.25, summary_tokens=4, min_tokens=16)
+    tokens = torch.tensor([0, 1, 7, 16, 64, 65, 100, 160])
+    assert groups_to_read(spec, tokens).tolist() == [0, 1, 2, 4, 4, 5, 7, 10]
+
+
+# --- the runtime --------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_summaries_are_exact_after_prefill_decoding_and_eviction(n):
+    model = tiny_model("llama")
+    recipe = sparse(evicting("rocketkv", budget=0.5, float_dtype="float16"), summary_tokens=n)
+    cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(2))
+    run_tokens(model, cache, ids[:, :45], prefill=40)  # prefill evicts (holes refilled), 5 decode steps in place
+    check_summaries(cache, n)
+    with torch.no_grad():
+        model(ids[:, 45:60], past_key_values=cache)  # a second chat turn evicts again
+    check_summaries(cache, n)
+    run_tokens(model, cache, ids[:, 60:70], prefill=1)
+    check_summaries(cache, n)
+
+
+def test_reading_every_block_reproduces_the_model_exactly():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = model(ids).logits
+    cache = CompressedRuntime.from_recipe(model, sparse(uncompressed_recipe("model"), read_fraction=1.0)).new_cache()
+    logits = run_tokens(model, cache, ids, prefill=20)
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-4)
+    assert cache.memory_report()["sparse_read_fraction"] == 1.0
+
+
+def test_reading_a_quarter_really_skips_tokens_and_reports_what_it_read():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 130), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = model(ids).logits
+    cache = CompressedRuntime.from_recipe(model, sparse(uncompressed_recipe("model"), read_fraction=0.25)).new_cache()
+    logits = run_tokens(model, cache, ids, prefill=64)
+    assert torch.equal(logits[:, :64], reference[:, :64]) or torch.allclose(logits[:, :64], reference[:, :64], atol=1e-5)
+    assert (logits[:, 66:] - reference[:, 66:]).abs().max() > 1e-3  # decode steps attended to a subset
+    # stored tokens before each of the 66 decode steps: 64 .. 129; each step reads ceil(tokens / 4 / 2) groups of 2
+    held_tokens = range(64, 130)
+    most = sum(2 * math.ceil(t / 8) for t in held_tokens)
+    least = most - sum(t % 2 for t in held_tokens)  # the last group of an odd count holds one token
+    report = cache.memory_report()
+    assert least / sum(held_tokens) <= report["sparse_read_fraction"] <= most / sum(held_tokens)  # 0.2586..0.2591
+    assert 0.25 <= report["sparse_read_fraction"] < 0.26
+
+
+def test_bytes_include_the_summaries_and_match_the_walk():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(5))
+    caches = {}
+    for with_summaries in (False, True):
+        recipe = evicting("rocketkv", budget=0.5, float_dtype="float16")
+        recipe = sparse(recipe) if with_summaries else recipe
+        cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
+        run_tokens(model, cache, ids, prefill=40)
+        assert cache.nbytes() == cache.expected_nbytes()
+        assert walked_nbytes(cache) >= cache.reserved_nbytes() >= cache.nbytes()
+        caches[with_summaries] = cache
+    blocks = sum(int(layer.store.float_blocks().sum()) for layer in caches[True].layers)
+    summaries = blocks * (FLOAT_BLOCK // 2) * 2 * 32 * 2  # 8 groups of 2 slots per block; kmax + kmin, head_dim 32, fp16
+    assert caches[True].memory_report()["key_summary_bytes"] == summaries
+    assert caches[True].nbytes() - caches[False].nbytes() == summaries
+    assert "key_summary_bytes" not in caches[False].memory_report()
+
+
+def test_stage_one_keeps_what_snapkv_keeps_at_prefill_and_every_generated_token():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(6))
+    kept = {}
+    for policy in ("rocketkv", "snapkv"):
+        cache = CompressedRuntime.from_recipe(model, evicting(policy, budget=0.5)).new_cache()
+        with torch.no_grad():
+            model(ids[:, :48], past_key_values=cache)
+        kept[policy] = [sorted(h) for layer in cache.layers for h in held(layer)]
+        if policy == "rocketkv":
+            run_tokens(model, cache, ids[:, 48:], prefill=1)
+            for layer, after in zip(cache.layers, [held(layer) for layer in cache.layers]):
+                for stream, positions in enumerate(after):
+                    assert set(range(48, 64)) <= set(positions)  # generated tokens are never evicted
+                    assert len(positions) == 24 + 16
+    assert kept["rocketkv"] == kept["snapkv"]
+
+
+@pytest.mark.parametrize("read_fraction", [0.25, 1.0])
+def test_a_left_padded_batch_decodes_like_each_sequence_alone(read_fraction):
+    model = tiny_model("llama")
+    rt = CompressedRuntime.from_recipe(model, sparse(evicting("rocketkv", budget=0.5), read_fraction=read_fraction))
+    cache = decode_batch_like_alone(model, rt, seed=7)
+    assert cache.nbytes() == cache.expected_nbytes()
+
+
+def test_the_bundled_recipe_composes_both_stages():
+    recipe = load_recipe("rocketkv")
+    assert recipe.eviction.policy == "rocketkv" and recipe.sparse_attention.method == "rocketkv"
+    assert recipe.sparse_attention.read_fraction == 0.25 and recipe.sparse_attention.summary_tokens == 2
+
+
+def test_impossible_combinations_are_refused_with_the_fix():
+    base = sparse(uncompressed_recipe("float16"))
+    with pytest.raises(RecipeError, match="sparse_attention.method.*float blocks only"):
+        dataclasses.replace(base, keys=QuantSpec(method="uniform", bits=4, axis="channel", path="keys"))
+    with pytest.raises(RecipeError, match="policy 'h2o' scores tokens"):
+        dataclasses.replace(base, eviction=EvictionSpec(policy="h2o"))
+    for field, value in (("read_fraction", 0.0), ("read_fraction", 1.5), ("summary_tokens", 3), ("summary_tokens", 32),
+                         ("min_tokens", 0), ("channels", 0.0), ("method", "quest")):
+        with pytest.raises(RecipeError, match=f"sparse_attention.{field}"):
+            SparseAttentionSpec(**{"method": "rocketkv", field: value})
+    with pytest.raises(RuntimeConfigError, match="sparse attention.*torch"):
+        resolve_backend("triton", torch.device("cuda"), base)
+    assert resolve_backend("auto", torch.device("cpu"), base) == "torch"
