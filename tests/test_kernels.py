@@ -15,8 +15,9 @@ import os
 import pytest
 import torch
 
-from kvtool.calibration import build_quantizers
+from kvtool.calibration import build_quantizers, needs_fit
 from kvtool.errors import RuntimeConfigError
+from kvtool.methods.quant.fp8 import fp8_max
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime
 from tests.tiny_models import tiny_model, tiny_tokenizer_free_inputs
@@ -32,7 +33,16 @@ SIDES = {  # name: (key spec, value spec)
     "uniform-4": (QuantSpec(bits=4, path="keys"), QuantSpec(bits=4, axis="token", path="values")),
     "uniform-8": (QuantSpec(bits=8, path="keys"), QuantSpec(bits=8, axis="token", path="values")),
     "uniform-4-token-keys-channel-values": (QuantSpec(bits=4, axis="token", path="keys"), QuantSpec(bits=4, axis="channel", path="values")),
+    "fp8-dynamic": (QuantSpec(method="fp8", bits=8, granularity="block", path="keys"),
+                    QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="block", path="values")),
+    "fp8-static": (QuantSpec(method="fp8", bits=8, granularity="head", path="keys"),
+                   QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="layer", path="values")),
+    "int8-static-channel-int4-layer": (QuantSpec(method="int_static", bits=8, granularity="channel", path="keys"),
+                                       QuantSpec(method="int_static", bits=4, granularity="layer", path="values")),
+    "int3-static-head-int2-channel": (QuantSpec(method="int_static", bits=3, granularity="head", path="keys"),
+                                      QuantSpec(method="int_static", bits=2, granularity="channel", path="values")),
 }
+KV_HEADS = 2  # streams alternate between two KV heads, so per-head static tables are read per stream
 # (float tokens, body blocks) per stream: empty, one token, a block boundary, body-only, long
 RAGGED = [(0, 0), (1, 0), (17, 2), (0, 3), (40, 5)]
 
@@ -58,12 +68,35 @@ def _pool_tables(lengths_per_stream, per_block, generator):
     return table, max(total, 1) + 4
 
 
+def _static_range(spec: QuantSpec, head_dim: int, spread: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A calibrated-looking (lo, hi) at the spec's granularity: (1, 1), (H, 1) or (H, D), about the data's spread (D,)."""
+    rows = 1 if spec.granularity == "layer" else KV_HEADS
+    width = spread if spec.granularity == "channel" else spread.max().reshape(1)
+    hi = 3 * width * (0.8 + 0.4 * torch.rand(rows, width.numel(), generator=generator))
+    lo = -3 * width * (0.8 + 0.4 * torch.rand(rows, width.numel(), generator=generator))
+    return lo, hi
+
+
+def fitted_for(recipe: Recipe, head_dim: int, spreads, generator) -> dict[str, torch.Tensor]:
+    """Calibrated tensors ("keys.scale", ...) the recipe's static or codebook formats need, made up for a test."""
+    fitted = {}
+    for spec, part, spread in ((recipe.keys, "keys", spreads[0]), (recipe.values, "values", spreads[1])):
+        if spec.method == "fp8" and spec.is_static:
+            _, hi = _static_range(spec, head_dim, spread, generator)
+            fitted[f"{part}.scale"] = hi / fp8_max(spec.fp8_format)
+        elif spec.method == "int_static":
+            fitted[f"{part}.lo"], fitted[f"{part}.hi"] = _static_range(spec, head_dim, spread, generator)
+    return fitted
+
+
 def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0):
     """A random store (float region + body blocks of one format), queries, the new token, and the dense reference."""
     g = torch.Generator().manual_seed(seed)
     key_spec, value_spec = SIDES[side]
     recipe = Recipe(name=side, keys=key_spec, values=value_spec, cache=CacheSpec(block_size=BS))
-    kq, vq = build_quantizers(recipe, head_dim, torch.float32)  # decode without rounding to fp16, as attention does
+    key_spread, value_spread = torch.linspace(0.2, 3, head_dim), torch.ones(head_dim)  # keys: channel outliers
+    fitted = fitted_for(recipe, head_dim, (key_spread, value_spread), g)
+    kq, vq = build_quantizers(recipe, head_dim, torch.float32, fitted)  # decode without rounding to fp16, as attention does
     s = len(RAGGED)
     float_tokens = [f for f, _ in RAGGED]
     body_blocks = [b for _, b in RAGGED]
@@ -71,9 +104,12 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     btable, bcap = _pool_tables([b * BS for b in body_blocks], BS, g)
     float_k = torch.randn(fcap, FBS, head_dim, generator=g).half()
     float_v = torch.randn(fcap, FBS, head_dim, generator=g).half()
-    raw_k = torch.randn(bcap, 1, BS, head_dim, generator=g) * torch.linspace(0.2, 3, head_dim)  # channel outliers
-    raw_v = torch.randn(bcap, 1, BS, head_dim, generator=g)
-    group = torch.zeros(bcap, dtype=torch.long)
+    raw_k = torch.randn(bcap, 1, BS, head_dim, generator=g) * key_spread
+    raw_v = torch.randn(bcap, 1, BS, head_dim, generator=g) * value_spread
+    stream_group = torch.arange(s) % KV_HEADS  # (S,) the KV head of each stream
+    group = torch.zeros(bcap, dtype=torch.long)  # (cap,) the KV head of each pool block
+    for i in range(s):
+        group[btable[i, : body_blocks[i]].long()] = stream_group[i]
     kb, vb = kq.encode_blocks(raw_k, group), vq.encode_blocks(raw_v, group)
     dec_k, dec_v = kq.decode_blocks(kb, group)[:, 0].float(), vq.decode_blocks(vb, group)[:, 0].float()  # (cap, BS, D)
     q = torch.randn(s, gqa, head_dim, generator=g) / head_dim**0.5
@@ -95,11 +131,12 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
             values = torch.cat([values, torch.zeros(1, head_dim)])
         reference.append(torch.softmax(logits, dim=-1) @ values)
     to = lambda x: x.to(device) if torch.is_tensor(x) else {k: v.to(device) for k, v in x.items()}  # noqa: E731
+    body = ({**to(kb), **kq.kernel_tensors(device)}, {**to(vb), **vq.kernel_tensors(device)})
     args = dict(
         q=to(q), new_k=to(new_k), new_v=to(new_v), float_k=to(float_k), float_v=to(float_v), float_table=to(ftable),
-        float_len=to(torch.tensor(float_tokens)), body=(to(kb), to(vb)), body_table=to(btable),
+        float_len=to(torch.tensor(float_tokens)), body=body, body_table=to(btable),
         body_len=to(torch.tensor(body_blocks)), formats=(kq.kernel_format(), vq.kernel_format()), block_size=BS,
-        softcap=softcap, sink_logits=None if sink_logits is None else to(sink_logits),
+        softcap=softcap, sink_logits=None if sink_logits is None else to(sink_logits), stream_group=to(stream_group),
     )
     return args, torch.stack(reference)
 
@@ -117,6 +154,21 @@ def test_decode_kernel_equals_the_dense_reference(side, head_dim, gqa, device):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_bytes_decode_exactly_as_torch_float8(fmt, device):
+    """Every finite fp8 bit pattern (subnormals, signed zeros, the max) reads back as torch's own cast."""
+    from kvtool.runtime.kernels.body_block import fp8_bytes_to_float
+    from kvtool.methods.quant.fp8 import FP8_DTYPES
+
+    everything = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    expected = everything.view(FP8_DTYPES[fmt]).float()
+    finite = torch.isfinite(expected)  # the saturating encoder never stores NaN / inf
+    out = fp8_bytes_to_float(everything[finite].to(device), fmt).cpu()
+    assert torch.equal(out, expected[finite])
+    assert torch.equal(torch.signbit(out), torch.signbit(expected[finite]))
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_split_reduction_softcap_and_sinks(splits, device):
     """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result."""
@@ -127,28 +179,54 @@ def test_split_reduction_softcap_and_sinks(splits, device):
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
 
-def _generate(model, recipe, backend, ids, mask, tokens=6):
-    runtime = CompressedRuntime.from_recipe(model, recipe, backend=backend)
+def _generate(model, recipe, backend, ids, mask, tokens=6, layer_tensors=None):
+    runtime = CompressedRuntime.from_recipe(model, recipe, layer_tensors, backend=backend)
     cache = runtime.new_cache()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens, do_sample=False)
     return out, cache
 
 
-@pytest.mark.parametrize("name", ["kivi", "streamingllm-3bit"])
+def _static_layer_tensors(model) -> list[dict]:
+    """Made-up calibrated tensors for the tiny model's layers (fp8 per-head scales, int_static ranges)."""
+    layers, heads, d = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    g = torch.Generator().manual_seed(0)
+    one = {
+        "keys.scale": torch.rand(heads, 1, generator=g) * 0.01 + 0.01,  # fp8 head: amax 4.5 .. 9
+        "keys.lo": -3 - torch.rand(heads, d, generator=g), "keys.hi": 3 + torch.rand(heads, d, generator=g),  # int channel
+        "values.lo": torch.full((1, 1), -2.5), "values.hi": torch.full((1, 1), 2.5),  # int layer
+    }
+    return [dict(one) for _ in range(layers)]
+
+
+GENERATION_RECIPES = {
+    "kivi": Recipe(name="kivi", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32)),
+    "streamingllm-3bit": Recipe(
+        name="sl3", keys=QuantSpec(bits=3, path="keys"), values=QuantSpec(bits=3, axis="token", group_size=16, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+        eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
+    ),
+    "fp8-head-int4-layer": Recipe(
+        name="fp8s", keys=QuantSpec(method="fp8", bits=8, granularity="head", path="keys"),
+        values=QuantSpec(method="int_static", bits=4, granularity="layer", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
+    "int8-channel-fp8-e5m2-block": Recipe(
+        name="int8c", keys=QuantSpec(method="int_static", bits=8, granularity="channel", path="keys"),
+        values=QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="block", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GENERATION_RECIPES))
 def test_triton_backend_generates_the_torch_backends_tokens(name):
     model = tiny_model("llama", kv_heads=2)
-    recipes = {
-        "kivi": Recipe(name="kivi", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32)),
-        "streamingllm-3bit": Recipe(
-            name="sl3", keys=QuantSpec(bits=3, path="keys"), values=QuantSpec(bits=3, axis="token", group_size=16, path="values"),
-            cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
-            eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
-        ),
-    }
+    recipe = GENERATION_RECIPES[name]
+    tensors = _static_layer_tensors(model) if needs_fit(recipe) else None
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
-    torch_tokens, _ = _generate(model, recipes[name], "torch", ids, mask)
-    triton_tokens, cache = _generate(model, recipes[name], "triton", ids, mask)
+    torch_tokens, _ = _generate(model, recipe, "torch", ids, mask, layer_tensors=tensors)
+    triton_tokens, cache = _generate(model, recipe, "triton", ids, mask, layer_tensors=tensors)
     assert cache.memory_report()["backend"] == "triton"
     assert cache.memory_report()["kernel_steps"] >= 5 * model.config.num_hidden_layers  # the kernel really ran
     assert torch.equal(torch_tokens, triton_tokens)

@@ -4,9 +4,11 @@ Resolved once per runtime and reported in every memory report (``backend``):
 
 * ``torch``: the pure-torch reference (`paged_attention.py` and the methods' ``chunk_*``), any device;
 * ``triton``: the Triton decode kernel (`kernels/decode_attention.py`) reads the store in place for
-  every decode step it covers: float blocks and uniform (KIVI-style, int8) or float16 body
-  blocks, keys stored after RoPE, full-attention layers, policies that do not score tokens by
-  attention. Prefill, appends, sliding-window layers and attention-scored eviction (h2o,
+  every decode step it covers: float blocks and body blocks of the formats whose quantizer has
+  a `kernel_format` (none: float16 data; uniform 2/3/4/8-bit, KIVI-style; fp8 e4m3/e5m2 with
+  per-block or calibrated per-layer / per-KV-head scales; int_static 2/3/4/8-bit with calibrated
+  per-layer / per-head / per-channel ranges), keys stored after RoPE, full-attention layers,
+  policies that do not score tokens by attention. Prefill, appends, sliding-window layers and attention-scored eviction (h2o,
   snapkv, ...) stay on the torch path; `cache.memory_report()["kernel_steps"]` counts the layer
   steps the kernel ran. Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU
   tensors (slow; for tests);
@@ -47,7 +49,7 @@ def kernel_unsupported(recipe: Recipe, quantizers=()) -> str | None:
         try:
             quantizer.kernel_format()
         except RuntimeConfigError:
-            return f"{name} use method '{quantizer.spec.method}' (the kernel reads float and uniform blocks)"
+            return f"{name} use method '{quantizer.spec.method}' (the kernel reads none, uniform, fp8 and int_static blocks)"
     return None
 
 

@@ -249,13 +249,16 @@ class KvtoolLayer(CacheLayerMixin):
         float_pool = store.float_pool.tensors
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:
-            body = (store.body_pool_side("k"), store.body_pool_side("v"))
+            body = tuple(
+                {**store.body_pool_side(part), **fmt.kernel_tensors(self.device)}
+                for part, fmt in (("k", self.key_format), ("v", self.value_format))
+            )
             formats = (self.key_format.kernel_format(), self.value_format.kernel_format())
             body_table, body_len = store.body_table, store.lengths("body_len")
         self.context.kernel_steps += 1
         return paged_decode_attention(
             q, new_k, new_v, float_pool["k"][:, :, 0], float_pool["v"][:, :, 0], store.float_table, store.lengths("float_len"),
-            body, body_table, body_len, formats, store.bs, options.softcap, sink_logits,
+            body, body_table, body_len, formats, store.bs, options.softcap, sink_logits, stream_group=self.group_of_stream,
         )
 
     def _empty(self) -> bool:
