@@ -41,6 +41,11 @@ SIDES = {  # name: (key spec, value spec)
                                        QuantSpec(method="int_static", bits=4, granularity="layer", path="values")),
     "int3-static-head-int2-channel": (QuantSpec(method="int_static", bits=3, granularity="head", path="keys"),
                                       QuantSpec(method="int_static", bits=2, granularity="channel", path="values")),
+    # nuq keys are stored before RoPE; the kernel matrix checks the stored keys' read (RoPE: see below)
+    "nuq-3-1pct": (QuantSpec(method="nuq", bits=3, outlier_fraction=0.01, pre_rope=True, path="keys"),
+                   QuantSpec(method="nuq", bits=3, axis="token", group_size=16, outlier_fraction=0.01, path="values")),
+    "nuq-2-5pct-4-dense-channel-values": (QuantSpec(method="nuq", bits=2, outlier_fraction=0.05, pre_rope=True, path="keys"),
+                                          QuantSpec(method="nuq", bits=4, outlier_fraction=0.0, path="values")),
 }
 KV_HEADS = 2  # streams alternate between two KV heads, so per-head static tables are read per stream
 # (float tokens, body blocks) per stream: empty, one token, a block boundary, body-only, long
@@ -68,10 +73,10 @@ def _pool_tables(lengths_per_stream, per_block, generator):
     return table, max(total, 1) + 4
 
 
-def _static_range(spec: QuantSpec, head_dim: int, spread: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A calibrated-looking (lo, hi) at the spec's granularity: (1, 1), (H, 1) or (H, D), about the data's spread (D,)."""
-    rows = 1 if spec.granularity == "layer" else KV_HEADS
-    width = spread if spec.granularity == "channel" else spread.max().reshape(1)
+def _static_range(granularity: str, spread: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A calibrated-looking (lo, hi) at a granularity: (1, 1), (H, 1) or (H, D), about the data's spread (D,)."""
+    rows = 1 if granularity == "layer" else KV_HEADS
+    width = spread if granularity == "channel" else spread.max().reshape(1)
     hi = 3 * width * (0.8 + 0.4 * torch.rand(rows, width.numel(), generator=generator))
     lo = -3 * width * (0.8 + 0.4 * torch.rand(rows, width.numel(), generator=generator))
     return lo, hi
@@ -82,10 +87,15 @@ def fitted_for(recipe: Recipe, head_dim: int, spreads, generator) -> dict[str, t
     fitted = {}
     for spec, part, spread in ((recipe.keys, "keys", spreads[0]), (recipe.values, "values", spreads[1])):
         if spec.method == "fp8" and spec.is_static:
-            _, hi = _static_range(spec, head_dim, spread, generator)
+            _, hi = _static_range(spec.granularity, spread, generator)
             fitted[f"{part}.scale"] = hi / fp8_max(spec.fp8_format)
         elif spec.method == "int_static":
-            fitted[f"{part}.lo"], fitted[f"{part}.hi"] = _static_range(spec, head_dim, spread, generator)
+            fitted[f"{part}.lo"], fitted[f"{part}.hi"] = _static_range(spec.granularity, spread, generator)
+        elif spec.method == "nuq":
+            fitted[f"{part}.codebook"] = (torch.rand(2**spec.bits, generator=generator) * 2 - 1).sort().values
+            if spec.axis == "channel":  # the f/2 .. 1 - f/2 quantiles: about 2.5 standard deviations
+                lo, hi = _static_range("channel", spread, generator)
+                fitted[f"{part}.channel_lo"], fitted[f"{part}.channel_hi"] = lo * 0.8, hi * 0.8
     return fitted
 
 
@@ -195,6 +205,7 @@ def _static_layer_tensors(model) -> list[dict]:
         "keys.scale": torch.rand(heads, 1, generator=g) * 0.01 + 0.01,  # fp8 head: amax 4.5 .. 9
         "keys.lo": -3 - torch.rand(heads, d, generator=g), "keys.hi": 3 + torch.rand(heads, d, generator=g),  # int channel
         "values.lo": torch.full((1, 1), -2.5), "values.hi": torch.full((1, 1), 2.5),  # int layer
+        "values.codebook": torch.linspace(-1, 1, 8) ** 3,  # nuq 3-bit: denser levels near 0
     }
     return [dict(one) for _ in range(layers)]
 
@@ -214,6 +225,11 @@ GENERATION_RECIPES = {
     "int8-channel-fp8-e5m2-block": Recipe(
         name="int8c", keys=QuantSpec(method="int_static", bits=8, granularity="channel", path="keys"),
         values=QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="block", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
+    "uniform-keys-nuq-values": Recipe(
+        name="nuqv", keys=QuantSpec(bits=4, path="keys"),
+        values=QuantSpec(method="nuq", bits=3, axis="token", group_size=16, outlier_fraction=0.01, path="values"),
         cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
     ),
 }
@@ -237,6 +253,9 @@ def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on
     pre_rope = Recipe(name="pre", keys=QuantSpec(bits=4, pre_rope=True, path="keys"))
     with pytest.raises(RuntimeConfigError, match="before RoPE"):
         CompressedRuntime.from_recipe(model, pre_rope, backend="triton")
+    turbo = Recipe(name="tq", keys=QuantSpec(method="turboquant", bits=3, path="keys"))
+    with pytest.raises(RuntimeConfigError, match="method 'turboquant'"):
+        CompressedRuntime.from_recipe(model, turbo, backend="triton")
     assert CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="auto").backend == "torch"  # CPU
 
 

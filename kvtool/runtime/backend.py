@@ -7,7 +7,8 @@ Resolved once per runtime and reported in every memory report (``backend``):
   every decode step it covers: float blocks and body blocks of the formats whose quantizer has
   a `kernel_format` (none: float16 data; uniform 2/3/4/8-bit, KIVI-style; fp8 e4m3/e5m2 with
   per-block or calibrated per-layer / per-KV-head scales; int_static 2/3/4/8-bit with calibrated
-  per-layer / per-head / per-channel ranges), keys stored after RoPE, full-attention layers,
+  per-layer / per-head / per-channel ranges; nuq 2/3/4-bit codebook lookups with per-channel or
+  per-token scales and dense-and-sparse outliers), keys stored after RoPE, full-attention layers,
   policies that do not score tokens by attention. Prefill, appends, sliding-window layers and attention-scored eviction (h2o,
   snapkv, ...) stay on the torch path; `cache.memory_report()["kernel_steps"]` counts the layer
   steps the kernel ran. Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU
@@ -49,7 +50,7 @@ def kernel_unsupported(recipe: Recipe, quantizers=()) -> str | None:
         try:
             quantizer.kernel_format()
         except RuntimeConfigError:
-            return f"{name} use method '{quantizer.spec.method}' (the kernel reads none, uniform, fp8 and int_static blocks)"
+            return f"{name} use method '{quantizer.spec.method}' (the kernel reads none, uniform, fp8, int_static and nuq blocks)"
     return None
 
 

@@ -12,7 +12,10 @@ its GQA group, already multiplied by the softmax scale) and attends to
   token-split layout of `kvtool.methods.quant.packing` with fp16 scale/zero per channel ((D,)
   per block) or per token group ((BS, D / group) per block); fp8 e4m3/e5m2 bytes with one
   float32 scale per block (dynamic) or a calibrated per-layer / per-KV-head scale (static);
-  int_static packed codes with calibrated per-layer / per-head / per-channel step and offset.
+  int_static packed codes with calibrated per-layer / per-head / per-channel step and offset;
+  nuq packed codes looked up in the layer's codebook (selects in registers), scaled by the
+  calibrated per-channel ranges (keys) or the block's per-token-group scales (values), with
+  the block's sparse fp16 outliers written over their positions (`body_block._outliers`).
   Calibrated tables sit beside the store (the quantizer's `kernel_tensors`); `stream_group`
   (S,) gives each stream's KV head, its row in them.
 
