@@ -16,6 +16,9 @@ its GQA group, already multiplied by the softmax scale) and attends to
   nuq packed codes looked up in the layer's codebook (selects in registers), scaled by the
   calibrated per-channel ranges (keys) or the block's per-token-group scales (values), with
   the block's sparse fp16 outliers written over their positions (`body_block._outliers`).
+  Keys stored before RoPE (``keys.pre_rope``, `body_rope.BodyRope`) are rotated in registers at
+  each body token's true position, read in place (per-slot ``pos`` of an evicting store, or the
+  cache's per-sequence position table).
   Calibrated tables sit beside the store (the quantizer's `kernel_tensors`); `stream_group`
   (S,) gives each stream's KV head, its row in them.
 
@@ -36,6 +39,7 @@ import triton.language as tl
 
 from kvtool.runtime.kernels.body_block import load_body, side_constants
 from kvtool.runtime.kernels.body_format import BodyFormat
+from kvtool.runtime.kernels.body_rope import SOURCES, BodyRope, body_positions, partner_channels, rotate_keys
 
 
 @triton.jit
@@ -65,9 +69,10 @@ def _decode_partials(
     q_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
     kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol,
     vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, v_srow, v_scol,
+    pos_ptr, pos_stride, nsink_ptr, streams_per_sequence, freq_ptr, rope_scaling,
     m_out, l_out, acc_out, R, softcap,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FBS: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
     K_OUTLIERS: tl.constexpr,
@@ -105,6 +110,13 @@ def _decode_partials(
             k = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block, head, tb, c, cmask,
                           D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO,
                           K_LEVELS, K_OUTLIERS)  # (BS, BD)
+            if PRE_ROPE > 0:  # keys stored before RoPE: rotate at each token's true position
+                partner, sign = partner_channels(c, ROTARY, INTERLEAVED)
+                k_partner = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block, head,
+                                      tb, partner, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS,
+                                      K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # (BS, BD) k[:, partner]
+                pos = body_positions(pos_ptr, pos_stride, nsink_ptr, s, s // streams_per_sequence, col, tb, block, BS, PRE_ROPE)
+                k = rotate_keys(k, k_partner, sign, pos, c, freq_ptr, rope_scaling, ROTARY, INTERLEAVED)
             v = load_body(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, v_srow, v_scol, block, head, tb, c, cmask,
                           D, BS, V_BITS, V_W0, V_W1, V_W2, V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO,
                           V_LEVELS, V_OUTLIERS)
@@ -176,6 +188,18 @@ def _prefixed(constants: dict, prefix: str) -> dict:
     return {f"{prefix}{name}": value for name, value in constants.items()}
 
 
+def _rope_arguments(rope: BodyRope | None, streams: int, device) -> tuple[tuple, dict]:
+    """(pos, pos stride, n_sink, streams per sequence, inv_freq, scaling) and the RoPE constants of the kernel."""
+    if rope is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return (dummy, 0, dummy, 1, torch.zeros(1, device=device), 1.0), dict(PRE_ROPE=0, ROTARY=2, INTERLEAVED=False)
+    positions = rope.positions if rope.positions is not None else torch.zeros(1, dtype=torch.int32, device=device)
+    n_sink = rope.n_sink if rope.n_sink is not None else torch.zeros(streams, dtype=torch.int64, device=device)
+    stride = positions.stride(0) if rope.source == "sequence" else 0
+    args = (positions, stride, n_sink, rope.streams_per_sequence, rope.inv_freq.float().contiguous(), float(rope.scaling))
+    return args, dict(PRE_ROPE=SOURCES[rope.source], ROTARY=rope.rotary_dim, INTERLEAVED=rope.interleaved)
+
+
 def splits_for(streams: int, blocks: int) -> int:
     """Programs per stream: enough to fill a GPU at small batch, never more than blocks to walk."""
     if blocks <= 4:
@@ -200,6 +224,7 @@ def paged_decode_attention(
     sink_logits: torch.Tensor | None = None,  # (S, R) learned sink logits
     splits: int | None = None,
     stream_group: torch.Tensor | None = None,  # (S,) int64 KV head of each stream (static tables); None: all 0
+    rope: BodyRope | None = None,  # body keys stored before RoPE: how to rotate them
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store."""
     s, r, d = q.shape
@@ -221,11 +246,12 @@ def paged_decode_attention(
     ftable = float_table if float_table.shape[1] else dummy_table
     group = stream_group if stream_group is not None else torch.zeros(s, dtype=torch.int64, device=device)
     bs = block_size if has_body else 16
+    rope_args, rope_constants = _rope_arguments(rope if has_body else None, s, device)
     _decode_partials[(s, splits)](
         q, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
-        *k_ptrs, k_srow, k_scol, *v_ptrs, v_srow, v_scol,
+        *k_ptrs, k_srow, k_scol, *v_ptrs, v_srow, v_scol, *rope_args,
         m, l, acc, r, float(softcap or 0.0),
-        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap),
+        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
         **_prefixed(side_constants(kf), "K_"), **_prefixed(side_constants(vf), "V_"),
     )
     out = torch.empty((s, r, d), device=device, dtype=torch.float32)
