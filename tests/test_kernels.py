@@ -9,17 +9,19 @@ the triton backend generates the torch backend's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
 import pytest
 import torch
 
-from kvtool.calibration import build_quantizers
+from kvtool.calibration import build_quantizers, needs_fit
 from kvtool.errors import RuntimeConfigError
+from kvtool.methods.quant.fp8 import fp8_max
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime
-from tests.tiny_models import tiny_model, tiny_tokenizer_free_inputs
+from tests.tiny_models import featured_model, tiny_model, tiny_tokenizer_free_inputs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -32,7 +34,21 @@ SIDES = {  # name: (key spec, value spec)
     "uniform-4": (QuantSpec(bits=4, path="keys"), QuantSpec(bits=4, axis="token", path="values")),
     "uniform-8": (QuantSpec(bits=8, path="keys"), QuantSpec(bits=8, axis="token", path="values")),
     "uniform-4-token-keys-channel-values": (QuantSpec(bits=4, axis="token", path="keys"), QuantSpec(bits=4, axis="channel", path="values")),
+    "fp8-dynamic": (QuantSpec(method="fp8", bits=8, granularity="block", path="keys"),
+                    QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="block", path="values")),
+    "fp8-static": (QuantSpec(method="fp8", bits=8, granularity="head", path="keys"),
+                   QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="layer", path="values")),
+    "int8-static-channel-int4-layer": (QuantSpec(method="int_static", bits=8, granularity="channel", path="keys"),
+                                       QuantSpec(method="int_static", bits=4, granularity="layer", path="values")),
+    "int3-static-head-int2-channel": (QuantSpec(method="int_static", bits=3, granularity="head", path="keys"),
+                                      QuantSpec(method="int_static", bits=2, granularity="channel", path="values")),
+    # nuq keys are stored before RoPE; the kernel matrix checks the stored keys' read (RoPE: see below)
+    "nuq-3-1pct": (QuantSpec(method="nuq", bits=3, outlier_fraction=0.01, pre_rope=True, path="keys"),
+                   QuantSpec(method="nuq", bits=3, axis="token", group_size=16, outlier_fraction=0.01, path="values")),
+    "nuq-2-5pct-4-dense-channel-values": (QuantSpec(method="nuq", bits=2, outlier_fraction=0.05, pre_rope=True, path="keys"),
+                                          QuantSpec(method="nuq", bits=4, outlier_fraction=0.0, path="values")),
 }
+KV_HEADS = 2  # streams alternate between two KV heads, so per-head static tables are read per stream
 # (float tokens, body blocks) per stream: empty, one token, a block boundary, body-only, long
 RAGGED = [(0, 0), (1, 0), (17, 2), (0, 3), (40, 5)]
 
@@ -58,12 +74,75 @@ def _pool_tables(lengths_per_stream, per_block, generator):
     return table, max(total, 1) + 4
 
 
-def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0):
-    """A random store (float region + body blocks of one format), queries, the new token, and the dense reference."""
+def _static_range(granularity: str, spread: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A calibrated-looking (lo, hi) at a granularity: (1, 1), (H, 1) or (H, D), about the data's spread (D,)."""
+    rows = 1 if granularity == "layer" else KV_HEADS
+    width = spread if granularity == "channel" else spread.max().reshape(1)
+    hi = 3 * width * (0.8 + 0.4 * torch.rand(rows, width.numel(), generator=generator))
+    lo = -3 * width * (0.8 + 0.4 * torch.rand(rows, width.numel(), generator=generator))
+    return lo, hi
+
+
+def fitted_for(recipe: Recipe, head_dim: int, spreads, generator) -> dict[str, torch.Tensor]:
+    """Calibrated tensors ("keys.scale", ...) the recipe's static or codebook formats need, made up for a test."""
+    fitted = {}
+    for spec, part, spread in ((recipe.keys, "keys", spreads[0]), (recipe.values, "values", spreads[1])):
+        if spec.method == "fp8" and spec.is_static:
+            _, hi = _static_range(spec.granularity, spread, generator)
+            fitted[f"{part}.scale"] = hi / fp8_max(spec.fp8_format)
+        elif spec.method == "int_static":
+            fitted[f"{part}.lo"], fitted[f"{part}.hi"] = _static_range(spec.granularity, spread, generator)
+        elif spec.method == "nuq":
+            fitted[f"{part}.codebook"] = (torch.rand(2**spec.bits, generator=generator) * 2 - 1).sort().values
+            if spec.axis == "channel":  # the f/2 .. 1 - f/2 quantiles: about 2.5 standard deviations
+                lo, hi = _static_range("channel", spread, generator)
+                fitted[f"{part}.channel_lo"], fitted[f"{part}.channel_hi"] = lo * 0.8, hi * 0.8
+    return fitted
+
+
+def _body_rope(source: str, rotary_dim: int, interleaved: bool, body_blocks, bcap: int, btable, generator):
+    """A `BodyRope` of made-up positions and the positions (T_i,) of every stream's body tokens it implies."""
+    from kvtool.runtime.kernels.body_rope import BodyRope
+
+    s = len(body_blocks)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    n_sink = torch.randint(0, 4, (s,), generator=generator)
+    positions = table = None
+    if source == "slots":  # evicting store: any positions, per body slot
+        positions = torch.randint(0, 5000, (bcap, BS), generator=generator, dtype=torch.int32)
+        per_stream = [positions[btable[i, :n].long()].flatten().long() for i, n in enumerate(body_blocks)]
+    elif source == "sequence":  # two streams (KV heads) per sequence, increasing positions with gaps (padding)
+        width = 4 + max(body_blocks) * BS
+        table = torch.randint(1, 3, (-(-s // KV_HEADS), width), generator=generator).cumsum(1).int()
+        positions = table
+        per_stream = [table[i // KV_HEADS, int(n_sink[i]) + torch.arange(n * BS)].long() for i, n in enumerate(body_blocks)]
+    else:
+        per_stream = [int(n_sink[i]) + torch.arange(n * BS) for i, n in enumerate(body_blocks)]
+    rope = BodyRope(inv_freq=inv_freq, scaling=1.25, interleaved=interleaved, source=source, positions=positions,
+                    n_sink=n_sink, streams_per_sequence=KV_HEADS)
+    return rope, per_stream
+
+
+def _rotated(keys: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
+    """The torch reference's RoPE (`kvtool.models.rope`) of keys (T, D) at positions (T,)."""
+    from kvtool.models.rope import RopeSpec, apply_rope
+
+    spec = RopeSpec(rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved)
+    cos, sin = spec.cos_sin(positions[None])  # (1, T, R)
+    return apply_rope(keys[None, None], cos, sin, rope.interleaved)[0, 0]
+
+
+def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0, rope=None):
+    """A random store (float region + body blocks of one format), queries, the new token, and the dense reference.
+
+    rope: (source, rotary_dim, interleaved): body keys are stored before RoPE and rotated at made-up positions.
+    """
     g = torch.Generator().manual_seed(seed)
     key_spec, value_spec = SIDES[side]
     recipe = Recipe(name=side, keys=key_spec, values=value_spec, cache=CacheSpec(block_size=BS))
-    kq, vq = build_quantizers(recipe, head_dim, torch.float32)  # decode without rounding to fp16, as attention does
+    key_spread, value_spread = torch.linspace(0.2, 3, head_dim), torch.ones(head_dim)  # keys: channel outliers
+    fitted = fitted_for(recipe, head_dim, (key_spread, value_spread), g)
+    kq, vq = build_quantizers(recipe, head_dim, torch.float32, fitted)  # decode without rounding to fp16, as attention does
     s = len(RAGGED)
     float_tokens = [f for f, _ in RAGGED]
     body_blocks = [b for _, b in RAGGED]
@@ -71,21 +150,28 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     btable, bcap = _pool_tables([b * BS for b in body_blocks], BS, g)
     float_k = torch.randn(fcap, FBS, head_dim, generator=g).half()
     float_v = torch.randn(fcap, FBS, head_dim, generator=g).half()
-    raw_k = torch.randn(bcap, 1, BS, head_dim, generator=g) * torch.linspace(0.2, 3, head_dim)  # channel outliers
-    raw_v = torch.randn(bcap, 1, BS, head_dim, generator=g)
-    group = torch.zeros(bcap, dtype=torch.long)
+    raw_k = torch.randn(bcap, 1, BS, head_dim, generator=g) * key_spread
+    raw_v = torch.randn(bcap, 1, BS, head_dim, generator=g) * value_spread
+    stream_group = torch.arange(s) % KV_HEADS  # (S,) the KV head of each stream
+    group = torch.zeros(bcap, dtype=torch.long)  # (cap,) the KV head of each pool block
+    for i in range(s):
+        group[btable[i, : body_blocks[i]].long()] = stream_group[i]
     kb, vb = kq.encode_blocks(raw_k, group), vq.encode_blocks(raw_v, group)
     dec_k, dec_v = kq.decode_blocks(kb, group)[:, 0].float(), vq.decode_blocks(vb, group)[:, 0].float()  # (cap, BS, D)
     q = torch.randn(s, gqa, head_dim, generator=g) / head_dim**0.5
     new_k, new_v = torch.randn(s, head_dim, generator=g), torch.randn(s, head_dim, generator=g)
     sink_logits = torch.randn(s, gqa, generator=g) if sinks else None
+    body_rope, body_pos = _body_rope(*rope, body_blocks, bcap, btable, g) if rope else (None, None)
     reference = []
     for i in range(s):
         f_ids = ftable[i, : -(-float_tokens[i] // FBS)].long()
         fk = float_k[f_ids].reshape(-1, head_dim)[: float_tokens[i]].float()
         fv = float_v[f_ids].reshape(-1, head_dim)[: float_tokens[i]].float()
         b_ids = btable[i, : body_blocks[i]].long()
-        keys = torch.cat([fk, dec_k[b_ids].reshape(-1, head_dim), new_k[i : i + 1]])
+        body_k = dec_k[b_ids].reshape(-1, head_dim)
+        if body_rope is not None:
+            body_k = _rotated(body_k, body_pos[i], body_rope)
+        keys = torch.cat([fk, body_k, new_k[i : i + 1]])
         values = torch.cat([fv, dec_v[b_ids].reshape(-1, head_dim), new_v[i : i + 1]])
         logits = q[i] @ keys.T  # (R, T)
         if softcap:
@@ -95,12 +181,16 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
             values = torch.cat([values, torch.zeros(1, head_dim)])
         reference.append(torch.softmax(logits, dim=-1) @ values)
     to = lambda x: x.to(device) if torch.is_tensor(x) else {k: v.to(device) for k, v in x.items()}  # noqa: E731
+    body = ({**to(kb), **kq.kernel_tensors(device)}, {**to(vb), **vq.kernel_tensors(device)})
     args = dict(
         q=to(q), new_k=to(new_k), new_v=to(new_v), float_k=to(float_k), float_v=to(float_v), float_table=to(ftable),
-        float_len=to(torch.tensor(float_tokens)), body=(to(kb), to(vb)), body_table=to(btable),
+        float_len=to(torch.tensor(float_tokens)), body=body, body_table=to(btable),
         body_len=to(torch.tensor(body_blocks)), formats=(kq.kernel_format(), vq.kernel_format()), block_size=BS,
-        softcap=softcap, sink_logits=None if sink_logits is None else to(sink_logits),
+        softcap=softcap, sink_logits=None if sink_logits is None else to(sink_logits), stream_group=to(stream_group),
     )
+    if body_rope is not None:
+        moved = {k: to(getattr(body_rope, k)) for k in ("inv_freq", "positions", "n_sink") if getattr(body_rope, k) is not None}
+        args["rope"] = dataclasses.replace(body_rope, **moved)
     return args, torch.stack(reference)
 
 
@@ -117,6 +207,38 @@ def test_decode_kernel_equals_the_dense_reference(side, head_dim, gqa, device):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("source, side, rotary, interleaved", [
+    ("slots", "nuq-3-1pct", 1.0, False),  # evicting store: positions per body slot
+    ("sequence", "uniform-4", 1.0, False),  # recorded sequence positions (padding, custom ids)
+    ("tokens", "int8-static-channel-int4-layer", 1.0, True),  # slots are positions; Cohere's interleaved pairs
+    ("sequence", "fp8-static", 0.5, False),  # partial rotary (Phi-3)
+])
+@pytest.mark.parametrize("head_dim, gqa", [(64, 1), (128, 4), (256, 8)])
+def test_pre_rope_keys_are_rotated_at_their_true_positions(source, side, rotary, interleaved, head_dim, gqa, device):
+    from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+    rope = (source, int(head_dim * rotary), interleaved)
+    args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa, rope=rope)
+    out = paged_decode_attention(**args)
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_bytes_decode_exactly_as_torch_float8(fmt, device):
+    """Every finite fp8 bit pattern (subnormals, signed zeros, the max) reads back as torch's own cast."""
+    from kvtool.runtime.kernels.body_block import fp8_bytes_to_float
+    from kvtool.methods.quant.fp8 import FP8_DTYPES
+
+    everything = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    expected = everything.view(FP8_DTYPES[fmt]).float()
+    finite = torch.isfinite(expected)  # the saturating encoder never stores NaN / inf
+    out = fp8_bytes_to_float(everything[finite].to(device), fmt).cpu()
+    assert torch.equal(out, expected[finite])
+    assert torch.equal(torch.signbit(out), torch.signbit(expected[finite]))
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_split_reduction_softcap_and_sinks(splits, device):
     """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result."""
@@ -127,38 +249,99 @@ def test_split_reduction_softcap_and_sinks(splits, device):
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
 
-def _generate(model, recipe, backend, ids, mask, tokens=6):
-    runtime = CompressedRuntime.from_recipe(model, recipe, backend=backend)
+def _generate(model, recipe, backend, ids, mask, tokens=6, layer_tensors=None):
+    runtime = CompressedRuntime.from_recipe(model, recipe, layer_tensors, backend=backend)
     cache = runtime.new_cache()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens, do_sample=False)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
     return out, cache
 
 
-@pytest.mark.parametrize("name", ["kivi", "streamingllm-3bit"])
-def test_triton_backend_generates_the_torch_backends_tokens(name):
-    model = tiny_model("llama", kv_heads=2)
-    recipes = {
-        "kivi": Recipe(name="kivi", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32)),
-        "streamingllm-3bit": Recipe(
-            name="sl3", keys=QuantSpec(bits=3, path="keys"), values=QuantSpec(bits=3, axis="token", group_size=16, path="values"),
-            cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
-            eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
-        ),
+def _static_layer_tensors(model) -> list[dict]:
+    """Made-up calibrated tensors for the tiny model's layers (fp8 per-head scales, int_static ranges)."""
+    config = model.config
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    one = {
+        "keys.codebook": torch.linspace(-1, 1, 8), "keys.channel_lo": torch.full((heads, d), -2.0),  # nuq keys (pre-RoPE)
+        "keys.channel_hi": torch.full((heads, d), 2.0),
+        "keys.scale": torch.rand(heads, 1, generator=g) * 0.01 + 0.01,  # fp8 head: amax 4.5 .. 9
+        "keys.lo": -3 - torch.rand(heads, d, generator=g), "keys.hi": 3 + torch.rand(heads, d, generator=g),  # int channel
+        "values.lo": torch.full((1, 1), -2.5), "values.hi": torch.full((1, 1), 2.5),  # int layer
+        "values.codebook": torch.linspace(-1, 1, 8) ** 3,  # nuq 3-bit: denser levels near 0
     }
+    return [dict(one) for _ in range(layers)]
+
+
+GENERATION_RECIPES = {
+    "kivi": Recipe(name="kivi", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32)),
+    "streamingllm-3bit": Recipe(
+        name="sl3", keys=QuantSpec(bits=3, path="keys"), values=QuantSpec(bits=3, axis="token", group_size=16, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+        eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
+    ),
+    "fp8-head-int4-layer": Recipe(
+        name="fp8s", keys=QuantSpec(method="fp8", bits=8, granularity="head", path="keys"),
+        values=QuantSpec(method="int_static", bits=4, granularity="layer", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
+    "int8-channel-fp8-e5m2-block": Recipe(
+        name="int8c", keys=QuantSpec(method="int_static", bits=8, granularity="channel", path="keys"),
+        values=QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="block", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
+    "uniform-keys-nuq-values": Recipe(
+        name="nuqv", keys=QuantSpec(bits=4, path="keys"),
+        values=QuantSpec(method="nuq", bits=3, axis="token", group_size=16, outlier_fraction=0.01, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
+    # keys stored before RoPE, rotated in the kernel: positions recorded per sequence (row 1 is left-padded) ...
+    "kvquant-3bit": Recipe(
+        name="kvq3", keys=QuantSpec(method="nuq", bits=3, pre_rope=True, outlier_fraction=0.01, path="keys"),
+        values=QuantSpec(method="nuq", bits=3, axis="token", group_size=16, outlier_fraction=0.01, path="values"),
+        cache=CacheSpec(sink_tokens=1, recent_tokens=0, block_size=32),
+    ),
+    # ... or per slot, when the cache evicts
+    "streamingllm-pre-rope-4bit": Recipe(
+        name="slpre", keys=QuantSpec(bits=4, pre_rope=True, path="keys"), values=QuantSpec(bits=4, axis="token", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+        eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
+    ),
+}
+CASES = [(name, "llama") for name in GENERATION_RECIPES] + [
+    ("kvquant-3bit", "phi3"),  # partial rotary
+    ("kvquant-3bit", "cohere"),  # interleaved pairs
+]
+
+
+@pytest.mark.parametrize("name, family", CASES)
+def test_triton_backend_generates_the_torch_backends_tokens(name, family):
+    model = tiny_model("llama", kv_heads=2) if family == "llama" else featured_model(family)
+    recipe = GENERATION_RECIPES[name]
+    tensors = _static_layer_tensors(model) if needs_fit(recipe) else None
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
-    torch_tokens, _ = _generate(model, recipes[name], "torch", ids, mask)
-    triton_tokens, cache = _generate(model, recipes[name], "triton", ids, mask)
+    by_torch, _ = _generate(model, recipe, "torch", ids, mask, layer_tensors=tensors)
+    by_triton, cache = _generate(model, recipe, "triton", ids, mask, layer_tensors=tensors)
     assert cache.memory_report()["backend"] == "triton"
     assert cache.memory_report()["kernel_steps"] >= 5 * model.config.num_hidden_layers  # the kernel really ran
-    assert torch.equal(torch_tokens, triton_tokens)
+    assert torch.equal(by_torch.sequences, by_triton.sequences)
+    # the logits too: a tiny random model's greedy tokens barely depend on attention
+    torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
 
 
 def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on_torch_on_cpu():
     model = tiny_model("llama")
     pre_rope = Recipe(name="pre", keys=QuantSpec(bits=4, pre_rope=True, path="keys"))
-    with pytest.raises(RuntimeConfigError, match="before RoPE"):
-        CompressedRuntime.from_recipe(model, pre_rope, backend="triton")
+    assert CompressedRuntime.from_recipe(model, pre_rope, backend="triton").backend == "triton"
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(RuntimeConfigError, match="before RoPE .* changes its frequencies"):
+        CompressedRuntime.from_recipe(dynamic, pre_rope, backend="triton")
+    assert CompressedRuntime.from_recipe(dynamic, Recipe(name="q4"), backend="triton").backend == "triton"  # post-RoPE
+    turbo = Recipe(name="tq", keys=QuantSpec(method="turboquant", bits=3, path="keys"))
+    with pytest.raises(RuntimeConfigError, match="method 'turboquant'"):
+        CompressedRuntime.from_recipe(model, turbo, backend="triton")
     assert CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="auto").backend == "torch"  # CPU
 
 

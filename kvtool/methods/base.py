@@ -189,6 +189,19 @@ class BlockQuantizer:
         """How the Triton decode kernel reads this format's blocks (`BodyFormat`); formats it cannot read raise."""
         raise RuntimeConfigError(f"the Triton decode kernel cannot read '{self.spec.method}' blocks; use --backend torch")
 
+    def kernel_constants(self) -> dict[str, torch.Tensor]:
+        """Fitted tensors the kernel reads beside the store (`BodyFormat`: static tables, codebook); default none."""
+        return {}
+
+    def kernel_tensors(self, device) -> dict[str, torch.Tensor]:
+        """`kernel_constants` as contiguous float32 on ``device``, copied once per device."""
+        cache = self.__dict__.setdefault("_kernel_tensors", {})
+        key = str(device)
+        if key not in cache:
+            cache[key] = {name: t.detach().to(device=device, dtype=torch.float32).contiguous()
+                          for name, t in self.kernel_constants().items()}
+        return cache[key]
+
     def token_group(self) -> int:
         """Channels per scale group for ``axis: token`` (group_size clamped to head_dim); must divide head_dim."""
         group = min(self.spec.group_size, self.head_dim)

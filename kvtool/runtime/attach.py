@@ -75,7 +75,8 @@ class CompressedRuntime:
                 f"recipe '{recipe.name}': eviction keeps different tokens per KV head, but palu group_heads > 1 stores "
                 "one latent for a group of heads; use group_heads: 1 with eviction"
             )
-        resolved = resolve_backend(backend, next(model.parameters()).device, recipe, quantizers)
+        ropes = RopeTable.from_adapter(adapter).ropes if recipe.keys.pre_rope else ()  # the kernel rotates pre-RoPE keys
+        resolved = resolve_backend(backend, next(model.parameters()).device, recipe, quantizers, ropes)
         runtime = cls(model=model, adapter=adapter, recipe=recipe, layer_tensors=tensors, profile=profile, backend=resolved)
         if recipe.evicts:
             runtime._eviction_parts()  # fails early on a missing or mismatched profile

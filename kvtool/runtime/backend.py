@@ -4,10 +4,15 @@ Resolved once per runtime and reported in every memory report (``backend``):
 
 * ``torch``: the pure-torch reference (`paged_attention.py` and the methods' ``chunk_*``), any device;
 * ``triton``: the Triton decode kernel (`kernels/decode_attention.py`) reads the store in place for
-  every decode step it covers: float blocks and uniform (KIVI-style, int8) or float16 body
-  blocks, keys stored after RoPE, full-attention layers, policies that do not score tokens by
-  attention. Prefill, appends, sliding-window layers and attention-scored eviction (h2o,
-  snapkv, ...) stay on the torch path; `cache.memory_report()["kernel_steps"]` counts the layer
+  every decode step it covers: float blocks and body blocks of the formats whose quantizer has
+  a `kernel_format` (none: float16 data; uniform 2/3/4/8-bit, KIVI-style; fp8 e4m3/e5m2 with
+  per-block or calibrated per-layer / per-KV-head scales; int_static 2/3/4/8-bit with calibrated
+  per-layer / per-head / per-channel ranges; nuq 2/3/4-bit codebook lookups with per-channel or
+  per-token scales and dense-and-sparse outliers), keys stored after RoPE or before it (KVQuant's
+  ``keys.pre_rope``: rotated in the kernel at each token's true position, for RoPE types with
+  fixed frequencies), full-attention layers, policies that do not score tokens by attention.
+  Prefill, appends, sliding-window layers, attention-scored eviction (h2o, snapkv, ...),
+  TurboQuant and Palu blocks stay on the torch path; `cache.memory_report()["kernel_steps"]` counts the layer
   steps the kernel ran. Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU
   tensors (slow; for tests);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
@@ -34,33 +39,40 @@ def triton_available(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def kernel_unsupported(recipe: Recipe, quantizers=()) -> str | None:
+def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     """Why the Triton decode kernel cannot read this recipe's blocks (None when it can).
 
     quantizers: the recipe's (key, value) formats; each says itself whether the kernel reads it
     (`BlockQuantizer.kernel_format`), so there is one source of truth for what the kernel covers.
+    ropes: the model's per-layer `RopeSpec`s; keys stored before RoPE are rotated in the kernel
+    with fixed frequencies, so RoPE types whose frequencies change with the context length
+    (longrope, dynamic NTK) stay on the torch path.
     """
     if recipe.sparse_attention.enabled:
         return "sparse attention (sparse_attention) runs on the torch path"
-    for spec, name in ((recipe.keys, "keys"), (recipe.values, "values")):
-        if spec.pre_rope:
-            return f"{name} are stored before RoPE (the kernel reads keys stored after RoPE)"
+    if recipe.keys.pre_rope:
+        for rope in ropes:
+            if rope.long_after is not None or rope.grow_after is not None:
+                return (
+                    f"keys are stored before RoPE and the model's RoPE ('{rope.rope_type}') changes its frequencies "
+                    "with the context length (the kernel rotates pre-RoPE keys with fixed frequencies)"
+                )
     for quantizer, name in zip(quantizers, ("keys", "values")):
         try:
             quantizer.kernel_format()
         except RuntimeConfigError:
-            return f"{name} use method '{quantizer.spec.method}' (the kernel reads float and uniform blocks)"
+            return f"{name} use method '{quantizer.spec.method}' (the kernel reads none, uniform, fp8, int_static and nuq blocks)"
     return None
 
 
-def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None = None, quantizers=()) -> str:
+def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None = None, quantizers=(), ropes=()) -> str:
     """The backend a runtime on ``device`` uses for ``requested``; RuntimeConfigError when impossible."""
     if requested not in BACKENDS:
         raise RuntimeConfigError(f"--backend '{requested}' is unknown: use one of {', '.join(BACKENDS)}")
     device = torch.device(device)
     if requested == "torch":
         return "torch"
-    reason = kernel_unsupported(recipe, quantizers) if recipe is not None else None
+    reason = kernel_unsupported(recipe, quantizers, ropes) if recipe is not None else None
     if requested == "triton":
         if not triton_available(device):
             raise RuntimeConfigError(

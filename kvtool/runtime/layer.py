@@ -287,14 +287,37 @@ class KvtoolLayer(CacheLayerMixin):
         float_pool = store.float_pool.tensors
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:
-            body = (store.body_pool_side("k"), store.body_pool_side("v"))
+            body = tuple(
+                {**store.body_pool_side(part), **fmt.kernel_tensors(self.device)}
+                for part, fmt in (("k", self.key_format), ("v", self.value_format))
+            )
             formats = (self.key_format.kernel_format(), self.value_format.kernel_format())
             body_table, body_len = store.body_table, store.lengths("body_len")
+        rope = self._kernel_rope() if body is not None and self.plan.recipe.keys.pre_rope else None
         self.context.kernel_steps += 1
         return paged_decode_attention(
             q, new_k, new_v, float_pool["k"][:, :, 0], float_pool["v"][:, :, 0], store.float_table, store.lengths("float_len"),
-            body, body_table, body_len, formats, store.bs, options.softcap, sink_logits,
+            body, body_table, body_len, formats, store.bs, options.softcap, sink_logits, stream_group=self.group_of_stream,
+            rope=rope,
         )
+
+    def _kernel_rope(self):
+        """This layer's RoPE and where the kernel reads the true positions of pre-RoPE body keys (`BodyRope`)."""
+        from kvtool.runtime.kernels.body_rope import BodyRope
+
+        store, context = self.store, self.context
+        spec = context.rope.ropes[self.index]  # fixed frequencies: `backend.kernel_unsupported` refuses the others
+        common = dict(
+            inv_freq=spec.inv_freq.to(device=self.device, dtype=torch.float32), scaling=float(spec.attention_scaling),
+            interleaved=spec.interleaved,
+        )
+        if "pos" in store.layout.meta:  # evicting: positions per body slot, read at the block id
+            return BodyRope(**common, source="slots", positions=store.body_pool.tensors["pos"])
+        n_sink = store.lengths("n_sink")
+        if context.sequence_positions is not None:  # as `CacheContext.body_positions`: sequence s // groups
+            table = context.sequence_positions.table
+            return BodyRope(**common, source="sequence", positions=table, n_sink=n_sink, streams_per_sequence=self.groups)
+        return BodyRope(**common, source="tokens", n_sink=n_sink)
 
     def _empty(self) -> bool:
         return not self.store.float_pool.used and (self.store.body_pool is None or not self.store.body_pool.used)

@@ -67,6 +67,15 @@ class Fp8Quantizer(BlockQuantizer):
         if self.static:
             check_heads(self.scale, num_kv_heads, "fp8", self.spec.path)
 
+    def kernel_format(self):
+        from kvtool.runtime.kernels.body_format import BodyFormat
+
+        scales = "static" if self.static else "block"
+        return BodyFormat(bits=8, per_channel=False, group=1, fp8=self.spec.fp8_format, scales=scales, zero=False)
+
+    def kernel_constants(self) -> dict[str, torch.Tensor]:
+        return {"static_scale": self.scale} if self.static else {}  # (1 or H_kv, 1)
+
     def block_spec(self):
         spec = {"codes": ((self.block_size, self.head_dim), torch.uint8)}
         if not self.static:

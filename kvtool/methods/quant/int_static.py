@@ -55,6 +55,14 @@ class IntStaticQuantizer(BlockQuantizer):
     def check_kv_heads(self, num_kv_heads: int) -> None:
         check_heads(self.lo, num_kv_heads, "int_static", self.spec.path)
 
+    def kernel_format(self):
+        from kvtool.runtime.kernels.body_format import BodyFormat
+
+        return BodyFormat(bits=self.spec.bits, per_channel=False, group=1, scales="static")
+
+    def kernel_constants(self) -> dict[str, torch.Tensor]:
+        return {"static_scale": self.step, "static_zero": self.lo}  # (1 or H_kv, 1 or D) each
+
     def block_spec(self):
         return {"codes": ((packed_rows(self.block_size, self.spec.bits), self.head_dim), torch.uint8)}
 

@@ -149,6 +149,19 @@ class NuqQuantizer(BlockQuantizer):
         group = group.to(device)
         return mid[group][:, None, :], half[group][:, None, :]
 
+    def kernel_format(self):
+        from kvtool.runtime.kernels.body_format import BodyFormat
+
+        scales = "static" if self.spec.axis == "channel" else "token"
+        return BodyFormat(bits=self.spec.bits, per_channel=False, group=self.group, scales=scales,
+                          levels=2**self.spec.bits, outliers=self.k)
+
+    def kernel_constants(self) -> dict[str, torch.Tensor]:
+        constants = {"codebook": self.codebook}  # (2**bits,)
+        if self.spec.axis == "channel":
+            constants.update(static_scale=self.half, static_zero=self.mid)  # (H_kv, D): x = level * half + mid
+        return constants
+
     def block_spec(self):
         s, d = self.block_size, self.head_dim
         spec = {"codes": ((packed_rows(s, self.spec.bits), d), torch.uint8)}

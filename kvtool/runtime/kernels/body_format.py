@@ -1,6 +1,26 @@
 """What the decode kernel needs to know about one side (keys or values) of the body blocks.
 
-Kept free of Triton imports so the methods can describe themselves on CPU-only installs.
+A body element is read in three steps, each chosen by one field (constants for the kernel):
+
+1. **codes** of one block: float data (``bits == 16``, method none), one fp8 byte per element
+   (``fp8``: e4m3 / e5m2 bit patterns, method fp8) or ``bits``-bit integer codes, bit-sliced
+   and token-split (`kvtool.methods.quant.packing`: uniform, int_static, nuq);
+2. **lookup**: ``levels > 0`` (nuq): the code indexes a per-layer codebook of ``levels`` floats;
+3. **scale** (``scales``): ``x = value * scale (+ zero)`` with the scale and zero from
+
+   * ``"channel"``: the block, fp16 (D,) each (uniform keys);
+   * ``"token"``: the block, fp16 (BS, D / group) each (uniform and nuq values);
+   * ``"block"``: the block, one float32 scale and no zero (fp8 dynamic);
+   * ``"static"``: calibrated tables beside the store, rows 1 or H_kv (per layer or per KV
+     head), columns 1 or D (per channel): fp8 static (no zero), int_static, nuq channel axis;
+   * ``"none"``: float data;
+
+4. **outliers** (``outliers > 0``, nuq): that many (int16 flat index, fp16 value) pairs per
+   block replace the dense value at their positions.
+
+The tensors that are not in the store (static tables, codebooks) come from the quantizer's
+`kernel_tensors`. Kept free of Triton imports so the methods can describe themselves on
+CPU-only installs.
 """
 
 from __future__ import annotations
@@ -9,14 +29,39 @@ from dataclasses import dataclass
 
 from kvtool.methods.quant.packing import slice_widths
 
+SCALE_MODES = ("none", "channel", "token", "block", "static")
+FP8_LAYOUTS = {"e4m3": (3, 7), "e5m2": (2, 15)}  # mantissa bits, exponent bias
+
 
 @dataclass(frozen=True)
 class BodyFormat:
-    bits: int  # 16: float data (method none, any float dtype); else uniform codes of this many bits
-    per_channel: bool  # uniform scales (D,) per block, else (BS, D / group)
+    bits: int  # 16: float data (method none, any float dtype); 8 with ``fp8``; else integer codes of this many bits
+    per_channel: bool  # integer codes: scales (D,) per block ("channel"), else (BS, D / group) ("token")
     group: int  # channels per scale group (per-token scales)
+    fp8: str = ""  # "e4m3" / "e5m2": codes are fp8 bit patterns, one byte per element
+    scales: str = ""  # one of SCALE_MODES; "" = from bits / per_channel (none, channel or token)
+    zero: bool = True  # an additive zero point beside the scale
+    levels: int = 0  # > 0: codes index a codebook of this many levels (nuq)
+    outliers: int = 0  # sparse outliers per block (nuq dense-and-sparse)
+
+    def __post_init__(self) -> None:
+        if not self.scales:
+            mode = "none" if self.bits == 16 else ("channel" if self.per_channel else "token")
+            object.__setattr__(self, "scales", mode)
+        if self.scales not in SCALE_MODES:
+            raise ValueError(f"BodyFormat.scales: '{self.scales}' is not one of {SCALE_MODES}")
+        if self.fp8 and (self.fp8 not in FP8_LAYOUTS or self.bits != 8):
+            raise ValueError(f"BodyFormat.fp8: '{self.fp8}' needs bits 8 and one of {list(FP8_LAYOUTS)}")
 
     def widths(self) -> tuple[int, int, int]:
-        """Slice widths of the packed codes, lowest bits first, padded with 0 (16 -> none)."""
-        w = [] if self.bits == 16 else slice_widths(self.bits)
+        """Slice widths of the packed codes, lowest bits first, padded with 0 (float data and fp8 -> none)."""
+        w = [] if self.bits == 16 or self.fp8 else slice_widths(self.bits)
         return tuple(w + [0] * (3 - len(w)))
+
+    def fp8_layout(self) -> tuple[int, int]:
+        """(mantissa bits, exponent bias) of the fp8 codes; (0, 0) when the codes are not fp8."""
+        return FP8_LAYOUTS.get(self.fp8, (0, 0))
+
+    def scale_mode(self) -> int:
+        """``scales`` as the kernel's constant: its index in SCALE_MODES."""
+        return SCALE_MODES.index(self.scales)

@@ -7,10 +7,20 @@ its GQA group, already multiplied by the softmax scale) and attends to
   (S, F) int32 block ids, `float_len` (S,) tokens; block = `FBS` tokens x D in the cache's float
   dtype;
 * its body blocks: `body_table` (S, Bn) int32 ids, `body_len` (S,) blocks of `BS` tokens, each a
-  key and a value *format*: float16 data (method none) or uniform ``bits``-bit codes in the
-  bit-sliced, token-split layout of `kvtool.methods.quant.packing` with fp16 scale/zero per
-  channel ((D,) per block) or per token group ((BS, D / group) per block), dequantized in
-  registers.
+  key and a value *format* (`BodyFormat`, read by `body_block.load_body`), dequantized in
+  registers: float16 data (method none); uniform ``bits``-bit codes in the bit-sliced,
+  token-split layout of `kvtool.methods.quant.packing` with fp16 scale/zero per channel ((D,)
+  per block) or per token group ((BS, D / group) per block); fp8 e4m3/e5m2 bytes with one
+  float32 scale per block (dynamic) or a calibrated per-layer / per-KV-head scale (static);
+  int_static packed codes with calibrated per-layer / per-head / per-channel step and offset;
+  nuq packed codes looked up in the layer's codebook (selects in registers), scaled by the
+  calibrated per-channel ranges (keys) or the block's per-token-group scales (values), with
+  the block's sparse fp16 outliers written over their positions (`body_block._outliers`).
+  Keys stored before RoPE (``keys.pre_rope``, `body_rope.BodyRope`) are rotated in registers at
+  each body token's true position, read in place (per-slot ``pos`` of an evicting store, or the
+  cache's per-sequence position table).
+  Calibrated tables sit beside the store (the quantizer's `kernel_tensors`); `stream_group`
+  (S,) gives each stream's KV head, its row in them.
 
 Pass 1 (`_decode_partials`): grid (S, SPLITS); program (s, p) walks float blocks p, p + SPLITS, ...
 and body blocks p, p + SPLITS, ... with an online softmax and writes its partial max, sum and
@@ -27,50 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtool.runtime.kernels.body_block import load_body, side_constants
 from kvtool.runtime.kernels.body_format import BodyFormat
+from kvtool.runtime.kernels.body_rope import SOURCES, BodyRope, body_positions, partner_channels, rotate_keys
 
 
 @triton.jit
 def _softcapped(x, SOFTCAP: tl.constexpr, softcap):
     if SOFTCAP:
         x = softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)  # softcap * tanh(x / softcap)
-    return x
-
-
-@triton.jit
-def _load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, block, t, c, cmask,
-               D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-               W2: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr):
-    """One body block of one side as float32 (BS, BD): float16 data, or uniform codes dequantized."""
-    mask = (t[:, None] < BS) & cmask[None, :]
-    if BITS == 16:
-        x = tl.load(data_ptr + block * BS * D + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    else:
-        ROWS: tl.constexpr = BS * BITS // 8  # byte rows of a block
-        base = codes_ptr + block * ROWS * D
-        K0: tl.constexpr = 8 // W0
-        R0: tl.constexpr = BS // K0
-        b0 = tl.load(base + (t[:, None] % R0) * D + c[None, :], mask=mask, other=0).to(tl.int32)
-        code = (b0 >> ((t[:, None] // R0) * W0)) & ((1 << W0) - 1)
-        if W1 > 0:
-            K1: tl.constexpr = 8 // W1
-            R1: tl.constexpr = BS // K1
-            b1 = tl.load(base + (R0 + t[:, None] % R1) * D + c[None, :], mask=mask, other=0).to(tl.int32)
-            code = code | (((b1 >> ((t[:, None] // R1) * W1)) & ((1 << W1) - 1)) << W0)
-        if W2 > 0:
-            K2: tl.constexpr = 8 // W2
-            R2: tl.constexpr = BS // K2
-            b2 = tl.load(base + (R0 + R1 + t[:, None] % R2) * D + c[None, :], mask=mask, other=0).to(tl.int32)
-            code = code | (((b2 >> ((t[:, None] // R2) * W2)) & ((1 << W2) - 1)) << (W0 + W1))
-        if PER_CHANNEL:
-            scale = tl.load(scale_ptr + block * D + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            zero = tl.load(zero_ptr + block * D + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        else:
-            NG: tl.constexpr = D // GROUP
-            offs = block * BS * NG + t[:, None] * NG + c[None, :] // GROUP
-            scale = tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            zero = tl.load(zero_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = code.to(tl.float32) * scale + zero
     return x
 
 
@@ -91,13 +66,19 @@ def _absorb(q, k, v, valid, m, l, acc, SOFTCAP: tl.constexpr, softcap):
 
 @triton.jit
 def _decode_partials(
-    q_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr,
-    kd_ptr, kc_ptr, ks_ptr, kz_ptr, vd_ptr, vc_ptr, vs_ptr, vz_ptr, btable_ptr, btable_stride, blen_ptr,
+    q_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
+    kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol,
+    vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, v_srow, v_scol,
+    pos_ptr, pos_stride, nsink_ptr, streams_per_sequence, freq_ptr, rope_scaling,
     m_out, l_out, acc_out, R, softcap,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FBS: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr,
-    K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_PER_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr,
-    V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_PER_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr,
+    HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
+    K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
+    K_OUTLIERS: tl.constexpr,
+    V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
+    V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
+    V_OUTLIERS: tl.constexpr,
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -121,12 +102,24 @@ def _decode_partials(
         m, l, acc = _absorb(q, k, v, valid, m, l, acc, SOFTCAP, softcap)
     if HAS_BODY:
         blen = tl.load(blen_ptr + s).to(tl.int32)
+        head = tl.load(group_ptr + s).to(tl.int64)  # the stream's KV head: its row of static tables
         tb = tl.arange(0, BS)
         valid_b = tb < BS
         for col in range(split, blen, SPLITS):
             block = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
-            k = _load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, block, tb, c, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_PER_CHANNEL, K_GROUP)
-            v = _load_body(vd_ptr, vc_ptr, vs_ptr, vz_ptr, block, tb, c, cmask, D, BS, V_BITS, V_W0, V_W1, V_W2, V_PER_CHANNEL, V_GROUP)
+            k = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block, head, tb, c, cmask,
+                          D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO,
+                          K_LEVELS, K_OUTLIERS)  # (BS, BD)
+            if PRE_ROPE > 0:  # keys stored before RoPE: rotate at each token's true position
+                partner, sign = partner_channels(c, ROTARY, INTERLEAVED)
+                k_partner = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block, head,
+                                      tb, partner, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS,
+                                      K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # (BS, BD) k[:, partner]
+                pos = body_positions(pos_ptr, pos_stride, nsink_ptr, s, s // streams_per_sequence, col, tb, block, BS, PRE_ROPE)
+                k = rotate_keys(k, k_partner, sign, pos, c, freq_ptr, rope_scaling, ROTARY, INTERLEAVED)
+            v = load_body(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, v_srow, v_scol, block, head, tb, c, cmask,
+                          D, BS, V_BITS, V_W0, V_W1, V_W2, V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO,
+                          V_LEVELS, V_OUTLIERS)
             m, l, acc = _absorb(q, k, v, valid_b, m, l, acc, SOFTCAP, softcap)
     out = (s * SPLITS + split) * BR
     tl.store(m_out + out + r, m)
@@ -170,14 +163,41 @@ def _merge_partials(
     tl.store(out_ptr + s * R * D + r[:, None] * D + c[None, :], out, mask=rmask[:, None] & cmask[None, :])
 
 
-def _side(blocks: dict[str, torch.Tensor] | None, fmt: BodyFormat | None, device) -> tuple:
-    """(data, codes, scale, zero) pointers of one side; unused ones are a 1-element dummy."""
+def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> tuple:
+    """Pointers (data, codes, scale, zero, lut, outlier index, outlier value) and static-table strides of one side.
+
+    tensors: the side's body pool tensors {name: (cap, ...)} and the quantizer's `kernel_tensors`
+    (``static_scale`` / ``static_zero`` (1 | H_kv, 1 | D) float32, ``codebook`` (levels,) float32).
+    Unused pointers are a 1-element dummy.
+    """
+    tensors = tensors or {}
     dummy = torch.zeros(1, device=device)
-    if blocks is None:
-        return dummy, dummy, dummy, dummy
-    if fmt.bits == 16:
-        return blocks["data"], dummy, dummy, dummy
-    return dummy, blocks["codes"], blocks["scale"], blocks["zero"]
+    pick = lambda name: tensors.get(name, dummy)  # noqa: E731
+    srow = scol = 0
+    if fmt.scales == "static":
+        scale, zero = tensors["static_scale"], tensors.get("static_zero", dummy)
+        srow = scale.shape[1] if scale.shape[0] > 1 else 0
+        scol = 1 if scale.shape[1] > 1 else 0
+    else:
+        scale, zero = pick("scale"), pick("zero")
+    pointers = (pick("data"), pick("codes"), scale, zero, pick("codebook"), pick("outlier_index"), pick("outlier_value"))
+    return pointers, srow, scol
+
+
+def _prefixed(constants: dict, prefix: str) -> dict:
+    return {f"{prefix}{name}": value for name, value in constants.items()}
+
+
+def _rope_arguments(rope: BodyRope | None, streams: int, device) -> tuple[tuple, dict]:
+    """(pos, pos stride, n_sink, streams per sequence, inv_freq, scaling) and the RoPE constants of the kernel."""
+    if rope is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return (dummy, 0, dummy, 1, torch.zeros(1, device=device), 1.0), dict(PRE_ROPE=0, ROTARY=2, INTERLEAVED=False)
+    positions = rope.positions if rope.positions is not None else torch.zeros(1, dtype=torch.int32, device=device)
+    n_sink = rope.n_sink if rope.n_sink is not None else torch.zeros(streams, dtype=torch.int64, device=device)
+    stride = positions.stride(0) if rope.source == "sequence" else 0
+    args = (positions, stride, n_sink, rope.streams_per_sequence, rope.inv_freq.float().contiguous(), float(rope.scaling))
+    return args, dict(PRE_ROPE=SOURCES[rope.source], ROTARY=rope.rotary_dim, INTERLEAVED=rope.interleaved)
 
 
 def splits_for(streams: int, blocks: int) -> int:
@@ -195,7 +215,7 @@ def paged_decode_attention(
     float_v: torch.Tensor,
     float_table: torch.Tensor,  # (S, F) int32
     float_len: torch.Tensor,  # (S,) int64 tokens
-    body: tuple[dict, dict] | None = None,  # key and value tensors of the body pool {name: (cap, ...)}
+    body: tuple[dict, dict] | None = None,  # key and value tensors {name: (cap, ...)} + kernel_tensors (see `_side`)
     body_table: torch.Tensor | None = None,  # (S, Bn) int32
     body_len: torch.Tensor | None = None,  # (S,) int64 blocks
     formats: tuple[BodyFormat, BodyFormat] | None = None,
@@ -203,6 +223,8 @@ def paged_decode_attention(
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,  # (S, R) learned sink logits
     splits: int | None = None,
+    stream_group: torch.Tensor | None = None,  # (S,) int64 KV head of each stream (static tables); None: all 0
+    rope: BodyRope | None = None,  # body keys stored before RoPE: how to rotate them
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store."""
     s, r, d = q.shape
@@ -216,20 +238,21 @@ def paged_decode_attention(
     l = torch.empty_like(m)
     acc = torch.empty((s, splits, br, bd), device=device, dtype=torch.float32)
     kf, vf = formats if has_body else (BodyFormat(16, False, 1), BodyFormat(16, False, 1))
-    kd, kc, ks, kz = _side(body[0] if has_body else None, kf, device)
-    vd, vc, vs, vz = _side(body[1] if has_body else None, vf, device)
+    k_ptrs, k_srow, k_scol = _side(body[0] if has_body else None, kf, device)
+    v_ptrs, v_srow, v_scol = _side(body[1] if has_body else None, vf, device)
     dummy_table = torch.zeros((s, 1), dtype=torch.int32, device=device)
     btable = body_table if has_body else dummy_table
     blen = body_len if has_body else torch.zeros(s, dtype=torch.int64, device=device)
     ftable = float_table if float_table.shape[1] else dummy_table
+    group = stream_group if stream_group is not None else torch.zeros(s, dtype=torch.int64, device=device)
     bs = block_size if has_body else 16
+    rope_args, rope_constants = _rope_arguments(rope if has_body else None, s, device)
     _decode_partials[(s, splits)](
-        q, float_k, float_v, ftable, ftable.stride(0), float_len,
-        kd, kc, ks, kz, vd, vc, vs, vz, btable, btable.stride(0), blen,
+        q, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
+        *k_ptrs, k_srow, k_scol, *v_ptrs, v_srow, v_scol, *rope_args,
         m, l, acc, r, float(softcap or 0.0),
-        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap),
-        K_BITS=kf.bits, K_W0=kf.widths()[0], K_W1=kf.widths()[1], K_W2=kf.widths()[2], K_PER_CHANNEL=kf.per_channel, K_GROUP=kf.group,
-        V_BITS=vf.bits, V_W0=vf.widths()[0], V_W1=vf.widths()[1], V_W2=vf.widths()[2], V_PER_CHANNEL=vf.per_channel, V_GROUP=vf.group,
+        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
+        **_prefixed(side_constants(kf), "K_"), **_prefixed(side_constants(vf), "V_"),
     )
     out = torch.empty((s, r, d), device=device, dtype=torch.float32)
     sink = sink_logits.contiguous().float() if sink_logits is not None else torch.zeros(1, device=device)

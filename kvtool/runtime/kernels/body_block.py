@@ -1,0 +1,154 @@
+"""Triton functions that read one body block of one side (keys or values) in place, as float32 (BS, BD).
+
+`load_body` follows the steps of `BodyFormat` (codes -> codebook lookup -> scale and zero ->
+sparse outliers), each step a constant so that a format compiles to straight-line code. The
+torch reference is the quantizer's own ``decode_blocks`` (tests/test_kernels.py compares them).
+
+Pointers of one side (unused ones point at a 1-element dummy):
+
+* ``data``: (cap, BS, D) float blocks (method none);
+* ``codes``: (cap, BS * bits / 8, D) uint8 packed codes, or (cap, BS, D) uint8 fp8 bytes;
+* ``scale``, ``zero``: per block ((cap, D) / (cap, BS, D / group) fp16, (cap, 1) float32), or
+  static tables (rows 1 | H_kv, columns 1 | D) float32 read at ``head * srow + channel * scol``;
+* ``lut``: (levels,) float32 codebook; ``oidx``: (cap, K) int16 flat index - 32768 and ``oval``:
+  (cap, K) fp16 sparse outliers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.runtime.kernels.body_format import FP8_LAYOUTS
+
+OUTLIER_CHUNK = tl.constexpr(32)  # outliers placed per tl.dot (bounded registers for any outlier count)
+
+
+@triton.jit
+def _packed_codes(base, t, c, mask, D: tl.constexpr, BS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
+    """Integer codes (BS, BD) int32 of a bit-sliced, token-split block starting at ``base``."""
+    K0: tl.constexpr = 8 // W0
+    R0: tl.constexpr = BS // K0  # byte rows of the first slice
+    b0 = tl.load(base + (t[:, None] % R0) * D + c[None, :], mask=mask, other=0).to(tl.int32)
+    code = (b0 >> ((t[:, None] // R0) * W0)) & ((1 << W0) - 1)
+    if W1 > 0:
+        K1: tl.constexpr = 8 // W1
+        R1: tl.constexpr = BS // K1
+        b1 = tl.load(base + (R0 + t[:, None] % R1) * D + c[None, :], mask=mask, other=0).to(tl.int32)
+        code = code | (((b1 >> ((t[:, None] // R1) * W1)) & ((1 << W1) - 1)) << W0)
+        if W2 > 0:
+            K2: tl.constexpr = 8 // W2
+            R2: tl.constexpr = BS // K2
+            b2 = tl.load(base + (R0 + R1 + t[:, None] % R2) * D + c[None, :], mask=mask, other=0).to(tl.int32)
+            code = code | (((b2 >> ((t[:, None] // R2) * W2)) & ((1 << W2) - 1)) << (W0 + W1))
+    return code
+
+
+@triton.jit
+def _fp8_value(byte, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """fp8 bit patterns (int32 in [0, 256)) -> float32, exactly (e4m3fn: 3, 7; e5m2: 2, 15).
+
+    Built from the bits, so it runs on every GPU and in the interpreter; the saturating
+    encoder (`fp8.to_fp8`) never stores NaN or inf.
+    """
+    exponent = (byte >> MANTISSA) & ((1 << (7 - MANTISSA)) - 1)
+    mantissa = byte & ((1 << MANTISSA) - 1)
+    normal = (((exponent + (127 - BIAS)) << 23) | (mantissa << (23 - MANTISSA))).to(tl.float32, bitcast=True)
+    subnormal_unit = tl.full((), (128 - BIAS - MANTISSA) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2**(1-bias-m)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * subnormal_unit, normal)
+    return tl.where((byte >> 7) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _fp8_kernel(byte_ptr, out_ptr, n, MANTISSA: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    byte = tl.load(byte_ptr + i, mask=i < n, other=0).to(tl.int32)
+    tl.store(out_ptr + i, _fp8_value(byte, MANTISSA, BIAS), mask=i < n)
+
+
+def fp8_bytes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp8 bytes (N,) uint8 -> float32 (N,) through `_fp8_value` (tests check it against torch's float8 dtypes)."""
+    mantissa, bias = FP8_LAYOUTS[fmt]
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    _fp8_kernel[(triton.cdiv(codes.numel(), 256),)](codes.contiguous(), out, codes.numel(), mantissa, bias, 256)
+    return out
+
+
+@triton.jit
+def _codebook(code, lut_ptr, LEVELS: tl.constexpr):
+    """Codes (BS, BD) -> codebook levels float32, the lookup as selects in registers (nuq: <= 16 levels)."""
+    x = code.to(tl.float32) * 0.0
+    for level in tl.static_range(LEVELS):
+        x = tl.where(code == level, tl.load(lut_ptr + level), x)
+    return x
+
+
+@triton.jit
+def _outliers(x, oidx_ptr, oval_ptr, block, t, c, D: tl.constexpr, K: tl.constexpr, CHUNK: tl.constexpr):
+    """x (BS, BD) with the block's K sparse (index, value) pairs written at their positions.
+
+    Placement is two one-hot products per chunk of outliers, (BS, CHUNK) @ (CHUNK, BD) in fp16 with
+    fp32 accumulation: exact, since positions are distinct and fp16 values are exact in fp16.
+    """
+    j = tl.arange(0, CHUNK)
+    for start in range(0, K, CHUNK):
+        present = start + j < K
+        offs = block * K + start + j
+        flat = tl.load(oidx_ptr + offs, mask=present, other=0).to(tl.int32) + 32768  # (CHUNK,) token-major s * D + d
+        value = tl.load(oval_ptr + offs, mask=present, other=0.0).to(tl.float16)
+        at_token = ((t[:, None] == flat[None, :] // D) & present[None, :]).to(tl.float16)  # (BS, CHUNK)
+        at_channel = (flat[:, None] % D == c[None, :]).to(tl.float16)  # (CHUNK, BD)
+        placed = tl.dot(at_token, at_channel)  # (BS, BD) 1.0 where an outlier sits
+        sparse = tl.dot(at_token * value[None, :], at_channel)
+        x = tl.where(placed > 0.5, sparse, x)
+    return x
+
+
+@triton.jit
+def load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_ptr, srow, scol, block, head, t, c, cmask,
+              D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+              FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP: tl.constexpr,
+              HAS_ZERO: tl.constexpr, LEVELS: tl.constexpr, OUTLIERS: tl.constexpr):
+    """One body block of one side as float32 (BS, BD); SCALES: 0 none, 1 channel, 2 token, 3 block, 4 static."""
+    mask = (t[:, None] < BS) & cmask[None, :]
+    if BITS == 16:
+        x = tl.load(data_ptr + block * BS * D + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        if FP8_MANTISSA > 0:
+            byte = tl.load(codes_ptr + block * BS * D + t[:, None] * D + c[None, :], mask=mask, other=0).to(tl.int32)
+            x = _fp8_value(byte, FP8_MANTISSA, FP8_BIAS)
+        else:
+            code = _packed_codes(codes_ptr + block * (BS * BITS // 8) * D, t, c, mask, D, BS, W0, W1, W2)
+            if LEVELS > 0:
+                x = _codebook(code, lut_ptr, LEVELS)
+            else:
+                x = code.to(tl.float32)
+        if SCALES == 1:  # per block and channel
+            x = x * tl.load(scale_ptr + block * D + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if HAS_ZERO:
+                x = x + tl.load(zero_ptr + block * D + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        elif SCALES == 2:  # per block, token and group of channels
+            NG: tl.constexpr = D // GROUP
+            offs = block * BS * NG + t[:, None] * NG + c[None, :] // GROUP
+            x = x * tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                x = x + tl.load(zero_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        elif SCALES == 3:  # one float32 per block
+            x = x * tl.load(scale_ptr + block).to(tl.float32)
+        elif SCALES == 4:  # calibrated: per layer / KV head, optionally per channel
+            x = x * tl.load(scale_ptr + head * srow + c * scol, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if HAS_ZERO:
+                x = x + tl.load(zero_ptr + head * srow + c * scol, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if OUTLIERS > 0:
+            x = _outliers(x, oidx_ptr, oval_ptr, block, t, c, D, OUTLIERS, OUTLIER_CHUNK)
+    return x
+
+
+def side_constants(fmt) -> dict:
+    """`load_body`'s constants for one side's `BodyFormat`, without the K_ / V_ prefix."""
+    w0, w1, w2 = fmt.widths()
+    mantissa, bias = fmt.fp8_layout()
+    return dict(BITS=fmt.bits, W0=w0, W1=w1, W2=w2, FP8_MANTISSA=mantissa, FP8_BIAS=bias, SCALES=fmt.scale_mode(),
+                GROUP=fmt.group, HAS_ZERO=fmt.zero, LEVELS=fmt.levels, OUTLIERS=fmt.outliers)
+
