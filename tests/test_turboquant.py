@@ -13,6 +13,7 @@ from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.quant.turboquant import (TurboQuantizer, lloyd_max_codebook, pack_mask, random_orthogonal, rotate,
                                             rotation_signs, unpack_mask, unrotate)
 from kvtool.recipe import QuantSpec, load_recipe
+from kvtool.recipe_summary import tensor_summary
 
 D, S = 64, 32
 
@@ -181,6 +182,8 @@ def test_the_fractional_recipes_use_the_outlier_split(name, key_bits, value_bits
         q = TurboQuantizer(spec, D, S, torch.float32)
         assert [(i.dim, i.bits) for i in q.instances] == [expected[:2], expected[2:]]
         assert "outlier_mask" in q.block_spec()
+        assert tensor_summary(spec) == (f"turboquant {spec.bits + 0.5:g}-bit, {expected[0] / D:.0%} outlier channels at "
+                                        f"{expected[1]}-bit per block")  # what `kvtool recipes` shows
         masks = unpack_mask(q.encode(x)["outlier_mask"]).reshape(-1, D)  # every block found the outlier channels
         assert bool(masks[:, picked].all())
         assert sqnr_db(x, q.roundtrip(x)) > sqnr_db(x, rotated_half_split(x, spec.bits)) + 2.0
