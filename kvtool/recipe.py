@@ -35,6 +35,7 @@ FP8_FORMATS = ("e4m3", "e5m2")
 GRANULARITIES = {"fp8": ("block", "layer", "head"), "int_static": ("layer", "head", "channel")}
 SCALE_FITS = ("amax", "mse")
 TURBOQUANT_FRACTIONS = (0.0, 0.5)
+TURBOQUANT_OUTLIER_FRACTIONS = (0.25, 0.5)  # of the channels, coded at bits + extra_bits / fraction
 RANK_ALLOCATIONS = ("fisher", "uniform")
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
@@ -105,8 +106,12 @@ class QuantSpec:
         head, or per KV head and channel).
     scale_fit: static scales only: ``amax`` (the calibration data's range) or ``mse`` (the
         clipping of that range with the least squared error on the calibration sample).
-    extra_bits: ``turboquant`` only: 0 or 0.5; 0.5 stores half of the rotated coordinates at
-        ``bits + 1`` (fractional rates by mixing: bits 2 + extra_bits 0.5 = 2.5 bits per coordinate).
+    extra_bits: ``turboquant`` only: 0 or 0.5; 0.5 is the paper's outlier split: per stored block,
+        the channels with the most energy (``outlier_channel_fraction`` of them) and the rest are
+        coded by two independent TurboQuant instances, the outliers at ``bits + extra_bits /
+        outlier_channel_fraction``: bits 2 + extra_bits 0.5 = 2.5 bits per channel on average.
+    outlier_channel_fraction: ``turboquant`` with ``extra_bits`` only: 0.5 (half the channels at
+        one more bit, the default) or 0.25 (a quarter at two more bits).
     qjl: ``turboquant`` keys only: spend one of the ``bits`` on a 1-bit QJL sketch of the
         residual (unbiased inner products with the query).
     seed: ``turboquant`` only: seed of the random rotation's signs (and of the QJL matrix).
@@ -129,6 +134,7 @@ class QuantSpec:
     granularity: str | None = None
     scale_fit: str = "amax"
     extra_bits: float = 0.0
+    outlier_channel_fraction: float | None = None
     qjl: bool = False
     seed: int = 0
     path: str = field(default="keys", repr=False, compare=False)
@@ -203,6 +209,15 @@ class QuantSpec:
         _require(self.extra_bits in TURBOQUANT_FRACTIONS and not isinstance(self.extra_bits, bool), f"{p}.extra_bits",
                  f"{self.extra_bits} is not one of {list(TURBOQUANT_FRACTIONS)}")
         _require(method == "turboquant" or self.extra_bits == 0, f"{p}.extra_bits", f"needs method 'turboquant', not '{method}'")
+        if self.outlier_channel_fraction is None:
+            object.__setattr__(self, "outlier_channel_fraction", 0.5 if self.extra_bits else 0.0)
+        if self.extra_bits:
+            _require(self.outlier_channel_fraction in TURBOQUANT_OUTLIER_FRACTIONS
+                     and not isinstance(self.outlier_channel_fraction, bool), f"{p}.outlier_channel_fraction",
+                     f"{self.outlier_channel_fraction} is not one of {list(TURBOQUANT_OUTLIER_FRACTIONS)}")
+        else:
+            _require(self.outlier_channel_fraction == 0, f"{p}.outlier_channel_fraction",
+                     "the outlier split makes the extra_bits: needs method 'turboquant' with extra_bits: 0.5")
         _require(isinstance(self.qjl, bool), f"{p}.qjl", "must be true or false")
         _require(not self.qjl or method == "turboquant", f"{p}.qjl", f"needs method 'turboquant', not '{method}'")
         _require(not (self.qjl and p == "values"), f"{p}.qjl", "the QJL sketch corrects inner products with the query: keys only")
@@ -511,7 +526,8 @@ class Recipe:
         def change(spec: QuantSpec) -> QuantSpec:
             if bits == 16:
                 return dataclasses.replace(spec, method="none", bits=16, outlier_fraction=0.0, qnorm=False,
-                                           granularity=None, scale_fit="amax", fp8_format="e4m3", extra_bits=0.0, qjl=False)
+                                           granularity=None, scale_fit="amax", fp8_format="e4m3", extra_bits=0.0,
+                                           outlier_channel_fraction=0.0, qjl=False)
             return dataclasses.replace(spec, method="uniform" if spec.method == "none" else spec.method, bits=bits)
 
         return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=change(self.keys), values=change(self.values))

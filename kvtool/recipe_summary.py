@@ -18,6 +18,8 @@ def tensor_summary(spec: QuantSpec) -> str:
         parts = [f"palu {spec.rank_fraction:.0%} rank {groups}"]
         parts.append("16-bit latents" if spec.bits == 16 else f"{spec.bits}-bit latents" + (" + Hadamard" if spec.hadamard else ""))
         return ", ".join(parts)
+    if spec.method == "turboquant":
+        return turboquant_summary(spec)
     axis = "per channel" if spec.axis == "channel" else f"per token / {spec.group_size} ch"
     parts = [f"{spec.method} {spec.bits}-bit {axis}"]
     if spec.method == "nuq":
@@ -28,6 +30,17 @@ def tensor_summary(spec: QuantSpec) -> str:
             parts.append("Q-Norm")
     if spec.pre_rope:
         parts.append("pre-RoPE")
+    return ", ".join(parts)
+
+
+def turboquant_summary(spec: QuantSpec) -> str:
+    """'turboquant 2.5-bit, 25% outlier channels at 4-bit per block', 'turboquant 3-bit, QJL keys'."""
+    parts = [f"turboquant {spec.bits + spec.extra_bits:g}-bit"]
+    if spec.extra_bits:
+        outlier_bits = spec.bits + round(spec.extra_bits / spec.outlier_channel_fraction)
+        parts.append(f"{spec.outlier_channel_fraction:.0%} outlier channels at {outlier_bits}-bit per block")
+    if spec.qjl:
+        parts.append("1 bit QJL")
     return ", ".join(parts)
 
 

@@ -168,13 +168,14 @@ CASES += [
     Case("int_static", 4, "token", min_sqnr_db=5.0, extra={"granularity": "head"}),
     Case("int_static", 3, "token", min_sqnr_db=4.0, block_size=64, dtype=torch.float32, extra={"granularity": "layer", "scale_fit": "mse"}),
 ]
-# turboquant (no calibration; the rotation spreads the outlier channels). Measured: 15.3 / 12.1 / 20.9 / 8.6 (QJL) / 17.3 dB
+# turboquant (no calibration; the rotation spreads the outlier channels, the 0.5-bit split isolates them).
+# Measured: 15.3 / 14.6 / 20.9 / 8.6 (QJL) / 20.2 dB
 CASES += [
     Case("turboquant", 3, "channel", min_sqnr_db=14.0),
-    Case("turboquant", 2, "token", min_sqnr_db=10.5, extra={"extra_bits": 0.5}),
+    Case("turboquant", 2, "token", min_sqnr_db=13.5, extra={"extra_bits": 0.5}),
     Case("turboquant", 4, "channel", min_sqnr_db=19.5, dtype=torch.float32, block_size=64),
     Case("turboquant", 3, "channel", min_sqnr_db=6.5, head_dim=32, dtype=torch.bfloat16, extra={"qjl": True}),
-    Case("turboquant", 3, "token", min_sqnr_db=15.5, extra={"extra_bits": 0.5, "seed": 5}),
+    Case("turboquant", 3, "token", min_sqnr_db=19.0, extra={"extra_bits": 0.5, "seed": 5}),
 ]
 IDS = [case.id for case in CASES]
 

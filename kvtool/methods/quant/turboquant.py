@@ -1,40 +1,57 @@
 """TurboQuant (Zandieh et al., ICLR 2026): random rotation + Lloyd-Max scalar codes (+ a 1-bit QJL residual).
 
-No calibration. Every token vector x (D,) of one KV head is stored as
+No calibration. One *instance* codes a vector x (d,) as
 
 1. its norm ``||x||`` (fp16) and the unit vector ``u = x / ||x||``;
-2. rotated, ``y = H (s * u)``: H the orthonormal Walsh-Hadamard matrix, s a random +-1 sign
-   vector from ``seed`` (a randomized Hadamard transform). For a random rotation every
-   coordinate of y follows the same known law, the coordinate of a uniform point on the
-   unit sphere, density ``f(t) ~ (1 - t**2) ** ((D - 3) / 2)`` on [-1, 1] (~ N(0, 1/D));
+2. rotated, ``y = P u``: for d a power of two ``P = H diag(s)``, H the orthonormal Walsh-Hadamard
+   matrix and s random +-1 signs from the seed (a randomized Hadamard transform); otherwise P is a
+   seeded Haar-random orthogonal matrix (QR of a Gaussian matrix, the paper's construction). For
+   a random rotation every coordinate of y follows the law of one coordinate of a uniform point on
+   the unit sphere, density ``f(t) ~ (1 - t**2) ** ((d - 3) / 2)`` on [-1, 1] (~ N(0, 1/d));
 3. each coordinate coded against the Lloyd-Max codebook of that law (`lloyd_max_codebook`,
-   computed once from the density: no data). ``extra_bits: 0.5`` codes the first half of
-   the rotated coordinates at ``bits + 1`` (fractional rates by mixing two codebooks; the
-   coordinates are exchangeable after the rotation, so which half does not matter);
-4. keys with ``qjl: true``: the codes use ``bits - 1`` bits and the residual
-   ``r = y - y_hat`` gets a 1-bit Quantized Johnson-Lindenstrauss sketch, ``sign(G r)`` with
-   G a (D, D) Gaussian matrix from ``seed``, plus ``||r||`` (fp16). For any query q,
-   ``E[sqrt(pi/2) / D * ||r|| * (G q) . sign(G r)] = q . r``: inner products are unbiased
+   computed once from the density: no data);
+4. keys with ``qjl: true``: the codes use one bit less and the residual ``r = y - y_hat`` gets a
+   1-bit Quantized Johnson-Lindenstrauss sketch, ``sign(G r)`` with G a (d, d) Gaussian matrix
+   from the seed, plus ``||r||`` (fp16). For any query q,
+   ``E[sqrt(pi/2) / d * ||r|| * (G q) . sign(G r)] = q . r``: inner products are unbiased
    (the plain codes alone shrink them: ``E[q . y_hat] != q . y``).
 
-Storage per block of one (sequence, KV head) stream (S tokens; leading block dim omitted):
+Integer rates: one instance over the head's D channels. Fractional rates (``extra_bits: 0.5``)
+are the paper's outlier split (section 4.3): the channels are split *before* the rotation into an
+outlier set and the rest, and two independent instances code them, the outliers at more bits.
+KV caches have a few channels that carry much of the energy (keys especially); an instance's
+rotation spreads them only over its own set, so the outliers no longer inflate the error of the
+others, and their extra bits go where the energy is. ``outlier_channel_fraction`` f of the D
+channels (f = 1/2 or 1/4) are coded at ``bits + extra_bits / f`` (+1 or +2 bits), the rest at
+``bits``: ``bits + extra_bits`` per channel on average (the paper's example, 32 of 128 channels at
+3 bits and 96 at 2, is 2.25 bits; f = 1/4 at +2 bits is 2.5). No calibration: each stored block
+picks its own outlier set, the ``f * D`` channels with the most energy ``sum_t x[t, c]**2`` over
+the block's S tokens (post-RoPE key channels drift as their rotary pairs turn), stored as a D-bit
+mask per block.
 
-* ``codes``: (S * b / 8, D) uint8, bit-sliced (`packing.py`), b = code bits; with
-  ``extra_bits`` ``codes_hi`` (S * (b + 1) / 8, D / 2) and ``codes`` (S * b / 8, D / 2);
-* ``norm``: (S,) float16;
-* QJL: ``qjl_signs`` (S / 8, D) uint8 (1 bit per coordinate), ``residual_norm`` (S,) float16.
+Storage per block of one (sequence, KV head) stream (S tokens; leading block dim omitted), per
+instance (names with the ``outlier_`` prefix for the outlier instance, none for the other):
 
-Attention never un-rotates keys (`chunk_scores`): the query is rotated once, ``q . x =
-||x|| * (H (s * q)) . y``, and scores are taken against the codebook values in the rotated
-domain (+ the QJL term, with the query sketched once as ``G H (s * q)``). Values
-(`chunk_values`) are summed in the rotated domain, ``sum_t p_t ||x_t|| y_hat_t``, and the one
-output row per query is rotated back.
+* ``codes``: (S * b / 8, d) uint8, bit-sliced (`packing.py`), b = code bits, d = its channels;
+* ``norm``: (S,) float16, the norm of the token's channels in this instance;
+* QJL: ``qjl_signs`` (S / 8, d) uint8 (1 bit per coordinate), ``residual_norm`` (S,) float16;
+
+and with the split ``outlier_mask`` (D / 8,) uint8: bit c set when channel c is an outlier.
+A block's channels are ordered outliers first, then the rest, each in increasing channel order.
+
+Attention never un-rotates keys (`chunk_scores`): the query is rotated into each instance's
+domain, ``q . x = sum_i ||x_i|| * (P_i q_i) . y_i``, and scores are taken against the codebook
+values there (+ the QJL term, with the query sketched as ``G_i P_i q_i``): once per chunk
+without the split, once per block with it (each block has its own outlier set). Values
+(`chunk_values`) are summed in the rotated domains, ``sum_t p_t ||x_t,i|| y_hat_t,i``, and each
+output row is rotated back once (once per block with the split) and scattered to its channels.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +63,7 @@ from kvtool.methods.registry import register
 
 _GRID = 1 << 16  # points of the density grid the Lloyd-Max iteration runs on
 _LLOYD_STEPS = 300
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)  # of the 8 channels one mask byte holds, lowest channel first
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +101,14 @@ def rotation_signs(dim: int, seed: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def random_orthogonal(dim: int, seed: int) -> torch.Tensor:
+    """(dim, dim) float32 Haar-random orthogonal matrix P (QR of a seeded Gaussian matrix, signs fixed)."""
+    generator = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+@functools.lru_cache(maxsize=None)
 def qjl_matrix(dim: int, seed: int) -> torch.Tensor:
     """(dim, dim) float32 standard Gaussian: the QJL projection G (rows = sketch coordinates)."""
     generator = torch.Generator().manual_seed(seed + 0x9E3779B9)
@@ -99,134 +125,224 @@ def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return fwht(y) * signs
 
 
+def outlier_mask(x: torch.Tensor, count: int) -> torch.Tensor:
+    """x (N, S, D) -> (N, D) bool: per block, the ``count`` channels with the most energy sum_t x[t, c]**2."""
+    energy = x.square().sum(dim=1)  # (N, D)
+    top = energy.topk(count, dim=-1).indices  # (N, count)
+    return torch.zeros_like(energy, dtype=torch.bool).scatter_(-1, top, True)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(N, D) bool -> (N, D / 8) uint8, channel 8j + i at bit i of byte j."""
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.int32, device=mask.device)
+    return (mask.reshape(*mask.shape[:-1], -1, 8).to(torch.int32) * weights).sum(dim=-1).to(torch.uint8)
+
+
+def unpack_mask(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_mask`: (..., D / 8) uint8 -> (..., D) bool."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & 1).bool().reshape(*packed.shape[:-1], -1)
+
+
+def channel_order(mask: torch.Tensor) -> torch.Tensor:
+    """(..., D) bool outlier mask -> (..., D) int64: the outlier channels, then the rest, each ascending."""
+    return torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One TurboQuant instance: ``dim`` channels coded at ``bits`` (QJL bit included), storage names ``prefix + name``."""
+
+    prefix: str
+    dim: int
+    bits: int
+    seed: int
+    qjl: bool
+
+    @property
+    def code_bits(self) -> int:
+        return self.bits - (1 if self.qjl else 0)  # QJL takes one of the bits
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Its fixed tensors (CPU): the rotation (signs or matrix), the codebook, the QJL matrix."""
+        out = {"codebook": lloyd_max_codebook(self.dim, self.code_bits)}
+        if is_power_of_two(self.dim):
+            out["signs"] = rotation_signs(self.dim, self.seed)
+        else:
+            out["matrix"] = random_orthogonal(self.dim, self.seed)
+        if self.qjl:
+            out["sketch"] = qjl_matrix(self.dim, self.seed)
+        return out
+
+
+def rotate_with(x: torch.Tensor, on: dict) -> torch.Tensor:
+    """x (..., d) -> P x with an instance's rotation."""
+    return rotate(x, on["signs"]) if "signs" in on else x @ on["matrix"].T
+
+
+def unrotate_with(y: torch.Tensor, on: dict) -> torch.Tensor:
+    """y (..., d) -> P^T y, the inverse of `rotate_with`."""
+    return unrotate(y, on["signs"]) if "signs" in on else y @ on["matrix"]
+
+
 @register("turboquant")
 class TurboQuantizer(BlockQuantizer):
-    """Randomized Hadamard rotation, Lloyd-Max codes of the rotated unit vector, its norm, optional QJL residual."""
+    """Randomized Hadamard rotation, Lloyd-Max codes of the rotated unit vector, its norm, optional QJL residual.
+
+    With ``extra_bits`` two instances over an outlier / regular channel split chosen per block.
+    """
 
     def __init__(self, spec, head_dim, block_size, dtype=torch.float16, fitted=None) -> None:
         super().__init__(spec, head_dim, block_size, dtype, fitted)
-        if not is_power_of_two(head_dim):
+        if not is_power_of_two(head_dim) or head_dim < 8:
             raise RecipeError(
                 f"recipe field '{spec.path}.method': turboquant's Walsh-Hadamard rotation needs a power-of-two "
-                f"head_dim, the model has {head_dim}; use another method for this model"
+                f"head_dim (>= 8), the model has {head_dim}; use another method for this model"
             )
         self.qjl = spec.qjl
-        self.code_bits = spec.bits - (1 if self.qjl else 0)  # QJL takes one of the bits
-        self.split = head_dim // 2 if spec.extra_bits else 0  # coordinates [0, split) at code_bits + 1
-        self.signs = rotation_signs(head_dim, spec.seed)
-        self.codebook = lloyd_max_codebook(head_dim, self.code_bits)
-        self.codebook_hi = lloyd_max_codebook(head_dim, self.code_bits + 1) if self.split else None
-        self.sketch = qjl_matrix(head_dim, spec.seed) if self.qjl else None
-        self._device_cache: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self.outliers = round(head_dim * spec.outlier_channel_fraction) if spec.extra_bits else 0  # per block
+        if self.outliers:
+            outlier_bits = spec.bits + round(spec.extra_bits / spec.outlier_channel_fraction)
+            self.instances = (Instance("outlier_", self.outliers, outlier_bits, spec.seed + 1, spec.qjl),
+                              Instance("", head_dim - self.outliers, spec.bits, spec.seed, spec.qjl))
+        else:
+            self.instances = (Instance("", head_dim, spec.bits, spec.seed, spec.qjl),)
+        self._device_cache: dict[torch.device, list[dict[str, torch.Tensor]]] = {}
 
-    def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def _on(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """Each instance's fixed tensors on ``device``."""
         if device not in self._device_cache:
-            tensors = {"signs": self.signs, "codebook": self.codebook}
-            if self.codebook_hi is not None:
-                tensors["codebook_hi"] = self.codebook_hi
-            if self.sketch is not None:
-                tensors["sketch"] = self.sketch
-            self._device_cache[device] = {k: v.to(device) for k, v in tensors.items()}
+            self._device_cache[device] = [{k: v.to(device) for k, v in inst.tensors().items()} for inst in self.instances]
         return self._device_cache[device]
 
+    def channel_bits(self, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(D,) int64 code + QJL bits of every channel of a block with outlier ``mask`` (D,) bool (None: no split)."""
+        bits = torch.full((self.head_dim,), self.instances[-1].bits, dtype=torch.long)
+        if self.outliers:
+            bits[mask.cpu()] = self.instances[0].bits
+        return bits
+
     def block_spec(self):
-        s, d, b = self.block_size, self.head_dim, self.code_bits
-        spec = {"norm": ((s,), torch.float16)}
-        if self.split:
-            spec["codes_hi"] = ((packed_rows(s, b + 1), self.split), torch.uint8)
-            spec["codes"] = ((packed_rows(s, b), d - self.split), torch.uint8)
-        else:
-            spec["codes"] = ((packed_rows(s, b), d), torch.uint8)
-        if self.qjl:
-            spec["qjl_signs"] = ((packed_rows(s, 1), d), torch.uint8)
-            spec["residual_norm"] = ((s,), torch.float16)
+        s = self.block_size
+        spec = {"outlier_mask": ((self.head_dim // 8,), torch.uint8)} if self.outliers else {}
+        for inst in self.instances:
+            p = inst.prefix
+            spec[p + "codes"] = ((packed_rows(s, inst.code_bits), inst.dim), torch.uint8)
+            spec[p + "norm"] = ((s,), torch.float16)
+            if inst.qjl:
+                spec[p + "qjl_signs"] = ((packed_rows(s, 1), inst.dim), torch.uint8)
+                spec[p + "residual_norm"] = ((s,), torch.float16)
         return spec
 
+    # --- one instance ---------------------------------------------------------------------------
+    def _encode_instance(self, inst: Instance, x: torch.Tensor, on: dict) -> dict[str, torch.Tensor]:
+        """x (N, S, d) float32, the instance's channels -> its storage tensors."""
+        p, out = inst.prefix, {}
+        norm = x.norm(dim=-1)  # (N, S)
+        out[p + "norm"] = norm.clamp(max=65504.0).to(torch.float16)
+        y = rotate_with(x / norm.clamp(min=1e-30)[..., None], on)  # (N, S, d) unit vectors, rotated
+        codebook = on["codebook"]
+        codes = torch.bucketize(y.contiguous(), (codebook[1:] + codebook[:-1]) / 2)  # nearest level
+        out[p + "codes"] = pack_codes(codes, inst.code_bits)
+        if inst.qjl:
+            residual = y - codebook[codes]  # (N, S, d)
+            projected = residual @ on["sketch"].T  # (N, S, d): G r per token
+            out[p + "qjl_signs"] = pack_codes((projected >= 0).to(torch.uint8), 1)
+            out[p + "residual_norm"] = residual.norm(dim=-1).to(torch.float16)
+        return out
+
+    def _reconstruct(self, inst: Instance, blocks: dict[str, torch.Tensor], on: dict) -> torch.Tensor:
+        """Packed codes (N, ...) -> y_hat (N, S, d) float32 in the instance's rotated domain (codes only)."""
+        return on["codebook"][unpack_codes(blocks[inst.prefix + "codes"], inst.code_bits, self.block_size).long()]
+
+    def _qjl_signs(self, inst: Instance, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Packed QJL bits (N, S/8, d) -> (N, S, d) float32 in {-1, +1}."""
+        return unpack_codes(blocks[inst.prefix + "qjl_signs"], 1, self.block_size).float() * 2 - 1
+
+    def _qjl_gamma(self, inst: Instance, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(N, S) float32: sqrt(pi/2) / d * ||r||, the scale of the QJL estimate."""
+        return blocks[inst.prefix + "residual_norm"].float() * (math.sqrt(math.pi / 2) / inst.dim)
+
+    def _rotated_estimate(self, inst: Instance, blocks: dict[str, torch.Tensor], on: dict) -> torch.Tensor:
+        """The stored unit vectors in the instance's rotated domain (N, S, d): y_hat (+ the QJL residual estimate)."""
+        y = self._reconstruct(inst, blocks, on)
+        if inst.qjl:
+            y = y + (self._qjl_signs(inst, blocks) @ on["sketch"]) * self._qjl_gamma(inst, blocks)[..., None]  # G^T sign(Gr)
+        return y
+
     # --- encode / decode ------------------------------------------------------------------------
-    def _quantize(self, y: torch.Tensor, on: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Rotated unit vectors y (N, S, D) -> packed codes and the reconstruction y_hat (N, S, D)."""
-        out, parts = {}, []
-        pieces = [("codes_hi", y[..., : self.split], on.get("codebook_hi"), self.code_bits + 1)] if self.split else []
-        pieces.append(("codes", y[..., self.split :], on["codebook"], self.code_bits))
-        for name, part, codebook, bits in pieces:
-            codes = torch.bucketize(part.contiguous(), (codebook[1:] + codebook[:-1]) / 2)  # nearest level
-            out[name] = pack_codes(codes, bits)
-            parts.append(codebook[codes])
-        return out, torch.cat(parts, dim=-1)
-
-    def _reconstruct(self, blocks: dict[str, torch.Tensor], on: dict) -> torch.Tensor:
-        """Packed codes (N, ...) -> y_hat (N, S, D) float32 in the rotated domain (codes only)."""
-        parts = []
-        if self.split:
-            parts.append(on["codebook_hi"][unpack_codes(blocks["codes_hi"], self.code_bits + 1, self.block_size).long()])
-        parts.append(on["codebook"][unpack_codes(blocks["codes"], self.code_bits, self.block_size).long()])
-        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
-
-    def _qjl_scale(self) -> float:
-        return math.sqrt(math.pi / 2) / self.head_dim
-
-    def _signs_pm1(self, packed: torch.Tensor) -> torch.Tensor:
-        """Packed QJL bits (..., S/8, D) -> (..., S, D) float32 in {-1, +1}."""
-        return unpack_codes(packed, 1, self.block_size).float() * 2 - 1
-
     def encode_blocks(self, x: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
         on = self._on(x.device)
         x = x[:, 0].float()  # (N, S, D)
-        norm = x.norm(dim=-1)  # (N, S)
-        norm16 = norm.clamp(max=65504.0).to(torch.float16)
-        y = rotate(x / norm.clamp(min=1e-30)[..., None], on["signs"])  # unit vectors, rotated
-        out, y_hat = self._quantize(y, on)
-        out["norm"] = norm16
-        if self.qjl:
-            residual = y - y_hat  # (N, S, D)
-            projected = residual @ on["sketch"].T  # (N, S, D): G r per token
-            out["qjl_signs"] = pack_codes((projected >= 0).to(torch.uint8), 1)
-            out["residual_norm"] = residual.norm(dim=-1).to(torch.float16)
+        out = {}
+        if self.outliers:
+            mask = outlier_mask(x, self.outliers)  # (N, D)
+            out["outlier_mask"] = pack_mask(mask)
+            x = x.gather(-1, channel_order(mask)[:, None, :].expand_as(x))  # (N, S, D) outliers first
+        start = 0
+        for inst, tensors in zip(self.instances, on):
+            out.update(self._encode_instance(inst, x[..., start : start + inst.dim], tensors))
+            start += inst.dim
         return out
-
-    def _rotated_estimate(self, blocks: dict[str, torch.Tensor], on: dict) -> torch.Tensor:
-        """The stored unit vectors in the rotated domain (N, S, D): y_hat (+ the QJL residual estimate)."""
-        y = self._reconstruct(blocks, on)
-        if self.qjl:
-            signs = self._signs_pm1(blocks["qjl_signs"])  # (N, S, D)
-            r_hat = (signs @ on["sketch"]) * (self._qjl_scale() * blocks["residual_norm"].float())[..., None]  # G^T sign(Gr)
-            y = y + r_hat
-        return y
 
     def decode_blocks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
         on = self._on(blocks["norm"].device)
-        y = self._rotated_estimate(blocks, on)
-        x = unrotate(y, on["signs"]) * blocks["norm"].float()[..., None]
+        parts = [unrotate_with(self._rotated_estimate(inst, blocks, t), t) * blocks[inst.prefix + "norm"].float()[..., None]
+                 for inst, t in zip(self.instances, on)]
+        x = torch.cat(parts, dim=-1)  # (N, S, D) in the block's channel order
+        if self.outliers:
+            order = channel_order(unpack_mask(blocks["outlier_mask"]))[:, None, :].expand_as(x)
+            x = torch.empty_like(x).scatter_(-1, order, x)
         limit = torch.finfo(self.dtype).max
         return x.clamp(-limit, limit).to(self.dtype)[:, None]
 
-    # --- attention in the rotated domain --------------------------------------------------------
+    # --- attention in the rotated domains -------------------------------------------------------
     def _flat(self, blocks):
         """{(Sc, nb, ...)} -> {(Sc*nb, ...)} and (Sc, nb)."""
         sc, nb = blocks["norm"].shape[:2]
         return {name: t.reshape(sc * nb, *t.shape[2:]) for name, t in blocks.items()}, sc, nb
+
+    def _block_order(self, flat, sc: int, nb: int, rows: int) -> torch.Tensor:
+        """(Sc, nb, R, D) int64: each block's channel order, repeated over the R query rows."""
+        order = channel_order(unpack_mask(flat["outlier_mask"]))  # (Sc*nb, D)
+        return order.reshape(sc, nb, 1, self.head_dim).expand(sc, nb, rows, self.head_dim)
 
     def chunk_scores(self, query, blocks, group, keys_to_attention=None):
         if keys_to_attention is not None:  # keys stored before RoPE are refused by the recipe; kept for safety
             return super().chunk_scores(query, blocks, group, keys_to_attention)
         on = self._on(query.device)
         flat, sc, nb = self._flat(blocks)
-        t = nb * self.block_size
-        q_rot = rotate(query[:, 0], on["signs"])  # (Sc, R, D): the query goes to the keys' domain, once
-        y_hat = self._reconstruct(flat, on).reshape(sc, t, self.head_dim)  # (Sc, T, D) codebook values
-        scores = torch.matmul(q_rot, y_hat.transpose(-1, -2))  # (Sc, R, T)
-        if self.qjl:
-            signs = self._signs_pm1(flat["qjl_signs"]).reshape(sc, t, self.head_dim)  # (Sc, T, D)
-            q_sketch = q_rot @ on["sketch"].T  # (Sc, R, D): G q
-            gamma = flat["residual_norm"].float().reshape(sc, 1, t) * self._qjl_scale()
-            scores = scores + torch.matmul(q_sketch, signs.transpose(-1, -2)) * gamma
-        return (scores * flat["norm"].float().reshape(sc, 1, t))[:, None]  # (Sc, 1, R, T)
+        s, rows = self.block_size, query.shape[2]
+        q = query[:, 0][:, None]  # (Sc, 1, R, D): one channel order for every block
+        if self.outliers:  # (Sc, nb, R, D): the query in each block's channel order
+            q = q.expand(sc, nb, rows, self.head_dim).gather(-1, self._block_order(flat, sc, nb, rows))
+        scores, start = 0.0, 0
+        for inst, t in zip(self.instances, on):
+            q_rot = rotate_with(q[..., start : start + inst.dim], t)  # (Sc, 1|nb, R, d): the query in the keys' domain
+            y_hat = self._reconstruct(inst, flat, t).reshape(sc, nb, s, inst.dim)  # (Sc, nb, S, d) codebook values
+            part = torch.matmul(q_rot, y_hat.transpose(-1, -2))  # (Sc, nb, R, S)
+            if inst.qjl:
+                signs = self._qjl_signs(inst, flat).reshape(sc, nb, s, inst.dim)  # (Sc, nb, S, d)
+                q_sketch = q_rot @ t["sketch"].T  # (Sc, 1|nb, R, d): G q
+                part = part + torch.matmul(q_sketch, signs.transpose(-1, -2)) * self._qjl_gamma(inst, flat).reshape(sc, nb, 1, s)
+            scores = scores + part * flat[inst.prefix + "norm"].float().reshape(sc, nb, 1, s)
+            start += inst.dim
+        return scores.transpose(1, 2).reshape(sc, rows, nb * s)[:, None]  # (Sc, 1, R, T)
 
     def chunk_values(self, probs, blocks, group):
         on = self._on(probs.device)
         flat, sc, nb = self._flat(blocks)
-        t = nb * self.block_size
-        y = self._rotated_estimate(flat, on).reshape(sc, t, self.head_dim)  # (Sc, T, D)
-        weights = probs[:, 0] * flat["norm"].float().reshape(sc, 1, t)  # (Sc, R, T): p_t ||x_t||
-        out_rot = torch.matmul(weights, y)  # (Sc, R, D) in the rotated domain
-        return unrotate(out_rot, on["signs"])[:, None]  # one rotation back per output row
+        s, rows = self.block_size, probs.shape[2]
+        p = probs[:, 0].reshape(sc, rows, nb, s).transpose(1, 2)  # (Sc, nb, R, S)
+        parts = []
+        for inst, t in zip(self.instances, on):
+            y = self._rotated_estimate(inst, flat, t).reshape(sc, nb, s, inst.dim)  # (Sc, nb, S, d)
+            weights = p * flat[inst.prefix + "norm"].float().reshape(sc, nb, 1, s)  # (Sc, nb, R, S): p_t ||x_t||
+            out_rot = torch.matmul(weights, y)  # (Sc, nb, R, d) in the rotated domain
+            if not self.outliers:
+                out_rot = out_rot.sum(dim=1, keepdim=True)  # one channel order: sum the blocks, rotate back once
+            parts.append(unrotate_with(out_rot, t))
+        out = torch.cat(parts, dim=-1)  # (Sc, 1|nb, R, D) in each block's channel order
+        if self.outliers:
+            out = torch.zeros_like(out).scatter_(-1, self._block_order(flat, sc, nb, rows), out)
+        return out.sum(dim=1)[:, None]  # (Sc, 1, R, D)
