@@ -113,6 +113,7 @@ class SlidingWindowRule:
     uses_feature = False
     uses_token_classes = False
     budgeted = True
+    evicts_while_decoding = True
 
     def __init__(self, window: int, block_size: int, interval: int = 16) -> None:
         self.window, self.block_size = window, block_size
