@@ -22,8 +22,8 @@ from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from kvtool.runtime.backend import resolve_backend
 from kvtool.runtime.memory import walked_nbytes
 from kvtool.runtime.store import FLOAT_BLOCK
-from tests.test_eviction_runtime import decode_batch_like_alone, evicting, held, run_tokens
-from tests.tiny_models import tiny_model
+from tests.test_eviction_runtime import _generate, decode_batch_like_alone, evicting, held, run_tokens
+from tests.tiny_models import ALL_FAMILIES, featured_model, tiny_model
 
 
 def sparse(recipe, **fields):
@@ -199,3 +199,21 @@ def test_impossible_combinations_are_refused_with_the_fix():
     with pytest.raises(RuntimeConfigError, match="sparse attention.*torch"):
         resolve_backend("triton", torch.device("cuda"), base)
     assert resolve_backend("auto", torch.device("cpu"), base) == "torch"
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_every_family_decodes_with_both_stages(family):
+    """Sliding-window layers (Mistral, Gemma 2/3, GPT-OSS) attend to their window as before; full-attention
+    layers read a quarter; softcapping (Gemma 2) and learned sinks (GPT-OSS) go through the sparse step."""
+    model = featured_model(family)
+    recipe = sparse(evicting("rocketkv", budget=0.5, float_dtype="float16"), read_fraction=0.25)
+    cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
+    ids = torch.randint(3, 100, (2, 60), generator=torch.Generator().manual_seed(8))
+    _generate(model, cache, ids, torch.ones_like(ids), new_tokens=20)
+    report = cache.memory_report()
+    assert report["cache_bytes"] == report["expected_cache_bytes"]
+    all_sliding = all(layer.context.sliding_window(layer.index) for layer in cache.layers)
+    if all_sliding:  # every layer is a sliding-window layer: nothing is read sparsely
+        assert report["sparse_read_fraction"] == 1.0
+    else:
+        assert 0.25 <= report["sparse_read_fraction"] < 0.3
