@@ -429,8 +429,47 @@ def test_triton_backend_generates_the_torch_backends_tokens(name, family):
     by_triton, cache = _generate(model, recipe, "triton", ids, mask, layer_tensors=tensors)
     assert cache.memory_report()["backend"] == "triton"
     assert cache.memory_report()["kernel_steps"] >= 5 * model.config.num_hidden_layers  # the kernel really ran
+    # uniform and fp8 sides are encoded by the Triton encode kernel (the prefill's full blocks at least)
+    quantizers = build_quantizers(recipe, 32, torch.float32, (tensors or [{}])[0])
+    encoded = any(q.kernel_encode_format() is not None for q in quantizers)
+    assert (cache.memory_report()["kernel_encodes"] > 0) == encoded
     assert torch.equal(by_torch.sequences, by_triton.sequences)
     # the logits too: a tiny random model's greedy tokens barely depend on attention
+    torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
+
+
+def _body_bytes(cache) -> list[dict[str, torch.Tensor]]:
+    """Every layer's body blocks in table order, {name: (S, nb, ...)} viewed as bytes."""
+    out = []
+    for layer in cache.layers:
+        store = layer.store
+        ids = store.body_block_ids(0, int(store.body_len.max()))
+        out.append({f"{part}.{name}": t.contiguous().view(torch.uint8) for part in ("k", "v")
+                    for name, t in store.read_body(part, ids).items()})
+    return out
+
+
+def test_the_encode_kernel_writes_the_torch_stores_bytes_and_encodes_while_decoding():
+    """Prefill's full blocks land in the body pool byte for byte as the torch backend stores them; blocks that
+    fill up while decoding are encoded by the kernel too, and generation still equals torch's."""
+    model = tiny_model("llama", kv_heads=2)
+    recipe = Recipe(
+        name="k2v8", keys=QuantSpec(bits=2, path="keys"),
+        values=QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="block", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    )
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
+    _, torch_prefill = _generate(model, recipe, "torch", ids, mask, tokens=1)
+    _, triton_prefill = _generate(model, recipe, "triton", ids, mask, tokens=1)
+    encoded = triton_prefill.memory_report()["kernel_encodes"]
+    assert encoded > 0 and torch_prefill.memory_report()["kernel_encodes"] == 0
+    for by_torch, by_triton in zip(_body_bytes(torch_prefill), _body_bytes(triton_prefill)):
+        assert by_torch.keys() == by_triton.keys()
+        assert all(torch.equal(by_torch[name], by_triton[name]) for name in by_torch)
+    by_torch, _ = _generate(model, recipe, "torch", ids, mask, tokens=28)
+    by_triton, cache = _generate(model, recipe, "triton", ids, mask, tokens=28)
+    assert cache.memory_report()["kernel_encodes"] > encoded  # a decode step flushed a block
+    assert torch.equal(by_torch.sequences, by_triton.sequences)
     torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
 
 
