@@ -301,26 +301,29 @@ def _assert_bytes_equal(out: dict, reference: dict, rows=None) -> None:
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), name  # bytes, so -0.0 != 0.0
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("data", ["random", "adversarial"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("axis", ["channel", "token"])
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_encode_kernel_writes_the_uniform_reference_bytes(bits, axis, head_dim, data, dtype):
+def test_encode_kernel_writes_the_uniform_reference_bytes(bits, axis, head_dim, data, dtype, device):
     from kvtool.methods.quant.uniform import UniformQuantizer
     from kvtool.runtime.kernels.encode_blocks import encode_body_blocks
 
     quantizer = UniformQuantizer(QuantSpec(bits=bits, axis=axis, group_size=32, path="keys"), head_dim, BS)
     x = _blocks(data, head_dim, 2**bits - 1, seed=bits + head_dim).to(dtype)
     reference = quantizer.encode_blocks(x, torch.zeros(x.shape[0], dtype=torch.long))
-    _assert_bytes_equal(encode_body_blocks(x[:, 0], quantizer.kernel_encode_format()), reference)
+    out = encode_body_blocks(x[:, 0].to(device), quantizer.kernel_encode_format())
+    _assert_bytes_equal({name: t.cpu() for name, t in out.items()}, reference)
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("data", ["random", "adversarial"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("granularity", ["block", "head"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_encode_kernel_writes_the_fp8_reference_bytes(fmt, granularity, head_dim, data):
+def test_encode_kernel_writes_the_fp8_reference_bytes(fmt, granularity, head_dim, data, device):
     from kvtool.methods.quant.fp8 import Fp8Quantizer
     from kvtool.runtime.kernels.encode_blocks import encode_body_blocks
 
@@ -330,9 +333,9 @@ def test_encode_kernel_writes_the_fp8_reference_bytes(fmt, granularity, head_dim
     x = _fp8_blocks(data, head_dim, fmt, seed=head_dim)
     group = torch.arange(x.shape[0]) % KV_HEADS
     reference = quantizer.encode_blocks(x, group)
-    out = encode_body_blocks(x[:, 0], quantizer.kernel_encode_format(), group=group,
-                             static_scale=quantizer.kernel_tensors("cpu").get("static_scale"))
-    _assert_bytes_equal(out, reference)
+    out = encode_body_blocks(x[:, 0].to(device), quantizer.kernel_encode_format(), group=group.to(device),
+                             static_scale=quantizer.kernel_tensors(device).get("static_scale"))
+    _assert_bytes_equal({name: t.cpu() for name, t in out.items()}, reference)
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])
