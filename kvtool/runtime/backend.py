@@ -13,7 +13,7 @@ Resolved once per runtime and reported in every memory report (``backend``):
   fixed frequencies), full-attention layers, policies that do not score tokens by attention.
   The append/encode step runs in Triton too, for every layer step that flushes full float
   blocks into the body, prefill included (`kernels/encode_blocks.py`): each side whose
-  quantizer has a `kernel_encode_format` (uniform 1-8-bit per channel or per token group; fp8
+  quantizer has a `kernel_encode_format` (uniform 2/3/4/8-bit per channel or per token group; fp8
   e4m3/e5m2 with dynamic per-block or calibrated scales) is encoded byte for byte as its
   ``encode_blocks`` does and written straight into the body pool rows the store allocated;
   the other sides (int_static, nuq, TurboQuant, Palu) are encoded by the torch reference.

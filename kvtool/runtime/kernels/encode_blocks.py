@@ -15,7 +15,7 @@ Formats (`BodyFormat`, given by a quantizer's ``kernel_encode_format``):
   (``"token"``: (BS, D / group)); ``zero = fp16(clamp(min))``, ``scale = fp16(clamp((max -
   zero) / levels, 1e-6, 65504))``, ``code = clamp(round_half_even((x - zero) / scale), 0,
   levels)`` with float32 arithmetic (IEEE division), packed bit-sliced and token-split
-  (`kvtool.methods.quant.packing`) for 2/3/4/8 bits (any bits 1..8);
+  (`kvtool.methods.quant.packing`) for 2/3/4/8 bits (the bits a recipe allows);
 * **fp8** (`kvtool.methods.quant.fp8`): e4m3 / e5m2 bytes of ``clamp(x / scale, +-max)``,
   rounded to nearest even from float32 bits (no fp8 dtype needed, so the interpreter and any
   GPU run it); ``scale = max(amax(|x|) / max, 1e-12)`` per block (``"block"``, stored) or a
