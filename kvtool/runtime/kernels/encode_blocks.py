@@ -109,7 +109,7 @@ def _encode_uniform(x_ptr, rows_ptr, codes_ptr, scale_ptr, zero_ptr,
                     BNG: tl.constexpr, BITS: tl.constexpr, LEVELS: tl.constexpr, PER_CHANNEL: tl.constexpr,
                     W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
     """Program n: block x[n] (BS, D) -> pool row rows[n]. Channels as (BNG, BG): c = g * G + e (G = D per channel)."""
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)  # block offsets can pass 2**31 bytes
     dst = tl.load(rows_ptr + n).to(tl.int64)
     g = tl.arange(0, BNG)
     e = tl.arange(0, BG)
@@ -165,7 +165,7 @@ def _encode_fp8(x_ptr, rows_ptr, group_ptr, codes_ptr, scale_ptr, table_ptr, sro
                 D: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
                 STATIC: tl.constexpr):
     """Program n: block x[n] (BS, D) -> fp8 bytes at pool row rows[n] (+ its float32 scale unless STATIC)."""
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)  # block offsets can pass 2**31 bytes
     dst = tl.load(rows_ptr + n).to(tl.int64)
     t = tl.arange(0, BS)
     c = tl.arange(0, BD)
