@@ -249,6 +249,112 @@ def test_split_reduction_softcap_and_sinks(splits, device):
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
 
+# --- the append/encode kernel: byte-identical to the quantizers' encode_blocks ---------------------
+def _blocks(data: str, head_dim: int, levels: int, seed: int) -> torch.Tensor:
+    """(N, 1, BS, D) float32 blocks: ``random`` (channel outliers) or ``adversarial`` (one hard case per block)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.linspace(0.2, 3, head_dim)
+    if data == "random":
+        return (torch.randn(4, 1, BS, head_dim, generator=g) * spread)
+    normal = lambda: torch.randn(BS, head_dim, generator=g)  # noqa: E731
+    constant = normal()
+    constant[:, : head_dim // 2] = torch.randn(head_dim // 2, generator=g)  # constant channels
+    constant[::2] = torch.randn(BS // 2, 1, generator=g)  # constant tokens (every channel group)
+    outliers = normal()
+    outliers[3, 5], outliers[7, 9], outliers[0] = 1e4, -3e4, outliers[0] * 1000
+    outliers[:, 1] = 7e4  # beyond fp16: min / max clamp to +-65504
+    ties_channel = torch.randint(0, 2 * levels + 1, (BS, head_dim), generator=g) / 2  # k / 2: exact rounding ties
+    ties_channel[0], ties_channel[1] = 0, levels  # scale 1, zero 0 per channel
+    ties_token = torch.randint(0, 2 * levels + 1, (BS, head_dim), generator=g) / 2
+    ties_token[:, 0::16], ties_token[:, 1::16] = 0, levels  # ... and per group of 16 or more channels
+    tiny = normal() * 1e-7  # scales clamp to 1e-6, an fp16 subnormal
+    offset = 1000 + normal() * 0.01  # x - fp16(zero) can be negative
+    blocks = [normal() * spread, constant, outliers, torch.zeros(BS, head_dim), ties_channel, ties_token, tiny, offset]
+    return torch.stack(blocks)[:, None]
+
+
+def _fp8_blocks(data: str, head_dim: int, fmt: str, seed: int) -> torch.Tensor:
+    """fp8 test blocks: random, or zeros / beyond fp16 / underflowing scales / every fp8 value and midpoint (scale 1)."""
+    from kvtool.methods.quant.fp8 import FP8_DTYPES
+
+    g = torch.Generator().manual_seed(seed)
+    if data == "random":
+        return torch.randn(4, 1, BS, head_dim, generator=g) * torch.linspace(0.2, 3, head_dim)
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPES[fmt]).float()
+    values = values[torch.isfinite(values) & (values >= 0)].unique()  # sorted
+    points = torch.cat([values, (values[1:] + values[:-1]) / 2, values[:-1] * 0.75 + values[1:] * 0.25])
+    grid = points[torch.randint(0, points.numel(), (BS * head_dim,), generator=g)]
+    grid = grid * (torch.randint(0, 2, grid.shape, generator=g) * 2 - 1)
+    grid[0] = values.max()  # amax / max = 1: the exact points are the codes' ties
+    grid[1 : points.numel() + 1] = points[: BS * head_dim - 1]
+    outliers = torch.randn(BS, head_dim, generator=g)
+    outliers[2, 3] = 1e6
+    blocks = [grid.reshape(BS, head_dim), torch.zeros(BS, head_dim), outliers, torch.randn(BS, head_dim, generator=g) * 1e-30]
+    return torch.stack(blocks)[:, None]
+
+
+def _assert_bytes_equal(out: dict, reference: dict, rows=None) -> None:
+    assert set(out) == set(reference)
+    for name, expected in reference.items():
+        got = out[name] if rows is None else out[name][rows]
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), name  # bytes, so -0.0 != 0.0
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("data", ["random", "adversarial"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_encode_kernel_writes_the_uniform_reference_bytes(bits, axis, head_dim, data, dtype, device):
+    from kvtool.methods.quant.uniform import UniformQuantizer
+    from kvtool.runtime.kernels.encode_blocks import encode_body_blocks
+
+    quantizer = UniformQuantizer(QuantSpec(bits=bits, axis=axis, group_size=32, path="keys"), head_dim, BS)
+    x = _blocks(data, head_dim, 2**bits - 1, seed=bits + head_dim).to(dtype)
+    reference = quantizer.encode_blocks(x, torch.zeros(x.shape[0], dtype=torch.long))
+    out = encode_body_blocks(x[:, 0].to(device), quantizer.kernel_encode_format())
+    _assert_bytes_equal({name: t.cpu() for name, t in out.items()}, reference)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("data", ["random", "adversarial"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("granularity", ["block", "head"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_encode_kernel_writes_the_fp8_reference_bytes(fmt, granularity, head_dim, data, device):
+    from kvtool.methods.quant.fp8 import Fp8Quantizer
+    from kvtool.runtime.kernels.encode_blocks import encode_body_blocks
+
+    spec = QuantSpec(method="fp8", bits=8, fp8_format=fmt, granularity=granularity, path="keys")
+    fitted = {"scale": torch.tensor([[0.01], [3.0]])} if granularity == "head" else None  # head 1: many subnormals
+    quantizer = Fp8Quantizer(spec, head_dim, BS, fitted=fitted)
+    x = _fp8_blocks(data, head_dim, fmt, seed=head_dim)
+    group = torch.arange(x.shape[0]) % KV_HEADS
+    reference = quantizer.encode_blocks(x, group)
+    out = encode_body_blocks(x[:, 0].to(device), quantizer.kernel_encode_format(), group=group.to(device),
+                             static_scale=quantizer.kernel_tensors(device).get("static_scale"))
+    _assert_bytes_equal({name: t.cpu() for name, t in out.items()}, reference)
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_encode_kernel_writes_only_the_pool_rows_it_is_given(axis):
+    """The store's path: blocks go straight into allocated rows of the body pool, other rows untouched."""
+    from kvtool.methods.quant.uniform import UniformQuantizer
+    from kvtool.runtime.kernels.encode_blocks import encode_body_blocks
+
+    quantizer = UniformQuantizer(QuantSpec(bits=3, axis=axis, group_size=16, path="keys"), 64, BS)
+    x = _blocks("random", 64, 7, seed=1)
+    pool = {name: torch.full((9, *shape), 7, dtype=dtype) for name, (shape, dtype) in quantizer.block_spec().items()}
+    before = {name: t.clone() for name, t in pool.items()}
+    rows = torch.tensor([6, 2, 8, 3])
+    encode_body_blocks(x[:, 0], quantizer.kernel_encode_format(), out=pool, rows=rows)
+    _assert_bytes_equal(pool, quantizer.encode_blocks(x, torch.zeros(4, dtype=torch.long)), rows)
+    untouched = torch.tensor([0, 1, 4, 5, 7])
+    _assert_bytes_equal({n: t[untouched] for n, t in pool.items()}, {n: t[untouched] for n, t in before.items()})
+
+
 def _generate(model, recipe, backend, ids, mask, tokens=6, layer_tensors=None):
     runtime = CompressedRuntime.from_recipe(model, recipe, layer_tensors, backend=backend)
     cache = runtime.new_cache()
@@ -326,8 +432,47 @@ def test_triton_backend_generates_the_torch_backends_tokens(name, family):
     by_triton, cache = _generate(model, recipe, "triton", ids, mask, layer_tensors=tensors)
     assert cache.memory_report()["backend"] == "triton"
     assert cache.memory_report()["kernel_steps"] >= 5 * model.config.num_hidden_layers  # the kernel really ran
+    # uniform and fp8 sides are encoded by the Triton encode kernel (the prefill's full blocks at least)
+    quantizers = build_quantizers(recipe, 32, torch.float32, (tensors or [{}])[0])
+    encoded = any(q.kernel_encode_format() is not None for q in quantizers)
+    assert (cache.memory_report()["kernel_encodes"] > 0) == encoded
     assert torch.equal(by_torch.sequences, by_triton.sequences)
     # the logits too: a tiny random model's greedy tokens barely depend on attention
+    torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
+
+
+def _body_bytes(cache) -> list[dict[str, torch.Tensor]]:
+    """Every layer's body blocks in table order, {name: (S, nb, ...)} viewed as bytes."""
+    out = []
+    for layer in cache.layers:
+        store = layer.store
+        ids = store.body_block_ids(0, int(store.body_len.max()))
+        out.append({f"{part}.{name}": t.contiguous().view(torch.uint8) for part in ("k", "v")
+                    for name, t in store.read_body(part, ids).items()})
+    return out
+
+
+def test_the_encode_kernel_writes_the_torch_stores_bytes_and_encodes_while_decoding():
+    """Prefill's full blocks land in the body pool byte for byte as the torch backend stores them; blocks that
+    fill up while decoding are encoded by the kernel too, and generation still equals torch's."""
+    model = tiny_model("llama", kv_heads=2)
+    recipe = Recipe(
+        name="k2v8", keys=QuantSpec(bits=2, path="keys"),
+        values=QuantSpec(method="fp8", bits=8, fp8_format="e5m2", granularity="block", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    )
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
+    _, torch_prefill = _generate(model, recipe, "torch", ids, mask, tokens=1)
+    _, triton_prefill = _generate(model, recipe, "triton", ids, mask, tokens=1)
+    encoded = triton_prefill.memory_report()["kernel_encodes"]
+    assert encoded > 0 and torch_prefill.memory_report()["kernel_encodes"] == 0
+    for by_torch, by_triton in zip(_body_bytes(torch_prefill), _body_bytes(triton_prefill)):
+        assert by_torch.keys() == by_triton.keys()
+        assert all(torch.equal(by_torch[name], by_triton[name]) for name in by_torch)
+    by_torch, _ = _generate(model, recipe, "torch", ids, mask, tokens=28)
+    by_triton, cache = _generate(model, recipe, "triton", ids, mask, tokens=28)
+    assert cache.memory_report()["kernel_encodes"] > encoded  # a decode step flushed a block
+    assert torch.equal(by_torch.sequences, by_triton.sequences)
     torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
 
 

@@ -189,6 +189,11 @@ class BlockQuantizer:
         """How the Triton decode kernel reads this format's blocks (`BodyFormat`); formats it cannot read raise."""
         raise RuntimeConfigError(f"the Triton decode kernel cannot read '{self.spec.method}' blocks; use --backend torch")
 
+    def kernel_encode_format(self):
+        """The `BodyFormat` the Triton encode kernel (`kernels/encode_blocks.py`) writes exactly as this
+        quantizer's ``encode_blocks`` does, or None (default): blocks are encoded by ``encode_blocks``."""
+        return None
+
     def kernel_constants(self) -> dict[str, torch.Tensor]:
         """Fitted tensors the kernel reads beside the store (`BodyFormat`: static tables, codebook); default none."""
         return {}

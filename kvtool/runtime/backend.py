@@ -11,12 +11,20 @@ Resolved once per runtime and reported in every memory report (``backend``):
   per-token scales and dense-and-sparse outliers), keys stored after RoPE or before it (KVQuant's
   ``keys.pre_rope``: rotated in the kernel at each token's true position, for RoPE types with
   fixed frequencies), full-attention layers, policies that do not score tokens by attention.
-  Prefill, appends, sliding-window layers, attention-scored eviction (h2o, snapkv, ...),
-  TurboQuant and Palu blocks stay on the torch path; `cache.memory_report()["kernel_steps"]` counts the layer
-  steps the kernel ran. Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU
-  tensors (slow; for tests);
+  The append/encode step runs in Triton too, for every layer step that flushes full float
+  blocks into the body, prefill included (`kernels/encode_blocks.py`): each side whose
+  quantizer has a `kernel_encode_format` (uniform 2/3/4/8-bit per channel or per token group; fp8
+  e4m3/e5m2 with dynamic per-block or calibrated scales) is encoded byte for byte as its
+  ``encode_blocks`` does and written straight into the body pool rows the store allocated;
+  the other sides (int_static, nuq, TurboQuant, Palu) are encoded by the torch reference.
+  Prefill attention, sliding-window layers, attention-scored eviction (h2o, snapkv, ...),
+  TurboQuant and Palu blocks stay on the torch path; `cache.memory_report()["kernel_steps"]`
+  counts the layer steps the decode kernel ran and ``["kernel_encodes"]`` the body blocks the
+  encode kernel wrote (keys and values counted apart). Needs CUDA, or ``TRITON_INTERPRET=1``
+  to run the kernels on CPU tensors (slow; for tests);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
-  kernel reads, else ``torch``.
+  decode kernel reads, else ``torch`` (so always ``torch`` on CPU). What the encode kernel writes
+  never decides the backend: a format it does not write is encoded by torch under ``triton``.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ class CacheContext:
     shared_formats: dict = field(default_factory=dict)  # (layer, head_dim, heads, dtype) -> formats, shared by a runtime's caches
     sequence_positions: SequencePositions | None = field(default=None, init=False)
     kernel_steps: int = field(default=0, init=False)  # layer decode steps the Triton kernel ran
+    kernel_encodes: int = field(default=0, init=False)  # body blocks (keys and values counted apart) the encode kernel wrote
     sparse_read_tokens: int = field(default=0, init=False)  # stored tokens sparse decode steps read (whole groups)
     sparse_held_tokens: int = field(default=0, init=False)  # stored tokens those steps could have read
 
@@ -214,6 +215,7 @@ class KvtoolCache(Cache):
             "kept_fraction": self.kept_fraction(),
             "backend": self.backend,
             "kernel_steps": self.context.kernel_steps,
+            "kernel_encodes": self.context.kernel_encodes,
         }
         if any(layer.store.layout.summary_tokens for layer in live):  # sparse attention: its bytes and its reads
             report["key_summary_bytes"] = sum(layer.store.summary_nbytes() for layer in live)

@@ -545,16 +545,39 @@ class KvtoolLayer(CacheLayerMixin):
         return out
 
     # --- encoding ------------------------------------------------------------------------------------
-    def _encode(self, k, v, rows, positions) -> dict[str, torch.Tensor]:
-        """Blocks k, v (N, bs, g, D) of streams ``rows`` -> body storage (keys before RoPE when the recipe says)."""
+    def _encode(self, k, v, rows, positions, ids) -> dict[str, torch.Tensor]:
+        """Blocks k, v (N, bs, g, D) of streams ``rows`` -> body storage (keys before RoPE when the recipe says).
+
+        Under the triton backend a side whose format the encode kernel writes goes straight into the
+        body pool rows ``ids`` (N,); the other side's storage is returned, ``{"k.codes": (N, ...), ...}``.
+        """
         group = self.group_of_stream[rows]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # (N, g, bs, D)
         if self.plan.recipe.keys.pre_rope:
             cos, sin = self.context.rope.cos_sin(self.index, positions)  # (N, bs, R)
             k = self.context.rope.rotate(self.index, k.float(), cos, sin, inverse=True)
-        keys = self.key_format.encode_blocks(k, group)
-        values = self.value_format.encode_blocks(v, group)
-        return {**{f"k.{n}": x for n, x in keys.items()}, **{f"v.{n}": x for n, x in values.items()}}
+        out = {}
+        for part, fmt, x in (("k", self.key_format, k), ("v", self.value_format, v)):
+            kernel_format = self._kernel_encode_format(fmt)
+            if kernel_format is not None:
+                self._kernel_encode(part, fmt, kernel_format, x[:, 0], ids, group)
+            else:
+                out.update({f"{part}.{n}": t for n, t in fmt.encode_blocks(x, group).items()})
+        return out
+
+    def _kernel_encode_format(self, fmt):
+        """The `BodyFormat` the Triton encode kernel writes for ``fmt`` under this backend, or None (torch encode)."""
+        if self.context.backend != "triton" or self.g != 1:
+            return None
+        return getattr(fmt, "kernel_encode_format", lambda: None)()
+
+    def _kernel_encode(self, part: str, fmt, kernel_format, x, ids, group) -> None:
+        """Encode blocks x (N, bs, D) of one side by the Triton kernel, into body pool rows ids (N,)."""
+        from kvtool.runtime.kernels.encode_blocks import encode_body_blocks
+
+        static = fmt.kernel_tensors(self.device).get("static_scale")
+        encode_body_blocks(x, kernel_format, self.store.body_pool_side(part), ids, group, static)
+        self.context.kernel_encodes += x.shape[0]
 
     def _float_positions_for_encode(self, start: np.ndarray, width: int) -> torch.Tensor:
         if width == 0 or not self.plan.recipe.keys.pre_rope:

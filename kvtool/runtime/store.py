@@ -392,8 +392,10 @@ class LayerStore:
         Float recipes append in place. Quantized recipes: the first tokens of an empty stream
         become sinks; then, once the float window holds ``recent + bs`` or more non-sink tokens,
         its oldest full blocks are encoded with ``encode(k (N, bs, g, D), v, rows (N,),
-        positions (N, bs))`` (positions of new tokens: ``positions`` (S, t); of stored float
-        tokens: ``float_positions(start (S,), width)``) and only the rest stays in float.
+        positions (N, bs), ids (N,))`` (positions of new tokens: ``positions`` (S, t); of stored float
+        tokens: ``float_positions(start (S,), width)``; ``ids``: the body pool rows allocated for the
+        blocks, which ``encode`` may write in place; it returns the tensors it did not write) and
+        only the rest stays in float.
         """
         if not self.layout.quantized:
             self.write_float(self.float_len, counts, data)
@@ -432,9 +434,11 @@ class LayerStore:
         rows_np, block_np = _pairs(flush)
         rows = torch.from_numpy(rows_np).to(self.device)
         token = column[rows[:, None], torch.from_numpy(block_np).to(self.device)[:, None] * bs + torch.arange(bs, device=self.device)]
-        blocks = encode(joined["k"][rows[:, None], token], joined["v"][rows[:, None], token], rows, joined_pos[rows[:, None], token])
+        ids = self.body_pool.allocate(rows_np.shape[0])  # (N,) the new blocks' rows: an encode kernel writes them in place
+        k, v, pos = joined["k"][rows[:, None], token], joined["v"][rows[:, None], token], joined_pos[rows[:, None], token]
+        blocks = encode(k, v, rows, pos, ids)  # what it did not write in place
         meta = {name: joined[name][rows[:, None], token] for name in self.layout.meta}
-        self.add_body_blocks(rows_np, {**blocks, **meta})
+        self.add_body_blocks(rows_np, {**blocks, **meta}, ids)
         remain = total - flush * bs  # the rest stays in the float window
         keep_cols = torch.from_numpy(flush * bs).to(self.device)[:, None] + torch.arange(max(int(remain.max()), 1), device=self.device)
         kept = column.gather(1, keep_cols.clamp(max=column.shape[1] - 1))
@@ -442,12 +446,15 @@ class LayerStore:
         self._release_float_beyond(self.n_sink + remain)
 
     # --- body --------------------------------------------------------------------------------------
-    def add_body_blocks(self, rows: np.ndarray, blocks: dict[str, torch.Tensor]) -> None:
-        """Append encoded blocks: rows (N,) stream of each block (grouped per stream, in token order)."""
+    def add_body_blocks(self, rows: np.ndarray, blocks: dict[str, torch.Tensor], ids: torch.Tensor | None = None) -> None:
+        """Append encoded blocks: rows (N,) stream of each block (grouped per stream, in token order).
+
+        ids: (N,) pool rows already allocated for them (tensors not in ``blocks`` were written there in place).
+        """
         n = rows.shape[0]
         if n == 0:
             return
-        ids = self.body_pool.allocate(n)
+        ids = self.body_pool.allocate(n) if ids is None else ids
         for name, values in blocks.items():
             self.body_pool.tensors[name][ids] = values.to(self.body_pool.tensors[name].dtype)
         counts = np.bincount(rows, minlength=self.streams)

@@ -73,6 +73,9 @@ class Fp8Quantizer(BlockQuantizer):
         scales = "static" if self.static else "block"
         return BodyFormat(bits=8, per_channel=False, group=1, fp8=self.spec.fp8_format, scales=scales, zero=False)
 
+    def kernel_encode_format(self):
+        return self.kernel_format()  # the encode kernel's fp8 rule: amax or calibrated scale, saturating, nearest even
+
     def kernel_constants(self) -> dict[str, torch.Tensor]:
         return {"static_scale": self.scale} if self.static else {}  # (1 or H_kv, 1)
 

@@ -52,6 +52,9 @@ class UniformQuantizer(BlockQuantizer):
 
         return BodyFormat(bits=self.spec.bits, per_channel=self.spec.axis == "channel", group=self.group)
 
+    def kernel_encode_format(self):
+        return self.kernel_format()  # the encode kernel's uniform rule: min / max, round half to even, fp16 parameters
+
     def _grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View x (N, S, D) so that the reduction dim of a scale group is last."""
         if self.spec.axis == "channel":

@@ -1,5 +1,10 @@
 """Triton kernels over the paged store, each tested against the torch path it replaces.
 
+* `decode_attention.py` (+ `body_block.py`, `body_format.py`, `body_rope.py`): one decode step's
+  attention over float and body blocks read in place; reference: the store's torch path.
+* `encode_blocks.py`: full float blocks -> uniform or fp8 body blocks written into their pool
+  rows; reference: the quantizer's ``encode_blocks`` (byte-identical).
+
 Imported only when the ``triton`` backend is used, so CPU-only installs never need Triton
 (set ``TRITON_INTERPRET=1`` to run them on CPU tensors, as the tests do).
 """
