@@ -496,3 +496,59 @@ def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
     with pytest.raises(RuntimeConfigError, match="CUDA"):
         CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="triton")
     assert os.environ.get("TRITON_INTERPRET") is None
+
+
+# --- RocketKV's stage 2: the sparse read -----------------------------------------------------------
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("head_dim, group", [(64, 1), (128, 4), (256, 8)])
+@pytest.mark.parametrize("softcap, sink", [(None, False), (30.0, True)])
+def test_sparse_kernel_equals_a_dense_softmax_over_the_listed_slots(device, head_dim, group, softcap, sink):
+    """Ragged lists (empty, one slot, longer than a tile, invalid entries anywhere, repeated padding ids)."""
+    from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
+
+    g = torch.Generator().manual_seed(head_dim + group)
+    pool = 40 * FBS
+    k_pool = torch.randn(pool, head_dim, generator=g).half().to(device)
+    v_pool = torch.randn(pool, head_dim, generator=g).half().to(device)
+    counts = [0, 1, 7, 37]
+    s, width = len(counts), 40
+    slots = torch.randint(0, pool, (s, width), generator=g)
+    valid = torch.zeros(s, width, dtype=torch.bool)
+    for stream, n in enumerate(counts):
+        chosen = torch.randperm(width, generator=g)[:n]
+        valid[stream, chosen] = True  # valid entries scattered among invalid ones
+    q = torch.randn(s, group, head_dim, generator=g) * head_dim ** -0.5
+    new_k, new_v = torch.randn(s, head_dim, generator=g), torch.randn(s, head_dim, generator=g)
+    sinks = torch.randn(s, group, generator=g) if sink else None
+    out = sparse_decode_attention(q.to(device), new_k.to(device), new_v.to(device), k_pool, v_pool, slots.to(device),
+                                  valid.to(device), softcap, None if sinks is None else sinks.to(device)).cpu()
+    for stream in range(s):
+        ids = slots[stream][valid[stream]]
+        keys = torch.cat([k_pool.cpu()[ids].float(), new_k[stream : stream + 1]])  # (n + 1, D)
+        values = torch.cat([v_pool.cpu()[ids].float(), new_v[stream : stream + 1]])
+        logits = q[stream] @ keys.T  # (G, n + 1)
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if sinks is not None:
+            logits = torch.cat([logits, sinks[stream][:, None]], dim=1)
+            values = torch.cat([values, torch.zeros(1, head_dim)])
+        want = torch.softmax(logits, dim=-1) @ values
+        torch.testing.assert_close(out[stream], want, rtol=1e-4, atol=1e-5)
+
+
+def test_triton_backend_runs_rocketkv_stage_two_as_the_torch_backend_does():
+    """Both stages: the sparse read runs in the kernel at every decode step of the full-attention layers and
+    generates the torch backend's tokens and logits, reading the same fraction of the tokens."""
+    from kvtool.recipe import load_recipe
+
+    model = tiny_model("llama", kv_heads=2)
+    recipe = load_recipe("rocketkv")
+    recipe = dataclasses.replace(recipe, sparse_attention=dataclasses.replace(recipe.sparse_attention, min_tokens=8))
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
+    by_torch, torch_cache = _generate(model, recipe, "torch", ids, mask, tokens=8)
+    by_triton, cache = _generate(model, recipe, "triton", ids, mask, tokens=8)
+    report = cache.memory_report()
+    assert report["backend"] == "triton" and report["kernel_steps"] >= 7 * model.config.num_hidden_layers
+    assert report["sparse_read_fraction"] == torch_cache.memory_report()["sparse_read_fraction"] < 0.35
+    assert torch.equal(by_torch.sequences, by_triton.sequences)
+    torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)

@@ -10,7 +10,9 @@ Resolved once per runtime and reported in every memory report (``backend``):
   per-layer / per-head / per-channel ranges; nuq 2/3/4-bit codebook lookups with per-channel or
   per-token scales and dense-and-sparse outliers), keys stored after RoPE or before it (KVQuant's
   ``keys.pre_rope``: rotated in the kernel at each token's true position, for RoPE types with
-  fixed frequencies), full-attention layers, policies that do not score tokens by attention.
+  fixed frequencies), full-attention layers, policies that do not score tokens by attention, and
+  RocketKV's sparse read (`kernels/sparse_decode.py`: only the slots the summaries select; the
+  selection itself is torch).
   The append/encode step runs in Triton too, for every layer step that flushes full float
   blocks into the body, prefill included (`kernels/encode_blocks.py`): each side whose
   quantizer has a `kernel_encode_format` (uniform 2/3/4/8-bit per channel or per token group; fp8
@@ -56,8 +58,6 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     with fixed frequencies, so RoPE types whose frequencies change with the context length
     (longrope, dynamic NTK) stay on the torch path.
     """
-    if recipe.sparse_attention.enabled:
-        return "sparse attention (sparse_attention) runs on the torch path"
     if recipe.keys.pre_rope:
         for rope in ropes:
             if rope.long_after is not None or rope.grow_after is not None:

@@ -246,31 +246,40 @@ class KvtoolLayer(CacheLayerMixin):
         """The Triton decode kernel runs this step (see `backend.py` for what it covers)."""
         return (
             self.context.backend == "triton" and t == 1 and not scoring and not options.sliding_window
-            and self.g == 1 and (real is None or bool(real.all())) and not self.store.layout.summary_tokens
+            and self.g == 1 and (real is None or bool(real.all()))
         )
 
     def _sparse_step(self, t: int, options: LayerOptions) -> bool:
         """This decode step reads only the best-scored summary groups (RocketKV's stage 2)."""
         return bool(self.store.layout.summary_tokens) and t == 1 and not options.sliding_window and self.store.float_pool.used > 0
 
+    def _select_groups(self, q: torch.Tensor, options: LayerOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        """(groups (S, K), count (S,)): the summary groups `select_groups` ranks for the rows q (S, g, R, D)."""
+        kmax, kmin = self.store.key_summaries()  # (S, N, g, D) x 2
+        held = self.store.lengths("float_len")  # (S,)
+        return select_groups(self.plan.recipe.sparse_attention, q, kmax, kmin, held, options.scaling)
+
+    def _group_slots(self, groups: torch.Tensor, count: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool slot ids (S, c), valid (S, c)) of ranked groups [c0, c1) (groups (S, K), count (S,) as selected)."""
+        store = self.store
+        n = store.layout.summary_tokens
+        slots = (groups[:, c0:c1, None] * n + torch.arange(n, device=self.device)).flatten(1)  # (S, c) region slots
+        read = (torch.arange(c0, c1, device=self.device)[None] < count[:, None]).repeat_interleave(n, dim=1)  # (S, c)
+        valid = read & (slots < store.lengths("float_len")[:, None])
+        return store.float_slot_ids(slots), valid
+
     def _sparse_chunks(self, q: torch.Tensor, options: LayerOptions):
         """The float slots of the groups `select_groups` picks for the rows q (S, g, R, D), chunk by chunk; the
         other slots are not read."""
         store = self.store
         n, (s, g, r, d) = store.layout.summary_tokens, q.shape
-        kmax, kmin = store.key_summaries()  # (S, N, g, D) x 2
-        held = store.lengths("float_len")  # (S,)
-        groups, count = select_groups(self.plan.recipe.sparse_attention, q, kmax, kmin, held, options.scaling)  # (S, K), (S,)
+        groups, count = self._select_groups(q, options)  # (S, K), (S,)
         step = max(1, chunk_tokens(s, g, r, d, n) // n)
         read_tokens = 0
         for c0 in range(0, groups.shape[1], step):
-            c1 = min(groups.shape[1], c0 + step)
-            slots = (groups[:, c0:c1, None] * n + torch.arange(n, device=self.device)).flatten(1)  # (S, c) region slots
-            flat = store.float_slot_ids(slots)  # (S, c) pool slots
+            flat, valid = self._group_slots(groups, count, c0, min(groups.shape[1], c0 + step))  # (S, c) pool slots
             k = store.float_flat("k")[flat].float().transpose(1, 2)  # (S, g, c, D)
             v = store.float_flat("v")[flat].float().transpose(1, 2)
-            read = (torch.arange(c0, c1, device=self.device)[None] < count[:, None]).repeat_interleave(n, dim=1)  # (S, c)
-            valid = read & (slots < held[:, None])
             read_tokens += int(valid.sum())
             yield Chunk(
                 scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),
@@ -282,6 +291,18 @@ class KvtoolLayer(CacheLayerMixin):
     def _kernel_decode(self, q, new_k, new_v, options: LayerOptions, sink_logits) -> torch.Tensor:
         """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place."""
         from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+        if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
+            from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
+
+            groups, count = self._select_groups(q[:, None], options)  # q (S, R, D) as (S, 1, R, D)
+            slots, valid = self._group_slots(groups, count, 0, groups.shape[1])  # (S, K n) x 2
+            self.context.count_sparse_reads(int(valid.sum()), int(self.store.float_len.sum()))
+            self.context.kernel_steps += 1
+            return sparse_decode_attention(
+                q, new_k, new_v, self.store.float_flat("k")[:, 0], self.store.float_flat("v")[:, 0], slots, valid,
+                options.softcap, sink_logits,
+            )
 
         store = self.store
         float_pool = store.float_pool.tensors

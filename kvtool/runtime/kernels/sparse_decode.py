@@ -1,0 +1,91 @@
+"""Triton decode attention over a chosen subset of the float slots (RocketKV's stage 2 read).
+
+The torch path (`KvtoolLayer._sparse_chunks` over `paged_attention.attend`) is the reference.
+Per stream (one sequence x one KV head): R query rows (the GQA group's query heads, already
+multiplied by the softmax scale) attend to the float-pool slots `slots` (S, K) lists (flat slot
+ids ``block * FBS + offset``, as `LayerStore.float_slot_ids` gives them) where `valid` (S, K) is
+set, and to the step's own new token. The selection itself (which summary groups; torch) costs
+one read of the key summaries; this kernel then reads only the chosen keys and values, in place.
+
+Pass 1 (`_sparse_partials`): grid (S, SPLITS); program (s, p) walks tiles p, p + SPLITS, ... of
+``TILE`` listed slots with an online softmax. Pass 2 is the dense kernel's `_merge_partials`
+(the new token, a learned sink logit, the partials).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.runtime.kernels.decode_attention import _absorb, _merge_partials, splits_for
+
+TILE = 16  # listed slots per online-softmax update
+
+
+@triton.jit
+def _sparse_partials(
+    q_ptr, k_ptr, v_ptr, slot_ptr, valid_ptr, K, m_out, l_out, acc_out, R, softcap,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    s = tl.program_id(0)
+    split = tl.program_id(1)
+    r = tl.arange(0, BR)
+    c = tl.arange(0, BD)
+    rmask, cmask = r < R, c < D
+    q = tl.load(q_ptr + s * R * D + r[:, None] * D + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)  # (BR, BD)
+    m = tl.full((BR,), float("-inf"), tl.float32)
+    l = tl.zeros((BR,), tl.float32)
+    acc = tl.zeros((BR, BD), tl.float32)
+    t = tl.arange(0, TILE)
+    for tile in range(split, tl.cdiv(K, TILE), SPLITS):
+        j = tile * TILE + t  # (TILE,) positions in the stream's list
+        inside = j < K
+        slot = tl.load(slot_ptr + s * K + j, mask=inside, other=0).to(tl.int64)
+        valid = tl.load(valid_ptr + s * K + j, mask=inside, other=0) != 0
+        kv_mask = valid[:, None] & cmask[None, :]
+        offs = slot[:, None] * D + c[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # (TILE, BD)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        m, l, acc = _absorb(q, k, v, valid, m, l, acc, SOFTCAP, softcap)
+    out = (s * SPLITS + split) * BR
+    tl.store(m_out + out + r, m)
+    tl.store(l_out + out + r, l)
+    tl.store(acc_out + out * BD + r[:, None] * BD + c[None, :], acc)
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,  # (S, R, D) float32, already multiplied by the softmax scale
+    new_k: torch.Tensor,  # (S, D) float32: this step's token, attended to by every row
+    new_v: torch.Tensor,  # (S, D) float32
+    float_k: torch.Tensor,  # (cap * FBS, D) float pool keys, one head per stream, flat per slot
+    float_v: torch.Tensor,
+    slots: torch.Tensor,  # (S, K) int64 flat slot ids to read
+    valid: torch.Tensor,  # (S, K) bool: the listed slot holds a token this step reads
+    softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,  # (S, R) learned sink logits
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Attention output (S, R, D) float32 of one decode step over the listed slots and the new token."""
+    s, r, d = q.shape
+    device = q.device
+    q = q.contiguous().float()
+    k_count = slots.shape[1]
+    br, bd = max(triton.next_power_of_2(r), 1), triton.next_power_of_2(d)
+    splits = splits or splits_for(s, triton.cdiv(max(k_count, 1), TILE))
+    m = torch.empty((s, splits, br), device=device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = torch.empty((s, splits, br, bd), device=device, dtype=torch.float32)
+    slot_list = slots.contiguous() if k_count else torch.zeros((s, 1), dtype=torch.int64, device=device)
+    valid_list = valid.to(torch.int8).contiguous() if k_count else torch.zeros((s, 1), dtype=torch.int8, device=device)
+    _sparse_partials[(s, splits)](
+        q, float_k, float_v, slot_list, valid_list, slot_list.shape[1], m, l, acc, r, float(softcap or 0.0),
+        D=d, BR=br, BD=bd, TILE=TILE, SPLITS=splits, SOFTCAP=bool(softcap),
+    )
+    out = torch.empty((s, r, d), device=device, dtype=torch.float32)
+    sink = sink_logits.contiguous().float() if sink_logits is not None else torch.zeros(1, device=device)
+    _merge_partials[(s,)](
+        m, l, acc, q, new_k.contiguous().float(), new_v.contiguous().float(), sink, out, r, float(softcap or 0.0),
+        D=d, BR=br, BD=bd, SPLITS=splits, HAS_SINK=sink_logits is not None, SOFTCAP=bool(softcap),
+    )
+    return out
