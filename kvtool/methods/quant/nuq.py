@@ -13,14 +13,11 @@ of a per-layer codebook (`codebooks.py`) fitted offline on calibration data:
 Dense-and-sparse (`outliers.py`): per block of one (sequence, head) stream the
 ``k = ceil(f * S * D)`` elements with the largest outlier score are kept exactly in fp16.
 Token axis: the z-score within the token group, chosen before the group's range so the
-range is tight. Channel axis (fixed ranges): the loss each element would cost if kept
-dense, ``|x_n - level(clamp(x_n))| * half * sqrt(w)``, i.e. its absolute error after
-clamping into the range and rounding to the codebook, weighted by its channel's mean
-Fisher sensitivity ``w`` (KVQuant's objective, the one the codebook is fitted to). Ranking
-by ``|x_n|`` instead spends the budget on elements of narrow channels whose error is
-small in absolute terms and leaves the largest elements of wide, sensitive channels
-clamped and shrunk to the outer level: on SmolLM2-135M at 2 bits that is what made nuq
-keys worse than uniform ones in perplexity while better in SQNR (issue 11).
+range is tight. Channel axis (fixed ranges): the absolute error each element would have if kept dense,
+``|x_n - level(clamp(x_n))| * half`` (clamped into its channel's range, rounded to the
+codebook), so the fixed budget removes the most error. Ranking by ``|x_n|`` instead
+spent it on elements of narrow channels (small absolute error) and left the largest
+elements of wide channels clamped and shrunk to the codebook's outer level (issue 11).
 
 Storage per block of one (sequence, KV head) stream:
 
@@ -30,10 +27,7 @@ Storage per block of one (sequence, KV head) stream:
   (both absent when k == 0).
 
 Fitted tensors per layer: ``codebook`` (2**bits,) float32 sorted, and for the channel
-axis ``channel_lo``, ``channel_hi`` (H_kv, D) float32 and, when fitted with Fisher
-weights (``fisher-kmeans``), ``channel_weight`` (H_kv, D) float32: each channel's mean
-Fisher sensitivity over the calibration samples divided by the layer's mean (optional:
-artifacts without it weight every channel alike).
+axis ``channel_lo``, ``channel_hi`` (H_kv, D) float32.
 """
 
 from __future__ import annotations
@@ -135,22 +129,14 @@ class NuqQuantizer(BlockQuantizer):
                 )
             self.mid = (lo + hi) / 2
             self.half = ((hi - lo) / 2).clamp(min=_EPS)
-            weight = self.fitted.get("channel_weight")
-            if weight is not None and weight.shape != lo.shape:
-                raise ArtifactError(
-                    f"nuq channel weights for '{spec.path}' have shape {tuple(weight.shape)}, expected "
-                    f"{tuple(lo.shape)}: the artifact is for another model; run kvtool calibrate again"
-                )
-            # outlier score per unit of |x_n - level|: absolute scale times sqrt(Fisher sensitivity)
-            self.cost = self.half if weight is None else self.half * weight.detach().float().cpu().clamp(min=0).sqrt()
         self._device_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(codebook, mid (H, D), half (H, D), cost (H, D)) on ``device`` (all but the codebook only for the channel axis)."""
+        """(codebook, mid (H, D), half (H, D)) on ``device`` (mid/half only for the channel axis)."""
         if device not in self._device_cache:
             tensors = [self.codebook.to(device)]
             if self.spec.axis == "channel":
-                tensors += [self.mid.to(device), self.half.to(device), self.cost.to(device)]
+                tensors += [self.mid.to(device), self.half.to(device)]
             self._device_cache[device] = tuple(tensors)
         return self._device_cache[device]
 
@@ -161,11 +147,11 @@ class NuqQuantizer(BlockQuantizer):
                 f"{num_kv_heads}: the artifact is for another model; run kvtool calibrate again"
             )
 
-    def _channel_ranges(self, group: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Per block (N, 1, D) mid, half and outlier cost of its KV head's calibrated channels."""
-        _, mid, half, cost = self._tensors(device)
+    def _channel_ranges(self, group: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per block (N, 1, D) mid and half of its KV head's calibrated channel ranges."""
+        _, mid, half = self._tensors(device)
         group = group.to(device)
-        return mid[group][:, None, :], half[group][:, None, :], cost[group][:, None, :]
+        return mid[group][:, None, :], half[group][:, None, :]
 
     def kernel_format(self):
         from kvtool.runtime.kernels.body_format import BodyFormat
@@ -195,14 +181,14 @@ class NuqQuantizer(BlockQuantizer):
         n, s, d = x.shape
         storage: dict[str, torch.Tensor] = {}
         if self.spec.axis == "channel":
-            mid, half, cost = self._channel_ranges(group, x.device)
+            mid, half = self._channel_ranges(group, x.device)
             xn = (x - mid) / half  # (N, S, D)
             index = mask = None
             if self.k:
                 codebook = self._tensors(x.device)[0]
                 dense = codebook[nearest_codes(xn.clamp(-1.0, 1.0), codebook)]  # (N, S, D) each element's dense decode
-                loss = ((xn - dense).abs() * cost).reshape(n, s * d)  # (N, S*D) weighted error if kept dense
-                index, mask = top_outliers(loss, self.k)
+                error = ((xn - dense).abs() * half).reshape(n, s * d)  # (N, S*D) absolute error if kept dense
+                index, mask = top_outliers(error, self.k)
             xn = xn.reshape(n, s * d)
         else:
             xn, index, mask, storage["scale"], storage["zero"] = _token_normalise(x, self.group, self.k)
@@ -223,7 +209,7 @@ class NuqQuantizer(BlockQuantizer):
         codebook = self._tensors(codes.device)[0]
         xn = codebook[codes.long()]  # the codebook read as a lookup
         if self.spec.axis == "channel":
-            mid, half, _ = self._channel_ranges(group, codes.device)
+            mid, half = self._channel_ranges(group, codes.device)
             x = xn * half + mid
         else:
             grouped = xn.view(n, s, d // self.group, self.group)
@@ -260,10 +246,6 @@ class NuqQuantizer(BlockQuantizer):
             xn = (samples - mid) / half
             dense = xn.abs() <= 1.0  # beyond the calibrated thresholds: the sparse part
             out = {"channel_lo": lo.contiguous(), "channel_hi": hi.contiguous()}
-            if weights is not None and spec.codebook == "fisher-kmeans":
-                sensitivity = weights.mean(dim=0)  # (H, D) mean Fisher weight per channel
-                if torch.isfinite(sensitivity).all() and sensitivity.sum() > 0:
-                    out["channel_weight"] = (sensitivity / sensitivity.mean()).contiguous()
         else:
             group = min(spec.group_size, head_dim)
             if head_dim % group:
