@@ -89,7 +89,7 @@ def run(description: str, default_out: str, recipes_for, title: str, extra=lambd
     import argparse
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS) + list(PRETRAINED))
     parser.add_argument("--samples", type=int, default=4, help="evaluation windows per model")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per evaluation window")
     parser.add_argument("--calib-samples", type=int, default=16, help="calibration windows of 512 tokens")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import time
 from pathlib import Path
@@ -82,9 +81,10 @@ METHOD_RECIPES = [
 ]
 
 
-def method_recipes(calib_samples: int) -> list[Recipe]:
+def method_recipes(calib_samples: int, extra: list[str] | None = None) -> list[Recipe]:
+    """The suite's recipes, then any other bundled recipe named in ``extra`` (e.g. kvquant-2bit-1pct)."""
     out = []
-    for name in METHOD_RECIPES:
+    for name in METHOD_RECIPES + [n for n in extra or [] if n not in METHOD_RECIPES and n != "turboquant-3bit qjl-keys"]:
         recipe = load_recipe(name)
         out.append(dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=calib_samples)))
     tq = load_recipe("turboquant-3bit")  # the QJL variant: 2-bit codes + 1-bit residual sketch for keys
@@ -112,7 +112,7 @@ def bench_methods(names: list[str], samples: int, seq_len: int, decode: int, cal
         rows.append({"model": name, "recipe": "uncompressed", "ppl": bench.baseline.ppl, "delta_pct": 0.0,
                      "bits_per_element": bench.baseline.bits_per_element, "bytes_per_token": bench.baseline.bytes_per_token,
                      "decode_tokens_per_s": bench.baseline.decode_tokens_per_s})
-        for recipe in method_recipes(calib_samples):
+        for recipe in method_recipes(calib_samples, only):
             if only and recipe.name not in only:
                 continue
             rows.append(bench.score(recipe))
@@ -132,7 +132,8 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=8, help="methods suite: calibration windows of 512 tokens")
     parser.add_argument("--chunk", type=int, default=1,
                         help="methods suite: tokens per decoding forward (>1 is faster but approximate: a chunk's tokens see each other uncompressed)")
-    parser.add_argument("--recipes", nargs="+", default=None, help="methods suite: only these recipe names")
+    parser.add_argument("--recipes", nargs="+", default=None,
+                        help="methods suite: only these recipe names (any bundled recipe, e.g. kvquant-2bit-1pct)")
     parser.add_argument("--decode", type=int, default=0, help="methods suite: tokens decoded one by one per window (0 = half)")
     parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS) + list(PRETRAINED))
     parser.add_argument("--samples", type=int, default=4, help="evaluation windows per model")

@@ -251,6 +251,43 @@ def test_outlier_positions_use_the_whole_int16_range():
     assert out[0, 0, 0, -1, -1] == 999.0 and out[0, 0, 0, 0, 0] == -999.0 and out[0, 0, 0, 256, 0] == 555.0
 
 
+CODEBOOK_2BIT = torch.tensor([-0.65, -0.2, 0.2, 0.65])  # k-means-like: the outer levels well inside [-1, 1]
+
+
+def channel_block():
+    """A 2-bit channel-axis quantizer (1 head): channels 0-31 narrow (+-0.01), 32-63 wide (+-10); a block inside the ranges."""
+    half = torch.cat([torch.full((32,), 0.01), torch.full((32,), 10.0)])[None]  # (1, D)
+    fitted = {"codebook": CODEBOOK_2BIT, "channel_lo": -half, "channel_hi": half}
+    q = NuqQuantizer(spec(bits=2, outlier_fraction=0.01), D, S, fitted=fitted)
+    x = (torch.rand((1, 1, 1, S, D), generator=torch.Generator().manual_seed(20)) * 1.2 - 0.6) * half  # |x_n| <= 0.6
+    return q, x
+
+
+def test_channel_outliers_go_where_the_absolute_error_is():
+    """Issue 11: the sparse budget holds the elements that would cost most if kept dense, not the largest |x_n|.
+
+    30 narrow-channel elements at x_n = 3 (0.02 absolute error each if clamped) and 21 wide-channel
+    elements at x_n = 1.5 (8.5 each), k = 21: ranking by |x_n| stored the narrow ones and clamped the
+    wide ones to the outer level (6.5 instead of 15).
+    """
+    q, x = channel_block()
+    assert q.k == 21
+    narrow = [(t, t % 32) for t in range(30)]
+    wide = [(t, 32 + (5 * t) % 32) for t in range(21)]
+    for t, d in narrow:
+        x[0, 0, 0, t, d] = 0.03
+    for t, d in wide:
+        x[0, 0, 0, t, d] = 15.0
+    out = q.roundtrip(x).float()
+    for t, d in wide:
+        assert out[0, 0, 0, t, d] == 15.0
+    for t, d in narrow:  # clamped: within 0.0035 * 10 of the range edge, a negligible error
+        assert abs(out[0, 0, 0, t, d] - 0.03) < 0.025
+    dense_only = NuqQuantizer(spec(bits=2, outlier_fraction=0.0), D, S, fitted=q.fitted)
+    saved = (dense_only.roundtrip(x).float() - x).square().sum() - (out - x).square().sum()
+    assert saved > 0.99 * 21 * 8.5**2, saved  # the sparse part removed (almost) all of the wide elements' error
+
+
 # ----- exactness and packing ---------------------------------------------------------------------
 
 CODEBOOK_3BIT = torch.tensor([-1.0, -0.55, -0.3, -0.1, 0.05, 0.25, 0.6, 1.0])

@@ -11,9 +11,13 @@ of a per-layer codebook (`codebooks.py`) fitted offline on calibration data:
   ``zero`` (= midpoint), ``x_n = (x - zero) / scale``.
 
 Dense-and-sparse (`outliers.py`): per block of one (sequence, head) stream the
-``k = ceil(f * S * D)`` elements with the largest outlier score are kept exactly in fp16
-(score: ``|x_n|`` for channel, z-score within the token group for token; chosen before
-the token group's range so the range is tight).
+``k = ceil(f * S * D)`` elements with the largest outlier score are kept exactly in fp16.
+Token axis: the z-score within the token group, chosen before the group's range so the
+range is tight. Channel axis (fixed ranges): the absolute error each element would have if kept dense,
+``|x_n - level(clamp(x_n))| * half`` (clamped into its channel's range, rounded to the
+codebook), so the fixed budget removes the most error. Ranking by ``|x_n|`` instead
+spent it on elements of narrow channels (small absolute error) and left the largest
+elements of wide channels clamped and shrunk to the codebook's outer level (issue 11).
 
 Storage per block of one (sequence, KV head) stream:
 
@@ -178,8 +182,14 @@ class NuqQuantizer(BlockQuantizer):
         storage: dict[str, torch.Tensor] = {}
         if self.spec.axis == "channel":
             mid, half = self._channel_ranges(group, x.device)
-            xn = ((x - mid) / half).reshape(n, s * d)
-            index, mask = top_outliers(xn.abs(), self.k) if self.k else (None, None)
+            xn = (x - mid) / half  # (N, S, D)
+            index = mask = None
+            if self.k:
+                codebook = self._tensors(x.device)[0]
+                dense = codebook[nearest_codes(xn.clamp(-1.0, 1.0), codebook)]  # (N, S, D) each element's dense decode
+                error = ((xn - dense).abs() * half).reshape(n, s * d)  # (N, S*D) absolute error if kept dense
+                index, mask = top_outliers(error, self.k)
+            xn = xn.reshape(n, s * d)
         else:
             xn, index, mask, storage["scale"], storage["zero"] = _token_normalise(x, self.group, self.k)
         xn = xn.clamp(-1.0, 1.0)
