@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 import torch
 
