@@ -17,17 +17,12 @@ it to the task; 63 in its code), and the paper splits one token budget between t
 (`get_params_for_token_budget`), where kvtool takes both from the recipe.
 """
 
-from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_policy
-from kvtool.methods.evict.snapkv import pool_by_position
+from kvtool.methods.evict.base import register_policy
+from kvtool.methods.evict.snapkv import SnapKV
 
 
 @register_policy("rocketkv")
-class RocketKV(EvictionPolicy):
-    evicts_while_decoding = False  # the prompt is cut once; generated tokens stay
+class RocketKV(SnapKV):
+    """SnapKV's scores (`SnapKV.token_scores`); only multi-token forwards evict."""
 
-    def token_scores(self, view: StreamView):
-        # window attention of a multi-token forward; accumulated attention only if a caller evicts otherwise
-        scores = view.window_attention if view.window_attention is not None else view.attention  # (S, N)
-        if self.spec.pooling == 1:
-            return scores
-        return pool_by_position(scores, view.positions, view.valid, self.spec.pooling)
+    evicts_while_decoding = False  # the prompt is cut once; generated tokens stay

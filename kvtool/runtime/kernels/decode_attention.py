@@ -65,6 +65,28 @@ def _absorb(q, k, v, valid, m, l, acc, SOFTCAP: tl.constexpr, softcap):
 
 
 @triton.jit
+def stream_rows(q_ptr, s, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """Stream s's query rows (BR, BD), row and channel ranges, and an empty online-softmax state (m, l, acc)."""
+    r = tl.arange(0, BR)
+    c = tl.arange(0, BD)
+    rmask, cmask = r < R, c < D
+    q = tl.load(q_ptr + s * R * D + r[:, None] * D + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)  # (BR, BD)
+    m = tl.full((BR,), float("-inf"), tl.float32)
+    l = tl.zeros((BR,), tl.float32)
+    acc = tl.zeros((BR, BD), tl.float32)
+    return q, r, c, cmask, m, l, acc
+
+
+@triton.jit
+def store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr):
+    """Program (s, split)'s partial max, sum and unnormalised output, for `_merge_partials`."""
+    out = (s * SPLITS + split) * BR
+    tl.store(m_out + out + r, m)
+    tl.store(l_out + out + r, l)
+    tl.store(acc_out + out * BD + r[:, None] * BD + c[None, :], acc)
+
+
+@triton.jit
 def _decode_partials(
     q_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
     kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol,
@@ -82,13 +104,7 @@ def _decode_partials(
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
-    r = tl.arange(0, BR)
-    c = tl.arange(0, BD)
-    rmask, cmask = r < R, c < D
-    q = tl.load(q_ptr + s * R * D + r[:, None] * D + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)  # (BR, BD)
-    m = tl.full((BR,), float("-inf"), tl.float32)
-    l = tl.zeros((BR,), tl.float32)
-    acc = tl.zeros((BR, BD), tl.float32)
+    q, r, c, cmask, m, l, acc = stream_rows(q_ptr, s, R, D, BR, BD)
     # float blocks
     flen = tl.load(flen_ptr + s).to(tl.int32)
     tf = tl.arange(0, FBS)
@@ -121,10 +137,7 @@ def _decode_partials(
                           D, BS, V_BITS, V_W0, V_W1, V_W2, V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO,
                           V_LEVELS, V_OUTLIERS)
             m, l, acc = _absorb(q, k, v, valid_b, m, l, acc, SOFTCAP, softcap)
-    out = (s * SPLITS + split) * BR
-    tl.store(m_out + out + r, m)
-    tl.store(l_out + out + r, l)
-    tl.store(acc_out + out * BD + r[:, None] * BD + c[None, :], acc)
+    store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR, BD, SPLITS)
 
 
 @triton.jit
@@ -254,8 +267,16 @@ def paged_decode_attention(
         D=d, BR=br, BD=bd, FBS=fbs, BS=bs, SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
         **_prefixed(side_constants(kf), "K_"), **_prefixed(side_constants(vf), "V_"),
     )
-    out = torch.empty((s, r, d), device=device, dtype=torch.float32)
-    sink = sink_logits.contiguous().float() if sink_logits is not None else torch.zeros(1, device=device)
+    return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
+
+
+def merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits) -> torch.Tensor:
+    """Pass 2: (S, R, D) float32 from the partials m, l (S, SPLITS, BR), acc (S, SPLITS, BR, BD) of q (S, R, D)
+    contiguous float32, the new token and an optional learned sink logit per row."""
+    s, r, d = q.shape
+    splits, br, bd = acc.shape[1], acc.shape[2], acc.shape[3]
+    out = torch.empty((s, r, d), device=q.device, dtype=torch.float32)
+    sink = sink_logits.contiguous().float() if sink_logits is not None else torch.zeros(1, device=q.device)
     _merge_partials[(s,)](
         m, l, acc, q, new_k.contiguous().float(), new_v.contiguous().float(), sink, out, r, float(softcap or 0.0),
         D=d, BR=br, BD=bd, SPLITS=splits, HAS_SINK=sink_logits is not None, SOFTCAP=bool(softcap),

@@ -8,7 +8,7 @@ set, and to the step's own new token. The selection itself (which summary groups
 one read of the key summaries; this kernel then reads only the chosen keys and values, in place.
 
 Pass 1 (`_sparse_partials`): grid (S, SPLITS); program (s, p) walks tiles p, p + SPLITS, ... of
-``TILE`` listed slots with an online softmax. Pass 2 is the dense kernel's `_merge_partials`
+``TILE`` listed slots with an online softmax. Pass 2 is the dense kernel's `merge_partials`
 (the new token, a learned sink logit, the partials).
 """
 
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtool.runtime.kernels.decode_attention import _absorb, _merge_partials, splits_for
+from kvtool.runtime.kernels.decode_attention import _absorb, merge_partials, splits_for, store_partials, stream_rows
 
 TILE = 16  # listed slots per online-softmax update
 
@@ -30,13 +30,7 @@ def _sparse_partials(
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
-    r = tl.arange(0, BR)
-    c = tl.arange(0, BD)
-    rmask, cmask = r < R, c < D
-    q = tl.load(q_ptr + s * R * D + r[:, None] * D + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)  # (BR, BD)
-    m = tl.full((BR,), float("-inf"), tl.float32)
-    l = tl.zeros((BR,), tl.float32)
-    acc = tl.zeros((BR, BD), tl.float32)
+    q, r, c, cmask, m, l, acc = stream_rows(q_ptr, s, R, D, BR, BD)
     t = tl.arange(0, TILE)
     for tile in range(split, tl.cdiv(K, TILE), SPLITS):
         j = tile * TILE + t  # (TILE,) positions in the stream's list
@@ -48,10 +42,7 @@ def _sparse_partials(
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # (TILE, BD)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         m, l, acc = _absorb(q, k, v, valid, m, l, acc, SOFTCAP, softcap)
-    out = (s * SPLITS + split) * BR
-    tl.store(m_out + out + r, m)
-    tl.store(l_out + out + r, l)
-    tl.store(acc_out + out * BD + r[:, None] * BD + c[None, :], acc)
+    store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR, BD, SPLITS)
 
 
 def sparse_decode_attention(
@@ -82,10 +73,4 @@ def sparse_decode_attention(
         q, float_k, float_v, slot_list, valid_list, slot_list.shape[1], m, l, acc, r, float(softcap or 0.0),
         D=d, BR=br, BD=bd, TILE=TILE, SPLITS=splits, SOFTCAP=bool(softcap),
     )
-    out = torch.empty((s, r, d), device=device, dtype=torch.float32)
-    sink = sink_logits.contiguous().float() if sink_logits is not None else torch.zeros(1, device=device)
-    _merge_partials[(s,)](
-        m, l, acc, q, new_k.contiguous().float(), new_v.contiguous().float(), sink, out, r, float(softcap or 0.0),
-        D=d, BR=br, BD=bd, SPLITS=splits, HAS_SINK=sink_logits is not None, SOFTCAP=bool(softcap),
-    )
-    return out
+    return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
