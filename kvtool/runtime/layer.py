@@ -588,9 +588,9 @@ class KvtoolLayer(CacheLayerMixin):
 
     def _kernel_encode_format(self, fmt):
         """The `BodyFormat` the Triton encode kernel writes for ``fmt`` under this backend, or None (torch encode)."""
-        if self.context.backend != "triton" or self.g != 1:
+        if self.context.backend != "triton" or self.g != 1:  # g == 1: fmt is the quantizer itself, not a LiftedFormat
             return None
-        return getattr(fmt, "kernel_encode_format", lambda: None)()
+        return fmt.kernel_encode_format()
 
     def _kernel_encode(self, part: str, fmt, kernel_format, x, ids, group) -> None:
         """Encode blocks x (N, bs, D) of one side by the Triton kernel, into body pool rows ids (N,)."""
