@@ -100,7 +100,7 @@ class CacheContext:
         """Positions (S, W) of float slots ``slot`` (S, W) of every stream of ``layer``."""
         store = layer.store
         if "pos" in store.layout.meta:
-            return store.float_flat("pos")[store.float_slot_ids(slot)].long()
+            return take_rows(store.float_flat("pos"), store.float_slot_ids(slot)).long()
         n_sink, body = store.lengths("n_sink")[:, None], store.lengths("body_len")[:, None] * store.bs
         return self._lookup(layer, torch.where(slot < n_sink, slot, slot + body))
 

@@ -32,8 +32,10 @@ from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose
 from kvtool.runtime.formats import lift_format
-from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend, attend_scored, chunk_tokens
-from kvtool.runtime.store import LayerStore, StoreLayout
+from kvtool.runtime.paged_attention import (
+    CHUNK_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
+)
+from kvtool.runtime.store import LayerStore, StoreLayout, take_rows
 
 SPECIAL, PUNCT = 1, 2  # bits of the FastGen token-class byte
 
@@ -101,6 +103,14 @@ def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) 
     mask = mask.expand(b, t, t)
     real = mask.diagonal(dim1=1, dim2=2)
     return mask, (None if bool(real.all()) else real)
+
+
+def _decoding_real_tokens(attention_mask: torch.Tensor | None) -> bool:
+    """A one-token forward whose new token is real in every sequence (no padding column at the end)."""
+    if attention_mask is None:
+        return True
+    last = attention_mask[:, 0, 0, -1]
+    return bool((last if last.dtype == torch.bool else last == 0).all())
 
 
 class KvtoolLayer(CacheLayerMixin):
@@ -205,7 +215,6 @@ class KvtoolLayer(CacheLayerMixin):
         b, hq, t, d = query.shape
         g, groups, G = self.g, self.groups, hq // self.heads
         s, r = b * groups, G * t
-        mask, real = new_token_mask(attention_mask, b, t, query.device)
         positions = self.context.positions(b, t, seen_before, query.device)  # (B, t)
         options = LayerOptions(
             scaling=scaling, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
@@ -215,6 +224,17 @@ class KvtoolLayer(CacheLayerMixin):
         scoring = policy is not None and policy.uses_attention and (t > 1 or policy.evicts_while_decoding)
         nk = new_k.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
         nv = new_v.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
+        if (
+            t == 1 and not self._empty() and not self._kernel_covers(1, scoring, options, None)
+            and self._stores_first(options, s * g * r) and _decoding_real_tokens(attention_mask)
+        ):  # a decode step that evicts and encodes nothing: store the token, then attend over the store alone
+            self._store_new(nk, nv, None, positions, None, 1)
+            q = (query.float() * scaling).reshape(s, g, r, d)
+            out, chunks = attend_stored(q, self._chunks(s, r, options), options, self._sink_logits(options.sinks, b, 1), scoring)
+            if scoring:
+                self._accumulate(Received(chunks=chunks))
+            return out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
+        mask, real = new_token_mask(attention_mask, b, t, query.device)
         received = None
         if self._empty() and not scoring and options.softcap is None and options.sinks is None:
             out = _sdpa(query, new_k, new_v, mask, scaling)
@@ -249,6 +269,24 @@ class KvtoolLayer(CacheLayerMixin):
             and self.g == 1 and (real is None or bool(real.all()))
         )
 
+    def _stores_first(self, options: LayerOptions, rows: int) -> bool:
+        """This decode step may write its token into the store before attending (`attend_stored`): no eviction
+        is due, no block is encoded, no sink is made, no sliding window or sparse read, and the logits of every
+        row over every held token stay under CHUNK_ELEMENTS. The result is the same attention; the new token is
+        read back from its storage dtype, as it is in every later step."""
+        policy, store = self.policy, self.store
+        if options.sliding_window or self._sparse_step(1, options):
+            return False
+        if policy is not None and policy.evicts_while_decoding and not (policy.budgeted and self._quiet_steps > 0):
+            return False  # the policy may cut this step: it chooses among stored and new tokens
+        if rows * (int(store.tokens().max()) + 1) > CHUNK_ELEMENTS:
+            return False
+        if store.layout.quantized:
+            empty = (store.float_len == store.n_sink) & (store.body_len == 0)
+            full = store.float_len - store.n_sink + 1 - store.layout.recent_tokens >= store.bs
+            return not bool((empty | full).any())
+        return True
+
     def _sparse_step(self, t: int, options: LayerOptions) -> bool:
         """This decode step reads only the best-scored summary groups (RocketKV's stage 2)."""
         return bool(self.store.layout.summary_tokens) and t == 1 and not options.sliding_window and self.store.float_pool.used > 0
@@ -278,8 +316,8 @@ class KvtoolLayer(CacheLayerMixin):
         read_tokens = 0
         for c0 in range(0, groups.shape[1], step):
             flat, valid = self._group_slots(groups, count, c0, min(groups.shape[1], c0 + step))  # (S, c) pool slots
-            k = store.float_flat("k")[flat].float().transpose(1, 2)  # (S, g, c, D)
-            v = store.float_flat("v")[flat].float().transpose(1, 2)
+            k = take_rows(store.float_flat("k"), flat).float().transpose(1, 2)  # (S, g, c, D)
+            v = take_rows(store.float_flat("v"), flat).float().transpose(1, 2)
             read_tokens += int(valid.sum())
             yield Chunk(
                 scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),

@@ -171,6 +171,37 @@ def attend(
     return state.result()
 
 
+def attend_stored(
+    q: torch.Tensor,  # (S, g, R, D) float32, scaled
+    chunks: Iterator[Chunk],
+    options: LayerOptions,
+    sink_logits: torch.Tensor | None = None,  # (S, g, R)
+    scored: bool = False,
+) -> tuple[torch.Tensor, list[tuple[str, int, torch.Tensor]] | None]:
+    """Attention of a decode step whose new token is already in the store: (S, g, R, D) float32, and with
+    ``scored`` the attention every stored slot received, summed over its stream's rows [(region, start, (S, C))].
+
+    One softmax over every chunk's logits at once (the caller makes sure they are few: S x g x R x tokens
+    held under CHUNK_ELEMENTS); no new-token piece, no running max: the short path of `attend`. Every row
+    sees at least its own token, so no row is empty.
+    """
+    pieces = [(chunk, _masked_logits(chunk, q, None, options)) for chunk in chunks]
+    logits = pieces[0][1] if len(pieces) == 1 else torch.cat([logits for _, logits in pieces], dim=-1)
+    if sink_logits is not None:  # a learned sink: one more softmax term, with no value
+        logits = torch.cat([logits, sink_logits[..., None]], dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    out, offset, received = None, 0, [] if scored else None
+    for chunk, piece in pieces:
+        width = piece.shape[-1]
+        p_chunk = p if len(pieces) == 1 and sink_logits is None else p[..., offset : offset + width]
+        values = chunk.values(p_chunk)
+        out = values if out is None else out + values
+        if scored:
+            received.append((chunk.region, chunk.start, p_chunk.sum(dim=(1, 2))))
+        offset += width
+    return out, received
+
+
 def attend_scored(
     q: torch.Tensor,
     new_k: torch.Tensor,

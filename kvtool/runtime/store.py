@@ -83,6 +83,13 @@ def _grow_columns(table: torch.Tensor, needed: int) -> torch.Tensor:
     return torch.cat([table, table.new_zeros(table.shape[0], width - table.shape[1])], dim=1)
 
 
+def take_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """t[ids] for integer ids of any shape over t's first dimension: (*ids.shape, *t.shape[1:]).
+
+    `torch.index_select` copies whole rows (several times faster on CPU than advanced indexing)."""
+    return torch.index_select(t, 0, ids.reshape(-1)).reshape(*ids.shape, *t.shape[1:])
+
+
 def _pairs(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row, j) for j < counts[row], row-major: the entries of a ragged (S, counts) array."""
     rows = np.repeat(np.arange(counts.shape[0]), counts)
@@ -207,7 +214,7 @@ class LayerStore:
         """{name: (S, nb * tokens per block, ...)} of block ids (S, nb), token order within blocks."""
         out = {}
         for name in names:
-            t = pool.tensors[name][ids]  # (S, nb, tokens, ...)
+            t = take_rows(pool.tensors[name], ids)  # (S, nb, tokens, ...)
             out[name] = t.reshape(ids.shape[0], -1, *t.shape[3:])
         return out
 
@@ -219,7 +226,7 @@ class LayerStore:
     def read_body(self, part: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: (S, nb, *shape)} of part ``k`` or ``v`` for block ids (S, nb)."""
         prefix = f"{part}."
-        return {name[2:]: t[ids] for name, t in self.body_pool.tensors.items() if name.startswith(prefix)}
+        return {name[2:]: take_rows(t, ids) for name, t in self.body_pool.tensors.items() if name.startswith(prefix)}
 
     def float_slot_ids(self, slots: torch.Tensor) -> torch.Tensor:
         """Flat float-pool ids of region slots (S, W) (garbage, but in range, past a stream's length)."""
@@ -232,7 +239,7 @@ class LayerStore:
         """{name: (S, width, ...)} from float slots [start[s], start[s] + width) of each stream."""
         slots = torch.from_numpy(start).to(self.device)[:, None] + torch.arange(width, device=self.device)
         ids = self.float_slot_ids(slots)
-        return {name: self.float_flat(name)[ids] for name in names}
+        return {name: take_rows(self.float_flat(name), ids) for name in names}
 
     # --- float region: writing ----------------------------------------------------------------------
     def _ensure_float_blocks(self, new_len: np.ndarray) -> None:
@@ -274,7 +281,7 @@ class LayerStore:
             target = block * self.fbs + slot % self.fbs
             for name, values in data.items():
                 flat = self.float_flat(name)
-                flat[target] = values[:, 0].to(flat.dtype)
+                flat.index_copy_(0, target, values[:, 0].to(flat.dtype))
             if self.layout.summary_tokens and not self._summaries_stale:
                 self._absorb_into_summaries(block, slot % self.fbs, data["k"][:, 0])
         elif total:
@@ -357,7 +364,7 @@ class LayerStore:
             return
         n = self.layout.summary_tokens
         ids = self.float_block_ids(0, width)  # (S, F)
-        k = self.float_pool.tensors["k"][ids].float()  # (S, F, fbs, g, D)
+        k = take_rows(self.float_pool.tensors["k"], ids).float()  # (S, F, fbs, g, D)
         k = k.reshape(*k.shape[:2], self.fbs // n, n, *k.shape[3:])  # (S, F, fbs / n, n, g, D)
         slots = torch.arange(width * self.fbs, device=self.device).reshape(width, self.fbs // n, n)
         valid = (slots[None] < self.lengths("float_len")[:, None, None, None])[..., None, None]  # (S, F, fbs/n, n, 1, 1)
@@ -375,7 +382,7 @@ class LayerStore:
         width = int(self.float_blocks().max()) if self.streams else 0
         ids = self.float_block_ids(0, width)  # (S, F)
         pool = self.float_pool.tensors
-        kmax, kmin = pool["kmax"][ids], pool["kmin"][ids]  # (S, F, fbs / n, g, D)
+        kmax, kmin = take_rows(pool["kmax"], ids), take_rows(pool["kmin"], ids)  # (S, F, fbs / n, g, D)
         return kmax.flatten(1, 2), kmin.flatten(1, 2)
 
     # --- appending ---------------------------------------------------------------------------------
@@ -487,7 +494,7 @@ class LayerStore:
         order = torch.sort((~keep_float).to(torch.int8), dim=1, stable=True).indices  # kept slots first, in order
         new_len = keep_float.sum(dim=1).cpu().numpy()
         ids = self.float_slot_ids(order)
-        data = {name: self.float_flat(name)[ids] for name in self.slot_names}
+        data = {name: take_rows(self.float_flat(name), ids) for name in self.slot_names}
         self.write_float(np.zeros_like(new_len), new_len, data)
         self._release_float_beyond(new_len)
 
