@@ -149,3 +149,11 @@ def test_calibration_measures_each_layer_at_its_width_and_the_artifact_keeps_the
     save_artifact(tmp_path / "m.safetensors", dataclasses.replace(artifacts["mixed"], kind="deployable"))
     runtime = CompressedRuntime.from_artifact(model, load_artifact(tmp_path / "m.safetensors"))
     assert runtime.recipe == mixed and runtime.recipe.for_layer(5).values.bits == 2
+
+
+def test_the_recipe_summary_names_the_overridden_layers():
+    from kvtool.recipe_summary import recipe_summary
+
+    summary = recipe_summary(recipe_from_dict(kivi(4, [{"layers": "0-1", "values": {"bits": 2}}])))
+    assert summary["values"] == "uniform 4-bit per token / 32 ch; layers [0, 1]: uniform 2-bit per token / 32 ch"
+    assert summary["keys"] == "uniform 4-bit per channel"
