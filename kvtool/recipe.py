@@ -515,6 +515,9 @@ class Recipe:
                  f"per-layer overrides need methods that learn nothing from calibration (uniform, fp8 with granularity "
                  f"block, turboquant, none), but the recipe has {', '.join(fitted)}, fitted per layer for one spec; "
                  "remove layer_overrides or use one of those methods")
+        listed = [i for o in self.layer_overrides for i in o.layers]
+        _require(len(listed) == len(set(listed)) and min(listed, default=0) >= 0, "layer_overrides",
+                 "every layer index must be >= 0 and appear in one entry only")
         for n, override in enumerate(self.layer_overrides):
             try:
                 layer = self._resolve(override)

@@ -157,3 +157,13 @@ def test_the_recipe_summary_names_the_overridden_layers():
     summary = recipe_summary(recipe_from_dict(kivi(4, [{"layers": "0-1", "values": {"bits": 2}}])))
     assert summary["values"] == "uniform 4-bit per token / 32 ch; layers [0, 1]: uniform 2-bit per token / 32 ch"
     assert summary["keys"] == "uniform 4-bit per channel"
+
+
+def test_overrides_built_in_code_are_validated_too():
+    from kvtool.recipe_layers import LayerOverride
+
+    twice = (LayerOverride((0, 1), keys=(("bits", 2),)), LayerOverride((1,), values=(("bits", 2),)))
+    with pytest.raises(RecipeError, match="one entry only"):
+        dataclasses.replace(load_recipe("kivi-4bit"), layer_overrides=twice)
+    with pytest.raises(RecipeError, match=r"layer_overrides\[0\].keys.bits"):
+        dataclasses.replace(load_recipe("kivi-4bit"), layer_overrides=(LayerOverride((0,), keys=(("bits", 16),)),))
