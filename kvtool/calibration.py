@@ -204,7 +204,7 @@ class QuantErrorStats:
     def _quantizers(self, layer: int) -> tuple:
         if layer not in self.quantizers:
             fitted = self.fitted[layer] if self.fitted else None
-            self.quantizers[layer] = build_quantizers(self.recipe, self.head_dim, fitted=fitted)
+            self.quantizers[layer] = build_quantizers(self.recipe.for_layer(layer), self.head_dim, fitted=fitted)
         return self.quantizers[layer]
 
     def observe(self, layer, keys_pre_rope, keys, values) -> None:

@@ -29,6 +29,8 @@ def plan(
     samples: Annotated[int, typer.Option(help="Windows the quality of each candidate is measured on.")] = 2,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per measurement window (half prefill, half decoded).")] = 256,
     calib_samples: Annotated[int, typer.Option(help="Calibration windows for candidates that learn from data (nuq, palu).")] = 4,
+    mix: Annotated[Optional[bool], typer.Option("--mix/--no-mix", help="Per-layer bit mixes between uniform candidates that differ only in bits (kivi-4bit and kivi-2bit): the least sensitive layers lowered first. Default: on when such candidates are listed; --mix requires them.")] = None,
+    mix_groups: Annotated[int, typer.Option("--mix-groups", help="Contiguous layer groups whose sensitivity to the lower width is measured (mixes lower 1 .. N-1 of them; costs 2N-2 measurements per pair).")] = 4,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
 ):
@@ -39,7 +41,7 @@ def plan(
     report = run_plan(
         model, out_dir, context=context, batch=batch, budget_gb=budget_gb, target_ratio=target_ratio,
         max_ppl_delta=max_ppl_delta, data=data, recipes=recipe, samples=samples, seq_len=seq_len,
-        calib_samples=calib_samples, load=_load_options(dtype, device, None),
+        calib_samples=calib_samples, mix=mix, mix_groups=mix_groups, load=_load_options(dtype, device, None),
         log=lambda msg: err_console.print(f"[cyan]>[/] {msg}"),
     )
     table = Table("recipe", "predicted cache", "bits/elem", "ppl delta % (search)", "fits", title=(
@@ -56,6 +58,11 @@ def plan(
         f"(baseline {check['baseline_ppl']:.3f}); cache after {check['context']} tokens: "
         f"{check['measured_bytes']} bytes held (at most {check['most_bytes_held']} on the way) vs {check['predicted_bytes']} predicted"
     )
+    for entry in report["mixes"]:
+        console.print(
+            f"mixes {entry['high']} / {entry['low']}: perplexity delta added by each layer group at the low width: "
+            + ", ".join(f"layers {g[0]}-{g[-1]}: {d:+.2f}%" for g, d in zip(entry["groups"], entry["added_delta_pct"]))
+        )
     for name, path in report["files"].items():
         console.print(f"wrote {name}: {path}")
 

@@ -12,6 +12,10 @@ For every candidate recipe (the bundled ones by default) the plan
 2. **measures the quality**: perplexity through the real runtime on a few windows of the
    first half of ``data`` (recipes that learn from data, nuq and palu, are calibrated on
    that half first), as a delta against the uncompressed cache on the same windows;
+   **per-layer bit mixes** (`kvtool.plan_mix`, on by default when two uniform candidates differ
+   only in their widths, kivi-4bit and kivi-2bit): the sensitivity of groups of layers to the
+   lower width is measured, and mixes lowering the least sensitive groups first join the
+   candidates (``{high}+{n}x{bits}bit``: n layers at the low width, written as ``layer_overrides``);
 3. keeps the candidates that fit (``budget_bytes``, or ``fp16 bytes / target_ratio``) and, when
    ``max_ppl_delta`` is given, whose delta is at most that; chooses the one with the best
    measured delta (ties: fewer bytes);
@@ -20,8 +24,9 @@ For every candidate recipe (the bundled ones by default) the plan
    the rest (and the most it held on the way), against the prediction for that length.
 
 Not planned (a clear error names the reason, `plan_bytes.unpredictable_reason`): FastGen and
-CAKE, whose kept tokens depend on the text, budgets from a profile, AdaKV on quantized blocks;
-and per-layer mixes (bits per layer): the search is over whole recipes.
+CAKE, whose kept tokens depend on the text, budgets from a profile, AdaKV on quantized blocks.
+Per-layer mixes are searched for uniform quantization only (methods that learn from data are
+fitted per layer for one spec and refuse ``layer_overrides``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from kvtool.calibration import needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.plan_bytes import check_predictable, fp16_cache_bytes, predict_cache_bytes, unpredictable_reason
+from kvtool.plan_mix import greedy_mixes, layer_groups, lowered, mix_pairs
 from kvtool.recipe import Recipe, bundled_recipe_dir, load_recipe
 
 def default_candidates() -> list[str]:
@@ -85,6 +91,8 @@ def plan(
     samples: int = 2,
     seq_len: int = 256,
     calib_samples: int = 4,
+    mix: bool | None = None,
+    mix_groups: int = 4,
     batch_size: int = 4,
     load=None,
     progress=None,
@@ -115,6 +123,14 @@ def plan(
     resolved = [load_recipe(name) for name in names]  # bad names fail before the model loads
     for recipe in resolved:
         check_predictable(recipe)
+    pairs = mix_pairs(resolved) if mix is not False else []
+    if mix and not pairs:
+        raise RuntimeConfigError(
+            "--mix needs two uniform candidates that differ only in their bits (say kivi-2bit and kivi-4bit); "
+            "add them with --recipe, or leave --mix out"
+        )
+    if mix_groups < 2:
+        raise RuntimeConfigError(f"--mix-groups must be >= 2 (layer groups whose sensitivity is measured), got {mix_groups}")
     hf_model, tokenizer = api._load(model, load or api.LoadOptions())
     adapter = adapter_for(hf_model)
     adapter_context = min(seq_len, adapter.geometry.max_positions)
@@ -130,14 +146,28 @@ def plan(
 
     baseline = CompressedRuntime.from_recipe(hf_model, uncompressed_recipe())
     base_search, base_check = ppl(baseline, search), ppl(baseline, held_out)
-    rows, runtimes = [], {}
-    for recipe in resolved:
+    runtimes = {}
+
+    def measure(recipe: Recipe) -> Candidate:
         log(f"measuring {recipe.name}")
         runtime = _runtime(hf_model, tokenizer, recipe, search_data, calib_samples, adapter_context, batch_size)
         predicted = predict_cache_bytes(runtime, context, batch)
         delta = 100 * (ppl(runtime, search) / base_search - 1)
-        rows.append(Candidate(recipe.name, predicted, 16 * predicted / fp16, delta, predicted <= budget))
         runtimes[recipe.name] = runtime
+        measured[recipe.name] = Candidate(recipe.name, predicted, 16 * predicted / fp16, delta, predicted <= budget)
+        return measured[recipe.name]
+
+    def alias(probe: str, recipe: Recipe) -> Candidate:  # a probe that is also a mix: measured once
+        runtimes[recipe.name] = dataclasses.replace(runtimes[probe], recipe=recipe)
+        return dataclasses.replace(measured[probe], recipe=recipe.name)
+
+    measured = {}
+    rows = [measure(recipe) for recipe in resolved]
+    mixes = []
+    for high, low in pairs:
+        found, report_entry = _mix(high, low, adapter.geometry.num_layers, mix_groups, measure, alias, rows)
+        rows += found
+        mixes.append(report_entry)
     allowed = [c for c in rows if c.fits and (max_ppl_delta is None or c.ppl_delta_pct <= max_ppl_delta)]
     if not allowed:
         smallest = min(rows, key=lambda c: c.predicted_bytes)
@@ -162,7 +192,7 @@ def plan(
         "context": context, "batch": batch, "budget_bytes": int(budget), "fp16_cache_bytes": fp16,
         "max_ppl_delta": max_ppl_delta, "data": {"search": search_data.describe(), "check": check_data.describe()},
         "search": {"windows": samples, "seq_len": adapter_context, "baseline_ppl": base_search},
-        "chosen": best.recipe, "candidates": [c.to_dict() for c in rows], "check": check,
+        "chosen": best.recipe, "candidates": [c.to_dict() for c in rows], "check": check, "mixes": mixes,
         "files": {"recipe": str(out / "plan.yaml"), "json": str(out / "plan.json"), "plot": str(out / "pareto.png")},
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -171,6 +201,25 @@ def plan(
     plot_pareto(rows, budget, out / "pareto.png", f"{Path(report['model']).name}: context {context} x batch {batch}")
     write_json_atomic(out / "plan.json", report)
     return report
+
+
+def _mix(high: Recipe, low: Recipe, num_layers: int, groups: int, measure, alias, rows: list[Candidate]) -> tuple[list[Candidate], dict]:
+    """Per-layer bit mixes between ``high`` and ``low`` (`kvtool.plan_mix`): the measured mixes, and a report entry.
+
+    measure(recipe) -> Candidate; alias(probe name, recipe) -> Candidate: a probe measured already, renamed."""
+    parts = layer_groups(num_layers, groups)
+    entry = {"high": high.name, "low": low.name, "groups": [list(p) for p in parts], "added_delta_pct": [], "mixes": {}}
+    if len(parts) < 2:
+        return [], entry
+    high_delta = next(c.ppl_delta_pct for c in rows if c.recipe == high.name)
+    probes = {part: lowered(high, low, list(part), name=f"probe:{high.name}+layers{part[0]}-{part[-1]}") for part in parts}
+    entry["added_delta_pct"] = [measure(probes[part]).ppl_delta_pct - high_delta for part in parts]
+    found = []
+    for recipe in greedy_mixes(high, low, parts, entry["added_delta_pct"]):
+        layers = recipe.layer_overrides[0].layers
+        found.append(alias(probes[layers].name, recipe) if layers in probes else measure(recipe))
+        entry["mixes"][recipe.name] = list(layers)
+    return found, entry
 
 
 def bytes_while_decoding(runtime, ids: torch.Tensor, prefill: int) -> tuple[int, int]:

@@ -64,6 +64,8 @@ def unpredictable_reason(recipe: Recipe) -> str | None:
                 "its larger cascade shares until the first decoded token, so the bytes depend on the text")
     if spec.layer_budgets == "profile":
         return "its per-layer budgets come from a `kvtool profile` run, which the plan does not take (use uniform or pyramid)"
+    if spec.head_budgets == "adaptive" and any(_quantized(recipe.for_layer(o.layers[0])) for o in recipe.layer_overrides):
+        return "AdaKV shares each sequence's budget unevenly among its heads; with quantized layers (layer_overrides) the bytes are not bounded tightly"
     if spec.head_budgets == "adaptive" and _quantized(recipe):
         return ("AdaKV shares each sequence's budget unevenly among its heads, and on quantized blocks the bytes of an "
                 "uneven split are not bounded tightly (use head_budgets: uniform)")
@@ -136,7 +138,8 @@ def _evicting_sequence_bytes(recipe: Recipe, store: LayerStore, budget: int, con
 def predict_layer_bytes(runtime, context: int, batch: int, dtype: torch.dtype | None = None) -> list[int]:
     """Per layer, the bytes its store and lengths hold at ``context`` tokens of ``batch`` unpadded sequences.
 
-    Recipes that evict: the worst case between two cuts (module docstring). runtime: a
+    Recipes that evict: the worst case between two cuts (module docstring). Each layer is predicted with
+    its own resolved recipe (`Recipe.for_layer`: ``layer_overrides`` applied). runtime: a
     `CompressedRuntime` (its recipe, fitted tensors, eviction policy and budget rule); dtype: the
     K/V dtype the model produces (default: the model's parameter dtype).
     """
@@ -148,16 +151,17 @@ def predict_layer_bytes(runtime, context: int, batch: int, dtype: torch.dtype | 
     windows = tuple(geometry.sliding_windows)
     out = []
     for index, fitted in enumerate(runtime.layer_tensors):
+        layer = recipe.for_layer(index)  # its layer_overrides applied
         window = windows[index] if index < len(windows) and policy is None else None
-        rule = SlidingWindowRule(window, recipe.cache.block_size if _quantized(recipe) else 0) if window else None
-        store = _empty_store(recipe, fitted, geometry, store_dtype, policy or rule)
+        rule = SlidingWindowRule(window, layer.cache.block_size if _quantized(layer) else 0) if window else None
+        store = _empty_store(layer, fitted, geometry, store_dtype, policy or rule)
         per_sequence = geometry.num_kv_heads // store.layout.heads_per_stream  # streams of one sequence
         if policy is not None:
             budget = int(budget_rule(index, torch.tensor([context]))[0])
-            total = batch * _evicting_sequence_bytes(recipe, store, budget, context, per_sequence)
+            total = batch * _evicting_sequence_bytes(layer, store, budget, context, per_sequence)
         else:
             tokens = window if rule is not None and context > rule.limit else context  # past the limit: the window
-            total = batch * per_sequence * _kept_bytes(recipe, store, tokens)
+            total = batch * per_sequence * _kept_bytes(layer, store, tokens)
         streams = batch * per_sequence
         total += streams * 3 * LENGTH_BYTES + (batch + streams) * LENGTH_BYTES  # store lengths, layer lengths
         out.append(total)

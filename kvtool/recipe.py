@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import RecipeError
+from kvtool.recipe_layers import LayerOverride, parse_overrides
 
 QUANT_METHODS = ("none", "uniform", "nuq", "palu", "fp8", "int_static", "turboquant")
 CODEBOOKS = ("fisher-kmeans", "kmeans", "uniform", "nf")
@@ -225,6 +226,11 @@ class QuantSpec:
         if method == "turboquant":
             _require(not self.pre_rope, f"{p}.pre_rope", "turboquant rotates keys after RoPE: remove pre_rope")
             _require(not (self.qjl and self.bits < 2), f"{p}.bits", "QJL takes one of the bits: needs bits >= 2")
+
+    @property
+    def learns_from_data(self) -> bool:
+        """True when `kvtool calibrate` fits this spec per layer (nuq codebooks, Palu bases, static scales)."""
+        return self.method in ("nuq", "palu") or self.is_static
 
     @property
     def is_static(self) -> bool:
@@ -486,9 +492,12 @@ class Recipe:
     eviction: EvictionSpec = field(default_factory=EvictionSpec)
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
     sparse_attention: SparseAttentionSpec = field(default_factory=SparseAttentionSpec)
+    layer_overrides: tuple[LayerOverride, ...] = ()  # per-layer keys/values fields (`kvtool.recipe_layers`)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and self.name.strip() != "", "name", "must be a non-empty string")
+        if self.layer_overrides:
+            self._check_overrides()
         if self.sparse_attention.enabled:
             p = "sparse_attention.method"
             _require(not (self.quantizes or self.keys.pre_rope), p,
@@ -497,6 +506,42 @@ class Recipe:
             _require(self.eviction.policy in DECODE_UNSCORED, p,
                      f"eviction policy '{self.eviction.policy}' scores tokens by the attention of every decode step, which "
                      f"a step reading only some blocks cannot give; use one of {list(DECODE_UNSCORED)}")
+
+    def _check_overrides(self) -> None:
+        """Every override resolves to a valid recipe, and nothing in the recipe is fitted per layer."""
+        fitted = [f"{part}.method {spec.method}" for part, spec in (("keys", self.keys), ("values", self.values))
+                  if spec.learns_from_data]
+        _require(not fitted, "layer_overrides",
+                 f"per-layer overrides need methods that learn nothing from calibration (uniform, fp8 with granularity "
+                 f"block, turboquant, none), but the recipe has {', '.join(fitted)}, fitted per layer for one spec; "
+                 "remove layer_overrides or use one of those methods")
+        listed = [i for o in self.layer_overrides for i in o.layers]
+        _require(len(listed) == len(set(listed)) and min(listed, default=0) >= 0, "layer_overrides",
+                 "every layer index must be >= 0 and appear in one entry only")
+        for n, override in enumerate(self.layer_overrides):
+            try:
+                layer = self._resolve(override)
+            except RecipeError as exc:
+                raise RecipeError(str(exc).replace("recipe field '", f"recipe field 'layer_overrides[{n}].", 1)) from None
+            for part in ("keys", "values"):
+                spec = getattr(layer, part)
+                _require(not spec.learns_from_data, f"layer_overrides[{n}].{part}.method",
+                         f"'{spec.method}' (granularity {spec.granularity}) learns from calibration data; per-layer "
+                         "overrides take uniform, fp8 with granularity block, turboquant or none")
+
+    def _resolve(self, override: LayerOverride) -> "Recipe":
+        keys = dataclasses.replace(self.keys, **override.fields("keys"))
+        values = dataclasses.replace(self.values, **override.fields("values"))
+        return dataclasses.replace(self, keys=keys, values=values, layer_overrides=())
+
+    def for_layer(self, index: int) -> "Recipe":
+        """The recipe layer ``index`` stores with: its override applied, no overrides left (``self`` when none)."""
+        if not self.layer_overrides:
+            return self
+        for override in self.layer_overrides:
+            if index in override.layers:
+                return self._resolve(override)
+        return dataclasses.replace(self, layer_overrides=())
 
     @property
     def is_noop(self) -> bool:
@@ -518,10 +563,13 @@ class Recipe:
         out = dataclasses.asdict(self)
         for part in ("keys", "values"):
             out[part].pop("path", None)
+        out.pop("layer_overrides")
+        if self.layer_overrides:  # absent when empty: recipes without overrides keep their old form
+            out["layer_overrides"] = [o.to_dict() for o in self.layer_overrides]
         return out
 
     def with_bits(self, bits: int) -> "Recipe":
-        """Same recipe at another code width for keys and values (16 = no compression)."""
+        """Same recipe at another code width for keys and values (16 = no compression), every layer (no overrides)."""
 
         def change(spec: QuantSpec) -> QuantSpec:
             if bits == 16:
@@ -530,14 +578,15 @@ class Recipe:
                                            outlier_channel_fraction=0.0, qjl=False)
             return dataclasses.replace(spec, method="uniform" if spec.method == "none" else spec.method, bits=bits)
 
-        return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=change(self.keys), values=change(self.values))
+        return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=change(self.keys), values=change(self.values),
+                                   layer_overrides=())
 
 
 _SECTIONS = {
     "keys": QuantSpec, "values": QuantSpec, "cache": CacheSpec, "eviction": EvictionSpec, "calibration": CalibrationSpec,
     "sparse_attention": SparseAttentionSpec,
 }
-_TOP_LEVEL = {"name", "description", *_SECTIONS}
+_TOP_LEVEL = {"name", "description", "layer_overrides", *_SECTIONS}
 
 
 def _allowed(cls: type) -> set[str]:
@@ -591,6 +640,8 @@ def recipe_from_dict(raw: Any) -> Recipe:
     for name, cls in _SECTIONS.items():
         if name in raw:
             kwargs[name] = _build_section(name, cls, raw[name])
+    if raw.get("layer_overrides") is not None:
+        kwargs["layer_overrides"] = parse_overrides(raw["layer_overrides"])
     return Recipe(**kwargs)
 
 

@@ -87,8 +87,17 @@ def recipe_summary(recipe: Recipe) -> dict[str, str]:
     if recipe.sparse_attention.enabled:
         eviction += f"; sparse attention {sparse_summary(recipe)}"
     return {
-        "keys": tensor_summary(recipe.keys),
-        "values": tensor_summary(recipe.values),
+        "keys": _with_overrides(recipe, "keys"),
+        "values": _with_overrides(recipe, "values"),
         "float window": window_summary(recipe),
         "eviction": eviction,
     }
+
+
+def _with_overrides(recipe: Recipe, part: str) -> str:
+    """'uniform 4-bit per channel; layers [0, 1]: uniform 2-bit per channel' (``layer_overrides`` of that part)."""
+    text = tensor_summary(getattr(recipe, part))
+    for override in recipe.layer_overrides:
+        if getattr(override, part):
+            text += f"; layers {list(override.layers)}: {tensor_summary(getattr(recipe.for_layer(override.layers[0]), part))}"
+    return text

@@ -198,7 +198,8 @@ def test_plan_chooses_the_best_fitting_recipe_and_checks_it(kvref, tmp_path):
     model = str(shared_path("models/kvref-5m"))
     recipes = ["kivi-2bit", "kivi-4bit", "int8", "uncompressed"]
     report = plan(model, tmp_path / "p", context=512, batch=2, target_ratio=2.0, data=data(), recipes=recipes,
-                  samples=1, seq_len=96)
+                  samples=1, seq_len=96, mix=False)  # mixes: test_plan_mixes_bits_per_layer_...
+    assert report["mixes"] == []
     fp16 = report["fp16_cache_bytes"]
     rows = {c["recipe"]: c for c in report["candidates"]}
     assert not rows["uncompressed"]["fits"] and not rows["int8"]["fits"]  # int8 is ~1.5x smaller at 512 tokens (float window), not 2x
@@ -213,4 +214,54 @@ def test_plan_chooses_the_best_fitting_recipe_and_checks_it(kvref, tmp_path):
     assert json.loads((tmp_path / "p/plan.json").read_text())["chosen"] == report["chosen"]
     with pytest.raises(RecipeError, match="no candidate fits"):
         plan(model, tmp_path / "q", context=512, batch=2, target_ratio=100.0, data=data(), recipes=recipes[:2],
-             samples=1, seq_len=96)
+             samples=1, seq_len=96, mix=False)
+
+
+def test_plan_mixes_bits_per_layer_between_two_widths_and_writes_recipes_that_run(kvref, tmp_path):
+    """kivi-4bit does not fit, kivi-2bit does: the mixes lie strictly between them in bytes, lower the least
+    sensitive layers first (each mix contains the previous one), the best fitting candidate is chosen and every
+    mix, written as YAML (plan.yaml's form), loads and holds the bytes predicted for it. (On kvref-5m 2-bit
+    keys and values cost about as much perplexity as the windows' noise, so which candidate wins is not tested.)"""
+    from kvtool.plan_mix import lowered
+    from kvtool.recipe import dump_recipe
+
+    model, _ = kvref
+    context, batch = 512, 1
+    four = predict_cache_bytes(CompressedRuntime.from_recipe(model, load_recipe("kivi-4bit")), context, batch)
+    report = plan(str(shared_path("models/kvref-5m")), tmp_path / "p", context=context, batch=batch,
+                  budget_gb=0.999 * four / 1e9, data=data(), recipes=["kivi-2bit", "kivi-4bit"], samples=1, seq_len=256)
+    rows = {c["recipe"]: c for c in report["candidates"]}
+    mixes = report["mixes"][0]
+    assert (mixes["high"], mixes["low"]) == ("kivi-4bit", "kivi-2bit") and len(mixes["groups"]) == 4
+    names = list(mixes["mixes"])
+    assert names == [n for n in rows if n.startswith("kivi-4bit+")] and len(names) == 3
+    sizes = [rows[n]["predicted_bytes"] for n in names]
+    assert rows["kivi-2bit"]["predicted_bytes"] < min(sizes) and max(sizes) < rows["kivi-4bit"]["predicted_bytes"]
+    assert sizes == sorted(sizes, reverse=True)  # each mix lowers more layers
+    layers = [set(mixes["mixes"][n]) for n in names]
+    assert all(a < b for a, b in zip(layers, layers[1:]))
+    assert not rows["kivi-4bit"]["fits"] and all(rows[n]["fits"] for n in names)
+    best = min((c for c in report["candidates"] if c["fits"]), key=lambda c: c["ppl_delta_pct"])
+    assert report["chosen"] == best["recipe"] and load_recipe(tmp_path / "p/plan.yaml").name == best["recipe"]
+    high, low = load_recipe("kivi-4bit"), load_recipe("kivi-2bit")
+    for name in names:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(dump_recipe(lowered(high, low, mixes["mixes"][name])))
+        runtime = CompressedRuntime.from_recipe(model, load_recipe(path))
+        assert runtime.recipe.name == name and predict_cache_bytes(runtime, context, batch) == rows[name]["predicted_bytes"]
+        held = held_bytes(runtime, 300, 1)
+        assert abs(predict_cache_bytes(runtime, 300, 1) - held) <= 0.02 * held
+    check = report["check"]
+    assert abs(check["predicted_bytes"] - check["measured_bytes"]) <= 0.02 * check["measured_bytes"]
+    with pytest.raises(RuntimeConfigError, match="--mix needs two uniform candidates"):
+        plan(None, tmp_path / "r", context=64, budget_gb=1.0, data=data(), recipes=["kivi-4bit", "snapkv"], mix=True)
+
+
+def test_mixes_pair_adjacent_widths_of_one_family_only():
+    from kvtool.plan_mix import layer_groups, mix_pairs
+
+    recipes = [load_recipe(n) for n in ("int8", "kivi-2bit", "snapkv", "kivi-4bit", "turboquant-3bit", "palu-30")]
+    assert [(h.name, l.name) for h, l in mix_pairs(recipes)] == [("int8", "kivi-4bit"), ("kivi-4bit", "kivi-2bit")]
+    other = dataclasses.replace(load_recipe("kivi-2bit"), cache=dataclasses.replace(load_recipe("kivi-2bit").cache, recent_tokens=32))
+    assert mix_pairs([load_recipe("kivi-4bit"), other]) == []  # another float window: not one family
+    assert layer_groups(6, 4) == [(0, 1), (2, 3), (4,), (5,)] and layer_groups(2, 4) == [(0,), (1,)]

@@ -22,6 +22,7 @@ from kvtool.calibration import build_quantizers, needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.adapter import ModelAdapter, adapter_for
 from kvtool.recipe import EvictionSpec, Recipe, recipe_from_dict
+from kvtool.recipe_layers import check_layer_count
 from kvtool.methods.budget.pyramid import layer_budgets
 from kvtool.methods.evict.base import EvictionPolicy, policy_class
 from kvtool.methods.evict.fastgen import choose_policies
@@ -69,14 +70,23 @@ class CompressedRuntime:
                 "run `kvtool calibrate` and `kvtool export`, then pass the artifact (--artifact)"
             )
         tensors = layer_tensors or [{} for _ in range(geometry.num_layers)]
-        quantizers = build_quantizers(recipe, geometry.head_dim, fitted=tensors[0])  # fails early if the recipe cannot fit
-        if recipe.evicts and any(q.heads_per_block != 1 for q in quantizers):
-            raise RecipeError(
-                f"recipe '{recipe.name}': eviction keeps different tokens per KV head, but palu group_heads > 1 stores "
-                "one latent for a group of heads; use group_heads: 1 with eviction"
-            )
+        check_layer_count(recipe, geometry.num_layers)
+        # one recipe per distinct per-layer override (layer_overrides), each checked as the whole recipe would be
+        layer_recipes: dict[Recipe, int] = {}  # resolved recipe -> its first layer
+        for index in range(geometry.num_layers):
+            layer_recipes.setdefault(recipe.for_layer(index), index)
         ropes = RopeTable.from_adapter(adapter).ropes if recipe.keys.pre_rope else ()  # the kernel rotates pre-RoPE keys
-        resolved = resolve_backend(backend, next(model.parameters()).device, recipe, quantizers, ropes)
+        device = next(model.parameters()).device
+        backends = set()
+        for layer_recipe, index in layer_recipes.items():
+            quantizers = build_quantizers(layer_recipe, geometry.head_dim, fitted=tensors[index])  # fails early if it cannot fit
+            if recipe.evicts and any(q.heads_per_block != 1 for q in quantizers):
+                raise RecipeError(
+                    f"recipe '{recipe.name}': eviction keeps different tokens per KV head, but palu group_heads > 1 stores "
+                    "one latent for a group of heads; use group_heads: 1 with eviction"
+                )
+            backends.add(resolve_backend(backend, device, layer_recipe, quantizers, ropes))
+        resolved = "torch" if "torch" in backends else backends.pop()  # the kernel only when it reads every layer
         runtime = cls(model=model, adapter=adapter, recipe=recipe, layer_tensors=tensors, profile=profile, backend=resolved)
         if recipe.evicts:
             runtime._eviction_parts()  # fails early on a missing or mismatched profile
@@ -111,7 +121,8 @@ class CompressedRuntime:
             backend=self.backend,
             shared_formats=self.formats,
         )
-        return KvtoolCache([LayerPlan(self.recipe, fitted) for fitted in self.layer_tensors], context)
+        plans = [LayerPlan(self.recipe.for_layer(i), fitted) for i, fitted in enumerate(self.layer_tensors)]
+        return KvtoolCache(plans, context, self.recipe)
 
     def check_context(self, tokens: int, fix: str = "lower --seq-len") -> None:
         """Refuse contexts beyond the model's position limit; ``fix`` names the option to lower."""

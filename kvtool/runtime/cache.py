@@ -133,9 +133,10 @@ class CacheContext:
 class KvtoolCache(Cache):
     """A `transformers.Cache` of `KvtoolLayer`s; build it with `CompressedRuntime.new_cache()`."""
 
-    def __init__(self, plans: list[LayerPlan], context: CacheContext) -> None:
+    def __init__(self, plans: list[LayerPlan], context: CacheContext, recipe=None) -> None:
         super().__init__(layers=[KvtoolLayer(i, plan, context) for i, plan in enumerate(plans)])
-        self.recipe, self.context = plans[0].recipe, context
+        # the runtime's recipe (layer_overrides included); each layer stores with its plan's resolved one
+        self.recipe, self.context = recipe or plans[0].recipe, context
         self.plans = plans
 
     @property

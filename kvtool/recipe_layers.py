@@ -1,0 +1,121 @@
+"""Per-layer overrides of a recipe: some layers store keys or values at another code width or method.
+
+A recipe's optional ``layer_overrides`` section lists entries; each names layers and the
+``keys`` / ``values`` fields that differ there (``method``, ``bits``, ``group_size``)::
+
+    layer_overrides:
+      - {layers: "0-3", keys: {bits: 2}, values: {bits: 2}}   # layers 0, 1, 2 and 3
+      - {layers: [10, 12], values: {method: none}}            # float values in layers 10 and 12
+
+Layers not listed use the recipe's own ``keys`` / ``values``. `Recipe.for_layer(i)` resolves
+layer i; the runtime builds each layer's store from it and `kvtool plan` predicts each layer's
+bytes from it (its per-layer bit mixes are written this way). Only methods that learn nothing
+from calibration can be mixed (uniform, fp8 with per-block scales, TurboQuant, none): the
+others are fitted per layer for one spec, so a recipe that fits anything refuses overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtool.errors import RecipeError
+
+OVERRIDABLE = ("method", "bits", "group_size")  # QuantSpec fields an override may change
+ENTRY_FIELDS = ("layers", "keys", "values")
+
+
+def _fail(path: str, message: str) -> None:
+    raise RecipeError(f"recipe field '{path}': {message}")
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    """Layers (sorted indices) whose keys / values fields differ: ``(("bits", 2), ...)`` per part."""
+
+    layers: tuple[int, ...]
+    keys: tuple[tuple[str, Any], ...] = ()
+    values: tuple[tuple[str, Any], ...] = ()
+
+    def fields(self, part: str) -> dict[str, Any]:
+        return dict(getattr(self, part))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layers": list(self.layers)}
+        for part in ("keys", "values"):
+            if getattr(self, part):
+                out[part] = self.fields(part)
+        return out
+
+
+def parse_layers(raw: Any, path: str) -> tuple[int, ...]:
+    """Sorted distinct layer indices from an int, ``"a-b"`` (inclusive), or a list of either."""
+    items = raw if isinstance(raw, list) else [raw]
+    if not items:
+        _fail(path, "lists no layer; give indices like [0, 1] or a range like \"0-5\"")
+    out: list[int] = []
+    for item in items:
+        if isinstance(item, int) and not isinstance(item, bool):
+            if item < 0:
+                _fail(path, f"{item} is not a layer index (indices start at 0)")
+            out.append(item)
+            continue
+        parts = item.split("-") if isinstance(item, str) else []
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            _fail(path, f"{item!r} is not a layer index or a range like \"0-5\"")
+        lo, hi = int(parts[0]), int(parts[1])
+        if lo > hi:
+            _fail(path, f"range {item!r} runs backwards; write \"{hi}-{lo}\"")
+        out.extend(range(lo, hi + 1))
+    if len(set(out)) != len(out):
+        twice = sorted({i for i in out if out.count(i) > 1})
+        _fail(path, f"layers {twice} are listed twice")
+    return tuple(sorted(out))
+
+
+def parse_overrides(raw: Any) -> tuple[LayerOverride, ...]:
+    """The ``layer_overrides`` section (a list of mappings) -> LayerOverrides; no layer in two entries."""
+    if not isinstance(raw, list):
+        _fail("layer_overrides", f"expected a list of {{layers, keys, values}} entries, got {type(raw).__name__}")
+    out, seen = [], {}
+    for n, entry in enumerate(raw):
+        path = f"layer_overrides[{n}]"
+        if not isinstance(entry, dict):
+            _fail(path, f"expected a mapping with {list(ENTRY_FIELDS)}, got {type(entry).__name__}")
+        unknown = sorted(map(str, set(entry) - set(ENTRY_FIELDS)))
+        if unknown:
+            raise RecipeError(f"recipe field '{path}.{unknown[0]}' is unknown; an entry has {list(ENTRY_FIELDS)}")
+        if "layers" not in entry:
+            raise RecipeError(f"recipe field '{path}.layers' is missing: name the layers the entry changes")
+        layers = parse_layers(entry["layers"], f"{path}.layers")
+        for index in layers:
+            if index in seen:
+                _fail(f"{path}.layers", f"layer {index} is already overridden by layer_overrides[{seen[index]}]")
+            seen[index] = n
+        parts = {part: _parse_fields(entry.get(part, {}), f"{path}.{part}") for part in ("keys", "values")}
+        if not parts["keys"] and not parts["values"]:
+            _fail(path, "changes nothing: give keys: {...} and/or values: {...}")
+        out.append(LayerOverride(layers, **parts))
+    return tuple(out)
+
+
+def _parse_fields(raw: Any, path: str) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(raw, dict):
+        _fail(path, f"expected a mapping of {list(OVERRIDABLE)}, got {type(raw).__name__}")
+    for name in raw:
+        if name not in OVERRIDABLE:
+            _fail(f"{path}.{name}", f"cannot be set per layer; an override may set {list(OVERRIDABLE)}")
+    fields = dict(raw)
+    if fields.get("method") == "none":
+        fields.setdefault("bits", 16)
+    return tuple((name, fields[name]) for name in OVERRIDABLE if name in fields)
+
+
+def check_layer_count(recipe, num_layers: int) -> None:
+    """RecipeError when an override names a layer the model does not have."""
+    beyond = sorted(i for o in recipe.layer_overrides for i in o.layers if i >= num_layers)
+    if beyond:
+        raise RecipeError(
+            f"recipe '{recipe.name}': layer_overrides name layers {beyond}, but the model has {num_layers} layers "
+            f"(0-{num_layers - 1}); remove them or use the recipe with a deeper model"
+        )
