@@ -439,3 +439,27 @@ def test_full_fp16_range_block_decodes_finite():
     x[..., 0, :] = -65504.0
     x[..., 1, :] = 65504.0
     assert torch.isfinite(uniform(4, "channel", head_dim=32).roundtrip(x)).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_uniform_many_row_forwards_equal_the_folded_algebra(bits, axis):
+    """Forwards with more query rows than a block has tokens (prefill) scale the keys / values once instead of
+    folding the scales into every row; both give the same scores and outputs (rows split into small groups take
+    the folded path)."""
+    spec = QuantSpec(method="uniform", bits=bits, axis=axis, group_size=32, path="keys" if axis == "channel" else "values")
+    quantizer = quantizer_class("uniform")(spec, D, S, torch.float16)
+    x = torch.randn(3 * 5, 1, S, D) * torch.linspace(0.2, 4.0, D)  # 3 streams x 5 blocks
+    group = torch.zeros(3 * 5, dtype=torch.long)
+    blocks = {name: t.reshape(3, 5, *t.shape[1:]) for name, t in quantizer.encode_blocks(x, group).items()}
+    streams = torch.zeros(3, dtype=torch.long)
+    rows = 4 * D + 3  # more rows than S and than D: both many-row branches
+    query = torch.randn(3, 1, rows, D)
+    probs = torch.softmax(torch.randn(3, 1, rows, 5 * S), dim=-1)
+    pieces = range(0, rows, 8)  # 8 rows at a time: the folded path
+    if axis == "channel":
+        folded = torch.cat([quantizer.chunk_scores(query[:, :, r : r + 8], blocks, streams) for r in pieces], dim=2)
+        scale = float(folded.abs().max())  # the folded path telescopes raw values: float32 cancellation near 1e-5 of it
+        torch.testing.assert_close(quantizer.chunk_scores(query, blocks, streams), folded, rtol=1e-4, atol=1e-4 * scale)
+    folded = torch.cat([quantizer.chunk_values(probs[:, :, r : r + 8], blocks, streams) for r in pieces], dim=2)
+    torch.testing.assert_close(quantizer.chunk_values(probs, blocks, streams), folded, rtol=1e-4, atol=1e-4)

@@ -87,6 +87,8 @@ class UniformQuantizer(BlockQuantizer):
     def chunk_scores(self, query, blocks, group, keys_to_attention=None):
         if keys_to_attention is not None or self.spec.axis != "channel":
             return super().chunk_scores(query, blocks, group, keys_to_attention)
+        if query.shape[2] > self.block_size:  # many rows (prefill): scaling the keys once costs less than the query per block
+            return torch.matmul(query, self._dequantized(blocks).transpose(-1, -2))  # (Sc, 1, R, T)
         q = query[:, 0]  # (Sc, R, D)
         sc, nb = blocks["codes"].shape[:2]
         s = self.block_size
@@ -100,6 +102,8 @@ class UniformQuantizer(BlockQuantizer):
         return scores.permute(0, 2, 1, 3).reshape(sc, 1, q.shape[1], nb * s)  # (Sc, 1, R, nb*S)
 
     def chunk_values(self, probs, blocks, group):
+        if probs.shape[2] > self.head_dim:  # many rows (prefill): scaling the values once costs less than every row's weights
+            return torch.matmul(probs, self._dequantized(blocks))  # (Sc, 1, R, D)
         p = probs[:, 0]  # (Sc, R, T)
         sc, nb = blocks["codes"].shape[:2]
         s, d = self.block_size, self.head_dim
@@ -118,6 +122,19 @@ class UniformQuantizer(BlockQuantizer):
         out = out.transpose(-1, -2).reshape(sc, p.shape[1], d)  # channel d took the weights of its own group
         zeros = torch.matmul(p, zero.reshape(sc, nb * s, groups))  # (Sc, R, groups)
         return (out + zeros.repeat_interleave(self.group, dim=-1))[:, None]
+
+    def _dequantized(self, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """{name: (Sc, nb, ...)} -> (Sc, 1, nb * S, D) float32 ``code * scale + zero``, unrounded (a bounded temporary:
+        the chunk's blocks only). For forwards with many query rows, where the folded algebra would scale every row."""
+        codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size).float()  # (Sc, nb, S, D)
+        sc, nb, s, d = codes.shape
+        scale, zero = blocks["scale"].float(), blocks["zero"].float()
+        if self.spec.axis == "channel":  # (Sc, nb, D): one per channel of a block
+            x = codes * scale[:, :, None, :] + zero[:, :, None, :]
+        else:  # (Sc, nb, S, D / group): one per token and channel group
+            grouped = codes.reshape(sc, nb, s, d // self.group, self.group)
+            x = (grouped * scale[..., None] + zero[..., None]).reshape(sc, nb, s, d)
+        return x.reshape(sc, 1, nb * s, d)
 
     def _channel_values(self, p, codes, scale, zero):
         """Values with per-channel scales (per block): block partial sums, then scaled."""
