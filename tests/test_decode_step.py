@@ -108,10 +108,12 @@ def test_short_decode_step_applies_softcap_and_learned_sinks(family, monkeypatch
     torch.testing.assert_close(logits, general_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_short_decode_step_is_refused_when_the_logits_would_be_large(monkeypatch):
-    """Rows x tokens held above the chunk bound: the general path (online softmax, bounded temporaries)."""
+@pytest.mark.parametrize("bound", ["CHUNK_ELEMENTS", "REUSE_ELEMENTS"])
+def test_short_decode_step_is_refused_when_its_temporaries_would_be_large(bound, monkeypatch):
+    """Rows x tokens held above the logits bound, or the values read above the reuse bound: the general path
+    (online softmax over bounded chunks)."""
     model = tiny_model("llama")
     calls = _count_short_steps(monkeypatch)
-    monkeypatch.setattr(layer_module, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(layer_module, bound, 64)
     _generate(model, _kivi(4), new_tokens=8)
     assert calls["short"] == 0

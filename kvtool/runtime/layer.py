@@ -33,7 +33,7 @@ from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
-    CHUNK_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
+    CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
 )
 from kvtool.runtime.store import LayerStore, StoreLayout, take_rows
 
@@ -271,16 +271,17 @@ class KvtoolLayer(CacheLayerMixin):
 
     def _stores_first(self, options: LayerOptions, rows: int) -> bool:
         """This decode step may write its token into the store before attending (`attend_stored`): no eviction
-        is due, no block is encoded, no sink is made, no sliding window or sparse read, and the logits of every
-        row over every held token stay under CHUNK_ELEMENTS. The result is the same attention; the new token is
-        read back from its storage dtype, as it is in every later step."""
+        is due, no block is encoded, no sink is made, no sliding window or sparse read, the logits of every row
+        over every held token stay under CHUNK_ELEMENTS and the values they weigh under REUSE_ELEMENTS. The
+        result is the same attention; the new token is read back from its storage dtype, as in later steps."""
         policy, store = self.policy, self.store
         if options.sliding_window or self._sparse_step(1, options):
             return False
         if policy is not None and policy.evicts_while_decoding and not (policy.budgeted and self._quiet_steps > 0):
             return False  # the policy may cut this step: it chooses among stored and new tokens
-        if rows * (int(store.tokens().max()) + 1) > CHUNK_ELEMENTS:
-            return False
+        tokens = int(store.tokens().max()) + 1
+        if rows * tokens > CHUNK_ELEMENTS or store.streams * self.g * store.layout.head_dim * tokens > REUSE_ELEMENTS:
+            return False  # long or wide: the general path's bounded chunks and online softmax
         if store.layout.quantized:
             empty = (store.float_len == store.n_sink) & (store.body_len == 0)
             full = store.float_len - store.n_sink + 1 - store.layout.recent_tokens >= store.bs

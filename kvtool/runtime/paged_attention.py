@@ -182,22 +182,24 @@ def attend_stored(
     ``scored`` the attention every stored slot received, summed over its stream's rows [(region, start, (S, C))].
 
     One softmax over every chunk's logits at once (the caller makes sure they are few: S x g x R x tokens
-    held under CHUNK_ELEMENTS); no new-token piece, no running max: the short path of `attend`. Every row
-    sees at least its own token, so no row is empty.
+    held under CHUNK_ELEMENTS, and what the chunks' values hold until then under REUSE_ELEMENTS); no
+    new-token piece, no running max: the short path of `attend`. Every row sees at least its own token,
+    so no row is empty.
     """
-    pieces = [(chunk, _masked_logits(chunk, q, None, options)) for chunk in chunks]
-    logits = pieces[0][1] if len(pieces) == 1 else torch.cat([logits for _, logits in pieces], dim=-1)
+    # (values, region, start, logits) per chunk: a chunk's keys are freed once its logits exist
+    pieces = [(chunk.values, chunk.region, chunk.start, _masked_logits(chunk, q, None, options)) for chunk in chunks]
+    logits = pieces[0][3] if len(pieces) == 1 else torch.cat([piece[3] for piece in pieces], dim=-1)
     if sink_logits is not None:  # a learned sink: one more softmax term, with no value
         logits = torch.cat([logits, sink_logits[..., None]], dim=-1)
     p = torch.softmax(logits, dim=-1)
     out, offset, received = None, 0, [] if scored else None
-    for chunk, piece in pieces:
+    for values, region, start, piece in pieces:
         width = piece.shape[-1]
         p_chunk = p if len(pieces) == 1 and sink_logits is None else p[..., offset : offset + width]
-        values = chunk.values(p_chunk)
-        out = values if out is None else out + values
+        part = values(p_chunk)
+        out = part if out is None else out + part
         if scored:
-            received.append((chunk.region, chunk.start, p_chunk.sum(dim=(1, 2))))
+            received.append((region, start, p_chunk.sum(dim=(1, 2))))
         offset += width
     return out, received
 
