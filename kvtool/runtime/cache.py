@@ -25,6 +25,7 @@ from kvtool.runtime.eviction import BudgetRule
 from kvtool.runtime.memory import reachable_tensors, storage_nbytes
 from kvtool.runtime.layer import PUNCT, SPECIAL, KvtoolLayer, LayerPlan, build_formats
 from kvtool.runtime.positions import ForwardProbes, RopeTable, SequencePositions
+from kvtool.runtime.store import take_rows
 
 
 @dataclass
