@@ -255,9 +255,10 @@ def press_cache(model, sliding: str = "global"):
 @functools.cache
 def _compressed_sliding_layer(base):
     class CompressedSlidingWindowLayer(base):
-        def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        def get_mask_sizes(self, cache_position) -> tuple[int, int]:  # transformers 5.2: positions; later: a length
+            queries = cache_position if isinstance(cache_position, int) else cache_position.shape[0]
             held = self.keys.shape[-2] if self.is_initialized else 0
-            return held + cache_position.shape[0], self.cumulative_length - held  # (kv_length, kv_offset)
+            return held + queries, self.cumulative_length - held  # (kv_length, kv_offset)
 
     return CompressedSlidingWindowLayer
 
