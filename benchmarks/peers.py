@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -146,7 +147,8 @@ def score(model, windows: torch.Tensor, new_cache, around=contextlib.nullcontext
     return row
 
 
-def peer_rows(model, windows: torch.Tensor, log) -> list[dict]:
+def peer_rows(model, windows: torch.Tensor, log, fractions=FRACTIONS, methods=PRESSES, quant: bool = True,
+              sliding: str = "global") -> list[dict]:
     """Full `DynamicCache`, every kvpress press at each fraction kept, quanto 4 and 2 bits."""
     import kvpress
     from transformers import DynamicCache, QuantizedCache
@@ -162,15 +164,103 @@ def peer_rows(model, windows: torch.Tensor, log) -> list[dict]:
         log(rows[-1])
 
     add("full cache (DynamicCache)", "both", lambda: DynamicCache(config=model.config))
-    for fraction in FRACTIONS:
-        for name in PRESSES:
+    for fraction in fractions:
+        for name in methods:
             press = make_press(kvpress, name, 1 - fraction)
-            add(f"kvpress {name}", "prefill", lambda: DynamicCache(config=model.config), lambda: press(model),
+            add(f"kvpress {name}" + (" (sliding layers too)" if sliding == "equal" else ""), "prefill",
+                lambda: press_cache(model, sliding), lambda: press_context(press, model, sliding),
                 fraction_kept=fraction, frees_tokens=name != "AdaKVPress")
-    for bits in QUANTO_BITS:
+    for bits in QUANTO_BITS if quant else ():
         add(f"QuantizedCache quanto {bits}-bit", "decode",
             lambda: QuantizedCache(backend="quanto", config=model.config, nbits=bits))
     return rows
+
+
+SLIDING = ("global", "equal")  # what a press does to Gemma 3's sliding-window layers (`press_context`)
+
+
+def press_context(press, model, sliding: str = "global"):
+    """``press(model)``, except on models with sliding-window layers (text-only Gemma 3, `Gemma3ForCausalLM`).
+
+    kvpress 0.5.5 leaves Gemma 3's sliding-window layers uncompressed only for `Gemma3ForConditionalGeneration`; on
+    `Gemma3ForCausalLM` it hooks every layer and fails: with the cache's sliding layers (`DynamicCache(config=...)`)
+    the first decode step's mask is the window's size, not the compressed keys' (RuntimeError); without them the
+    compressed sliding layers see tokens older than their window (greedy answers are garbage); and presses that call
+    ``module.rotary_emb`` (ExpectedAttention) fail, Gemma 3's rotary module needs the layer type. Here each hooked
+    layer's rotary module is bound to its layer type, and ``sliding`` says what happens to the sliding layers:
+
+    * ``global``: kvpress's own Gemma 3 rule, the press on the global layers only; the sliding layers keep their
+      window (w - 1 tokens), as the full cache does, so the cache holds more than the fraction asked for;
+    * ``equal``: the sliding layers too, each kept down to as many tokens as a global layer keeps (a fraction f of
+      the n prefilled tokens; all of its w - 1 if f n >= w - 1), so every layer holds what kvtool's layers hold. The
+      cache must come from `press_cache(model, "equal")` (its sliding layers mask the kept tokens as the latest ones).
+    """
+    layers = model.model.layers
+    if not any(getattr(layer.self_attn, "is_sliding", False) for layer in layers):
+        return press(model)
+    return _hooked_layers(press, model, sliding)
+
+
+@contextlib.contextmanager
+def _hooked_layers(press, model, sliding: str):
+    if sliding not in SLIDING:
+        raise ValueError(f"sliding must be one of {SLIDING}, not {sliding!r}")
+    press.post_init_from_model(model)
+    hooks = []
+    try:
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            if attention.is_sliding and sliding == "global":
+                continue
+            attention.rotary_emb = functools.partial(model.model.rotary_emb, layer_type=attention.layer_type)
+            hook = _window_share(press) if attention.is_sliding else press.forward_hook
+            hooks.append(attention.register_forward_hook(hook, with_kwargs=True))
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _window_share(press):
+    """The press's hook on a sliding layer: its compression ratio set so that it keeps (1 - ratio) x the tokens fed
+    (what a global layer keeps) of the w - 1 its cache holds."""
+
+    def hook(module, args, kwargs, output):
+        ratio = press.compression_ratio
+        held = kwargs["past_key_values"].layers[module.layer_idx].keys.shape[-2]
+        press.compression_ratio = max(0.0, 1.0 - (1.0 - ratio) * kwargs["hidden_states"].shape[1] / max(held, 1))
+        try:
+            return press.forward_hook(module, args, kwargs, output)
+        finally:
+            press.compression_ratio = ratio
+
+    return hook
+
+
+def press_cache(model, sliding: str = "global"):
+    """A `DynamicCache` for a press; with ``sliding="equal"`` its sliding-window layers tell the mask that the tokens
+    they hold are the latest ones (all inside the window), whatever a press dropped (transformers' own layer sizes
+    the mask as a full window and the first decode step fails)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=model.config)
+    if sliding == "equal":
+        for layer in cache.layers:
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                layer.__class__ = _compressed_sliding_layer(DynamicSlidingWindowLayer)
+    return cache
+
+
+@functools.cache
+def _compressed_sliding_layer(base):
+    class CompressedSlidingWindowLayer(base):
+        def get_mask_sizes(self, cache_position) -> tuple[int, int]:  # transformers 5.2: positions; later: a length
+            queries = cache_position if isinstance(cache_position, int) else cache_position.shape[0]
+            held = self.keys.shape[-2] if self.is_initialized else 0
+            return held + queries, self.cumulative_length - held  # (kv_length, kv_offset)
+
+    return CompressedSlidingWindowLayer
 
 
 def make_press(kvpress, name: str, compression_ratio: float):
@@ -186,7 +276,7 @@ def prefill_only(recipe, seq_len: int):
     return dataclasses.replace(recipe, eviction=dataclasses.replace(recipe.eviction, interval=seq_len))
 
 
-def kvtool_rows(model, windows: torch.Tensor, log) -> list[dict]:
+def kvtool_rows(model, windows: torch.Tensor, log, fractions=FRACTIONS, methods=KVTOOL_EVICTION, quant: bool = True) -> list[dict]:
     """Full `DynamicCache`, kvtool's eviction at prefill only (kvpress's protocol) and its quantization throughout."""
     from transformers import DynamicCache
 
@@ -204,13 +294,14 @@ def kvtool_rows(model, windows: torch.Tensor, log) -> list[dict]:
     full_cache = lambda: DynamicCache(config=model.config)  # noqa: E731
     add("full cache (DynamicCache)", "both", full_cache)
     add("kvtool uncompressed fp16", "both", CompressedRuntime.from_recipe(model, uncompressed_recipe("float16")).new_cache)
-    for fraction in FRACTIONS:
-        for variant in KVTOOL_EVICTION:
+    for fraction in fractions:
+        for variant in methods:
             runtime = CompressedRuntime.from_recipe(model, prefill_only(eviction_recipe(variant, fraction), windows.shape[1]))
             add(f"kvtool {variant}", "prefill", runtime.new_cache, fraction_kept=fraction, frees_tokens=True)
-        runtime = CompressedRuntime.from_recipe(model, prefill_only(eviction_recipe("snapkv", fraction, bits=4), windows.shape[1]))
-        add("kvtool snapkv + kivi-4bit", "prefill", runtime.new_cache, fraction_kept=fraction, frees_tokens=True)
-    for name in KVTOOL_QUANT:
+        if quant:
+            runtime = CompressedRuntime.from_recipe(model, prefill_only(eviction_recipe("snapkv", fraction, bits=4), windows.shape[1]))
+            add("kvtool snapkv + kivi-4bit", "prefill", runtime.new_cache, fraction_kept=fraction, frees_tokens=True)
+    for name in KVTOOL_QUANT if quant else ():
         add(f"kvtool {name}", "decode", CompressedRuntime.from_recipe(model, load_recipe(name)).new_cache)
     return rows
 
@@ -227,7 +318,7 @@ def environment() -> dict:
 
 def run_side(args) -> None:
     model, _, windows = model_windows(args.model, args.samples, args.seq_len)
-    out = RESULTS / f"peers_{args.model}_{args.side}.json"
+    out = RESULTS / f"peers_{args.model}_{args.side}{'_' + args.tag if args.tag else ''}.json"
     payload = {"model": args.model, "side": args.side, "environment": environment(), "windows": list(windows.shape),
                "prefill": windows.shape[1] // 2, "windows_sha256": windows_sha256(windows), "rows": []}
 
@@ -237,8 +328,12 @@ def run_side(args) -> None:
         figures = row.get("error") or f"ppl {row['ppl']:.3f}, {row['bytes_16bit']:,} B (16-bit), {row['seconds']:.0f} s"
         print(f"{args.model} {row['method']} {row.get('fraction_kept', '')}: {figures}", flush=True)
 
+    methods = args.methods or (PRESSES if args.side == "peers" else KVTOOL_EVICTION)
     with torch.no_grad():
-        (peer_rows if args.side == "peers" else kvtool_rows)(model, windows, log)
+        if args.side == "peers":
+            peer_rows(model, windows, log, args.fractions, methods, not args.no_quant, args.sliding)
+        else:
+            kvtool_rows(model, windows, log, args.fractions, methods, not args.no_quant)
     print(f"wrote {out}")
 
 
@@ -277,6 +372,13 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", choices=list(PRETRAINED))
     parser.add_argument("--samples", type=int, default=2, help="held-out windows (scored as one batch)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per window: half prefilled, half decoded")
+    parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS, help="fractions of the prompt kept")
+    parser.add_argument("--methods", nargs="+", help="presses (peers) or benchmarks.eviction variants (kvtool); default: all")
+    parser.add_argument("--no-quant", action="store_true", help="skip the quantization rows (quanto; kivi, snapkv + kivi-4bit)")
+    parser.add_argument("--sliding", choices=SLIDING, default="global",
+                        help="presses on Gemma 3's sliding-window layers: global = not compressed (kvpress's rule), equal = as many "
+                             "tokens kept as a global layer (see press_context)")
+    parser.add_argument("--tag", help="suffix of the JSON file name")
     args = parser.parse_args()
     if args.table:
         print(markdown_table(args.table))

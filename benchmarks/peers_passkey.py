@@ -17,7 +17,12 @@ kvpress 0.5.5 pins transformers < 5.3, so this runs in the peers' environment (s
 
 kvtool's side: `python -m benchmarks.peers_passkey --side kvtool --model smollm2-135m` (this environment),
 the same grid through `kvtool.eval.retrieval.evaluate_grid`. Writes
-benchmarks/results/peers_passkey_<model>_<side>.json and prints a markdown table.
+benchmarks/results/peers_passkey_<model>_<side>[_<length>][_agnostic][_<tag>].json (after every row) and prints
+a markdown table.
+
+``--length`` (the Gemma-3-270M tables use 1024), ``--fractions`` and ``--methods`` pick a part of the grid;
+``--question-agnostic`` prefills the context (all but the longest question of the cell) under the press, or
+through kvtool's cache, then the question without compression (kvtool: `evaluate_grid(question_agnostic=True)`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ import time
 import torch
 
 from benchmarks.common import PRETRAINED, SHARED
-from benchmarks.peers import RESULTS, environment, make_press
+from benchmarks.peers import (
+    RESULTS,
+    SLIDING,
+    environment,
+    make_press,
+    press_cache,
+    press_context,
+)
 from kvtool.data import DataSpec
 from kvtool.eval.retrieval_request import RetrievalGrid
 from kvtool.eval.retrieval_tasks import PasskeyTask, text_filler
@@ -55,18 +67,24 @@ def load(name: str):
 
 
 @torch.no_grad()
-def press_accuracy(model, task, press) -> dict:
+def press_accuracy(model, task, press, grid: RetrievalGrid = GRID, question_agnostic: bool = False, sliding: str = "global") -> dict:
     """Accuracy per depth of one press (None: the full cache) over the grid."""
     from transformers import DynamicCache
 
-    by_depth = {}
-    for n in GRID.lengths:
-        for depth in GRID.depths:
-            prompts, answers = task.cases(n, depth, GRID.seeds)  # (seeds, n)
-            cache = DynamicCache()
-            context = press(model) if press is not None else _null()
+    by_depth, kept = {}, []  # kept: tokens held after the compressed prefill / tokens prefilled, over layers
+    for n in grid.lengths:
+        for depth in grid.depths:
+            prompts, answers = task.cases(n, depth, grid.seeds)  # (seeds, n)
+            cache = press_cache(model, sliding) if press is not None else DynamicCache(config=model.config)
+            context = press_context(press, model, sliding) if press is not None else _null()
+            cut = n - task.question_tokens(n, grid.seeds) if question_agnostic else n  # prefilled under the press
             with context:
-                logits = model(input_ids=prompts, attention_mask=torch.ones_like(prompts), past_key_values=cache).logits
+                logits = model(input_ids=prompts[:, :cut], attention_mask=torch.ones_like(prompts[:, :cut]),
+                               past_key_values=cache, logits_to_keep=1).logits  # (S, 1, V): the last position only
+            kept.append(sum(layer.keys.shape[-2] for layer in cache.layers) / (len(cache.layers) * cut))
+            if cut < n:  # the question, after compression, at its true positions
+                logits = model(input_ids=prompts[:, cut:], past_key_values=cache,
+                               position_ids=torch.arange(cut, n).expand(prompts.shape[0], n - cut), logits_to_keep=1).logits
             token = logits[:, -1:].argmax(-1)
             generated = [token]
             position = torch.full((prompts.shape[0], 1), n)
@@ -77,7 +95,7 @@ def press_accuracy(model, task, press) -> dict:
                 position = position + 1
             hits = task.score(torch.cat(generated, dim=1), answers)
             by_depth[depth] = sum(hits) / len(hits)
-    return {"accuracy": sum(by_depth.values()) / len(by_depth), "by_depth": by_depth}
+    return {"accuracy": sum(by_depth.values()) / len(by_depth), "by_depth": by_depth, "kept_fraction": sum(kept) / len(kept)}
 
 
 class _null:
@@ -88,38 +106,50 @@ class _null:
         return False
 
 
-def peer_rows(model, task, log) -> list[dict]:
+def peer_rows(model, tokenizer, task, log, args) -> list[dict]:
     import kvpress
 
-    rows = [{"side": "peers", "method": "DynamicCache (full)", "kept": 1.0, **press_accuracy(model, task, None)}]
-    log(rows[-1])
-    for fraction in FRACTIONS:
-        for name in PRESSES:
+    grid, agnostic, rows = _grid(args), args.question_agnostic, []
+    if not args.no_full:
+        rows.append({"side": "peers", "method": "DynamicCache (full)", "kept": 1.0,
+                     **press_accuracy(model, task, None, grid, agnostic)})
+        log(rows[-1])
+    for fraction in args.fractions:
+        for name in args.methods or PRESSES:
             started = time.time()
-            row = {"side": "peers", "method": name, "kept": fraction,
-                   **press_accuracy(model, task, make_press(kvpress, name, 1.0 - fraction)), "seconds": time.time() - started}
+            try:
+                result = press_accuracy(model, task, make_press(kvpress, name, 1.0 - fraction), grid, agnostic, args.sliding)
+            except Exception as exc:  # noqa: BLE001 -- a press that cannot run on this model is a result too
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            label = name + (" (sliding layers too)" if args.sliding == "equal" else "")
+            row = {"side": "peers", "method": label, "kept": fraction, **result, "seconds": time.time() - started}
             rows.append(row)
             log(row)
     return rows
 
 
-def kvtool_rows(model, tokenizer, task, log) -> list[dict]:
+def kvtool_rows(model, tokenizer, task, log, args) -> list[dict]:
     from kvtool.eval.baselines import sixteen_bit_recipe
     from kvtool.eval.retrieval import evaluate_grid
     from kvtool.recipe import load_recipe
     from kvtool.runtime.attach import CompressedRuntime
 
     def grid(recipe) -> dict:
-        result = evaluate_grid(model, CompressedRuntime.from_recipe(model, recipe), task, GRID, pad_id=tokenizer.pad_token_id)
+        started = time.time()
+        result = evaluate_grid(model, CompressedRuntime.from_recipe(model, recipe), task, _grid(args),
+                               pad_id=tokenizer.pad_token_id, question_agnostic=args.question_agnostic)
         by_depth = {}
         for row in result["grid"]:
             by_depth[row["depth"]] = row["accuracy"]
-        return {"accuracy": result["accuracy"], "by_depth": by_depth, "kept_fraction": result["kept_fraction"]}
+        return {"accuracy": result["accuracy"], "by_depth": by_depth, "kept_fraction": result["kept_fraction"],
+                "seconds": time.time() - started}
 
-    rows = [{"side": "kvtool", "method": "16-bit cache (full)", "kept": 1.0, **grid(sixteen_bit_recipe())}]
-    log(rows[-1])
-    for fraction in FRACTIONS:
-        for name in KVTOOL:
+    rows = []
+    if not args.no_full:
+        rows.append({"side": "kvtool", "method": "16-bit cache (full)", "kept": 1.0, **grid(sixteen_bit_recipe())})
+        log(rows[-1])
+    for fraction in args.fractions:
+        for name in args.methods or KVTOOL:
             recipe = load_recipe(name)
             recipe = dataclasses.replace(recipe, eviction=dataclasses.replace(recipe.eviction, budget=fraction))
             rows.append({"side": "kvtool", "method": name, "kept": fraction, **grid(recipe)})
@@ -127,11 +157,18 @@ def kvtool_rows(model, tokenizer, task, log) -> list[dict]:
     return rows
 
 
+def _grid(args) -> RetrievalGrid:
+    return RetrievalGrid((args.length,), GRID.depths, args.seeds)
+
+
 def markdown(rows: list[dict]) -> str:
     depths = GRID.depths
     lines = ["| side | method | kept | accuracy | " + " | ".join(f"depth {d:g}" for d in depths) + " |",
              "|---" * (4 + len(depths)) + "|"]
     for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['side']} | {row['method']} | {row['kept']:g} | failed: {row['error']} |" + " |" * len(depths))
+            continue
         cells = [f"{row['by_depth'][d]:g}" for d in depths]
         lines.append(f"| {row['side']} | {row['method']} | {row['kept']:g} | {row['accuracy']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -141,14 +178,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(PRETRAINED))
     parser.add_argument("--side", default="peers", choices=("peers", "kvtool"))
+    parser.add_argument("--length", type=int, default=GRID.lengths[0], help="prompt tokens (RESULTS: 512 SmolLM2, 1024 Gemma)")
+    parser.add_argument("--seeds", type=int, default=GRID.seeds)
+    parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS, help="fractions of the prompt kept")
+    parser.add_argument("--methods", nargs="+", help="presses (peers) or recipes (kvtool); default: all of the side's")
+    parser.add_argument("--no-full", action="store_true", help="skip the full-cache row")
+    parser.add_argument("--question-agnostic", action="store_true", help="compress the context before the question")
+    parser.add_argument("--sliding", choices=SLIDING, default="global",
+                        help="presses on Gemma 3's sliding-window layers (benchmarks.peers.press_context)")
+    parser.add_argument("--tag", help="suffix of the JSON file name (runs of one model and side that must not overwrite)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer, task = load(args.model)
-    log = lambda row: print(json.dumps({k: row[k] for k in ("side", "method", "kept", "accuracy")}), flush=True)  # noqa: E731
-    rows = peer_rows(model, task, log) if args.side == "peers" else kvtool_rows(model, tokenizer, task, log)
-    out = RESULTS / f"peers_passkey_{args.model}_{args.side}.json"
-    write_json_atomic(out, {"model": args.model, "side": args.side, "grid": dataclasses.asdict(GRID), "rows": rows,
-                            "environment": environment()})
+    name = "_".join([f"peers_passkey_{args.model}_{args.side}"] + ([str(args.length)] if args.length != GRID.lengths[0] else [])
+                    + (["agnostic"] if args.question_agnostic else []) + ([args.tag] if args.tag else []))
+    out, saved = RESULTS / f"{name}.json", []
+
+    def log(row: dict) -> None:  # print and save after every row: a stopped run keeps what it measured
+        saved.append(row)
+        print(json.dumps({k: row.get(k) for k in ("side", "method", "kept", "accuracy", "kept_fraction", "seconds", "error")}), flush=True)
+        write_json_atomic(out, {"model": args.model, "side": args.side, "grid": dataclasses.asdict(_grid(args)),
+                                "question_agnostic": args.question_agnostic, "rows": saved, "environment": environment()})
+
+    rows = (peer_rows if args.side == "peers" else kvtool_rows)(model, tokenizer, task, log, args)
     print(markdown(rows))
     print(f"wrote {out}")
 

@@ -53,3 +53,40 @@ def test_table_refuses_sides_with_different_windows(tmp_path):
         (tmp_path / f"peers_m_{side}.json").write_text(json.dumps(payload))
     with pytest.raises(SystemExit, match="different windows"):
         markdown_table("m", tmp_path)
+
+
+def test_a_compressed_sliding_layer_masks_what_it_holds_as_the_latest_tokens():
+    """`press_cache(model, "equal")`: after a press cut a sliding layer's keys, the mask covers exactly the tokens held
+    (all visible) and the new one; uncut, it sizes the mask as transformers' own sliding layer does."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from benchmarks.peers import _compressed_sliding_layer
+
+    window, seen = 8, 10
+    own, ours = DynamicSlidingWindowLayer(window), DynamicSlidingWindowLayer(window)
+    ours.__class__ = _compressed_sliding_layer(DynamicSlidingWindowLayer)
+    for layer in (own, ours):
+        layer.update(torch.randn(1, 1, seen, 4), torch.randn(1, 1, seen, 4))  # holds the last window - 1 = 7
+    assert ours.get_mask_sizes(1) == own.get_mask_sizes(1) == (window, seen - window + 1)
+    ours.keys, ours.values = ours.keys[:, :, :3], ours.values[:, :, :3]  # a press kept 3
+    assert ours.get_mask_sizes(1) == (4, seen - 3)
+    assert ours.get_mask_sizes(torch.arange(seen, seen + 1)) == (4, seen - 3)  # transformers 5.2 passes positions
+
+
+def test_a_press_on_a_sliding_layer_keeps_what_a_global_layer_keeps():
+    """`_window_share`: fed n tokens, a sliding layer holding w - 1 keeps (1 - ratio) n of them (all if more), and the
+    press's own ratio is restored after."""
+    from types import SimpleNamespace
+
+    from benchmarks.peers import _window_share
+
+    seen = []
+    press = SimpleNamespace(compression_ratio=0.75)
+    press.forward_hook = lambda module, args, kwargs, output: seen.append(press.compression_ratio)
+    hook = _window_share(press)
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1, 1, 511, 4))])
+    module = SimpleNamespace(layer_idx=0)
+    for fed in (1024, 512, 4096):
+        hook(module, (), {"past_key_values": cache, "hidden_states": torch.zeros(1, fed, 8)}, None)
+    assert seen == pytest.approx([1 - 256 / 511, 1 - 128 / 511, 0.0])
+    assert press.compression_ratio == 0.75

@@ -1,0 +1,68 @@
+"""benchmarks/peers_passkey.py without kvpress: the question-agnostic split of the peers' loop.
+
+Question-aware, the whole prompt is prefilled under the press; question-agnostic, only the context
+(all but the task's question tokens) is, and the question follows at its true positions. With no
+press (the full cache) both give the same greedy continuation.
+"""
+
+import contextlib
+
+import torch
+
+from benchmarks.peers_passkey import press_accuracy
+from kvtool.eval.retrieval_request import RetrievalGrid
+from tests.tiny_models import tiny_model
+
+
+class FakeTask:
+    """Random prompts; records what was generated and scores every row a hit."""
+
+    new_tokens, question = 3, 5
+
+    def __init__(self) -> None:
+        self.generated = []
+
+    def cases(self, n: int, depth: float, seeds: int):
+        gen = torch.Generator().manual_seed(int(depth * 100))
+        return torch.randint(3, 100, (seeds, n), generator=gen), [None] * seeds
+
+    def question_tokens(self, n: int, seeds: int) -> int:
+        return self.question
+
+    def score(self, generated: torch.Tensor, answers) -> list[bool]:
+        self.generated.append(generated)
+        return [True] * generated.shape[0]
+
+
+class RecordingPress:
+    """A press that compresses nothing and records the length of every forward made under it."""
+
+    def __init__(self) -> None:
+        self.lengths = []
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        hook = model.register_forward_pre_hook(lambda module, args, kwargs: self.lengths.append(kwargs["input_ids"].shape[1]),
+                                               with_kwargs=True)
+        try:
+            yield
+        finally:
+            hook.remove()
+
+
+def test_question_agnostic_prefills_only_the_context_under_the_press():
+    model, grid = tiny_model("llama"), RetrievalGrid((40,), (0.0, 0.5), 2)
+    for agnostic, expected in ((False, 40), (True, 40 - FakeTask.question)):
+        press = RecordingPress()
+        result = press_accuracy(model, FakeTask(), press, grid, question_agnostic=agnostic)
+        assert press.lengths == [expected, expected]  # one forward per cell under the press
+        assert result["accuracy"] == 1.0
+
+
+def test_question_agnostic_full_cache_generates_what_the_aware_one_does():
+    model, grid = tiny_model("llama"), RetrievalGrid((40,), (0.0, 0.5), 2)
+    aware, agnostic = FakeTask(), FakeTask()
+    press_accuracy(model, aware, None, grid)
+    press_accuracy(model, agnostic, None, grid, question_agnostic=True)
+    for a, b in zip(aware.generated, agnostic.generated):
+        assert torch.equal(a, b)
