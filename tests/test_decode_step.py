@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import kvtool.runtime.layer as layer_module
-from kvtool.recipe import CacheSpec, QuantSpec, Recipe, load_recipe
+from kvtool.recipe import Recipe, load_recipe
 from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.layer import KvtoolLayer
+from tests.test_runtime import make_recipe
 from tests.tiny_models import featured_model, tiny_model, tiny_tokenizer_free_inputs
 
 
@@ -26,12 +27,7 @@ def _model_dtype(recipe: Recipe) -> Recipe:
 
 
 def _kivi(bits: int) -> Recipe:
-    return Recipe(
-        name=f"kivi-{bits}",
-        keys=QuantSpec(method="uniform", bits=bits, axis="channel", path="keys"),
-        values=QuantSpec(method="uniform", bits=bits, axis="token", group_size=32, path="values"),
-        cache=CacheSpec(block_size=32, sink_tokens=2, recent_tokens=8, float_dtype="model"),
-    )
+    return make_recipe(bits, sinks=2, recent=8, float_dtype="model")
 
 
 def _generate(model, recipe, new_tokens=40):

@@ -282,11 +282,7 @@ class KvtoolLayer(CacheLayerMixin):
         tokens = int(store.tokens().max()) + 1
         if rows * tokens > CHUNK_ELEMENTS or store.streams * self.g * store.layout.head_dim * tokens > REUSE_ELEMENTS:
             return False  # long or wide: the general path's bounded chunks and online softmax
-        if store.layout.quantized:
-            empty = (store.float_len == store.n_sink) & (store.body_len == 0)
-            full = store.float_len - store.n_sink + 1 - store.layout.recent_tokens >= store.bs
-            return not bool((empty | full).any())
-        return True
+        return store.appends_in_float(1)
 
     def _sparse_step(self, t: int, options: LayerOptions) -> bool:
         """This decode step reads only the best-scored summary groups (RocketKV's stage 2)."""

@@ -407,9 +407,8 @@ class LayerStore:
         if not self.layout.quantized:
             self.write_float(self.float_len, counts, data)
             return
-        bs, recent, t = self.bs, self.layout.recent_tokens, positions.shape[1]
-        empty = (self.float_len == self.n_sink) & (self.body_len == 0)
-        new_sinks = np.minimum(np.maximum(self.layout.sink_tokens - self.n_sink, 0) * empty, counts)
+        t = positions.shape[1]
+        new_sinks, flush = self._append_split(counts)
         rest, rest_pos = data, positions
         if new_sinks.any():
             self.write_float(self.n_sink, new_sinks, data)
@@ -419,11 +418,25 @@ class LayerStore:
             rest_pos = _take(positions, shift)
         rest_count = counts - new_sinks
         old = self.float_len - self.n_sink  # non-sink float tokens held
-        flush = np.maximum((old + rest_count - recent) // bs, 0)  # blocks to encode per stream
         if flush.sum() == 0:
             self.write_float(self.float_len, rest_count, rest)
             return
         self._flush(rest, rest_pos, rest_count, old, flush, float_positions, encode)
+
+    def _append_split(self, counts) -> tuple[np.ndarray, np.ndarray]:
+        """(sinks made, blocks encoded) per stream (S,) when a quantized store appends ``counts`` tokens per stream."""
+        empty = (self.float_len == self.n_sink) & (self.body_len == 0)
+        new_sinks = np.minimum(np.maximum(self.layout.sink_tokens - self.n_sink, 0) * empty, counts)
+        old = self.float_len - self.n_sink  # non-sink float tokens held (the new sinks do not change it)
+        flush = np.maximum((old + counts - new_sinks - self.layout.recent_tokens) // self.bs, 0)
+        return new_sinks, flush
+
+    def appends_in_float(self, counts) -> bool:
+        """Appending ``counts`` tokens per stream only writes float slots: no sink is made, no block encoded."""
+        if not self.layout.quantized:
+            return True
+        new_sinks, flush = self._append_split(counts)
+        return not (new_sinks.any() or flush.any())
 
     def _flush(self, rest, rest_pos, rest_count, old, flush, float_positions, encode) -> None:
         """Encode the oldest ``flush`` blocks of [held non-sink float tokens, new tokens]; rewrite the rest."""

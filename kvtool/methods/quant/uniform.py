@@ -77,11 +77,18 @@ class UniformQuantizer(BlockQuantizer):
         return {"codes": pack_codes(codes, self.spec.bits), "scale": scale, "zero": lo}
 
     def decode_blocks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
-        codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size)  # (N, S, D)
-        grouped = self._grouped(codes.float())
-        x = grouped * blocks["scale"].float()[..., None] + blocks["zero"].float()[..., None]
+        x = self._dequantize(blocks)  # (N, S, D) float32
         limit = torch.finfo(self.dtype).max  # fp16 scale rounding can push the top code just past the range
-        return self._ungrouped(x, codes.shape).clamp(-limit, limit).to(self.dtype)[:, None]
+        return x.clamp(-limit, limit).to(self.dtype)[:, None]
+
+    def _dequantize(self, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """{name: (..., ...)} -> (..., S, D) float32 ``code * scale + zero``, unrounded."""
+        codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size).float()  # (..., S, D)
+        scale, zero = blocks["scale"].float(), blocks["zero"].float()
+        if self.spec.axis == "channel":  # (..., D): one per channel of a block
+            return codes * scale[..., None, :] + zero[..., None, :]
+        grouped = codes.reshape(*codes.shape[:-1], -1, self.group)  # (..., S, D / group, group)
+        return (grouped * scale[..., None] + zero[..., None]).reshape(codes.shape)
 
     # --- attention algebra ---------------------------------------------------------------------
     def chunk_scores(self, query, blocks, group, keys_to_attention=None):
@@ -126,14 +133,8 @@ class UniformQuantizer(BlockQuantizer):
     def _dequantized(self, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
         """{name: (Sc, nb, ...)} -> (Sc, 1, nb * S, D) float32 ``code * scale + zero``, unrounded (a bounded temporary:
         the chunk's blocks only). For forwards with many query rows, where the folded algebra would scale every row."""
-        codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size).float()  # (Sc, nb, S, D)
-        sc, nb, s, d = codes.shape
-        scale, zero = blocks["scale"].float(), blocks["zero"].float()
-        if self.spec.axis == "channel":  # (Sc, nb, D): one per channel of a block
-            x = codes * scale[:, :, None, :] + zero[:, :, None, :]
-        else:  # (Sc, nb, S, D / group): one per token and channel group
-            grouped = codes.reshape(sc, nb, s, d // self.group, self.group)
-            x = (grouped * scale[..., None] + zero[..., None]).reshape(sc, nb, s, d)
+        x = self._dequantize(blocks)  # (Sc, nb, S, D)
+        sc, nb, s, d = x.shape
         return x.reshape(sc, 1, nb * s, d)
 
     def _channel_values(self, p, codes, scale, zero):
