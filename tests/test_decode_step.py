@@ -30,8 +30,8 @@ def _kivi(bits: int) -> Recipe:
     return make_recipe(bits, sinks=2, recent=8, float_dtype="model")
 
 
-def _generate(model, recipe, new_tokens=40):
-    input_ids, attention_mask = tiny_tokenizer_free_inputs(batch=2, seq=20)
+def _generate(model, recipe, new_tokens=40, batch=2):
+    input_ids, attention_mask = tiny_tokenizer_free_inputs(batch=batch, seq=20)
     cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
     with torch.no_grad():
         out = model.generate(
@@ -87,6 +87,21 @@ def test_short_decode_step_equals_the_general_path(name, monkeypatch):
     assert short_steps >= layers * 20, f"{name}: the short decode step ran {short_steps} times in 39 decode steps"
     if recipe.eviction.enabled or recipe.quantizes:  # cuts and block encodings still take the general path
         assert short_steps < layers * 39
+    torch.testing.assert_close(logits, general_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(tokens, general_tokens)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "uncompressed"])
+def test_short_decode_step_of_one_sequence_equals_the_general_path(name, monkeypatch):
+    """One sequence: every stream's float region ends at the same slot, so the short step reads its last
+    block only up to there (no mask) and scored policies add a partial block's attention (`_accumulate`)."""
+    model = tiny_model("llama")
+    recipe = RECIPES[name]()
+    calls = _count_short_steps(monkeypatch)
+    tokens, logits = _generate(model, recipe, batch=1)
+    assert calls["short"] >= model.config.num_hidden_layers * 20
+    monkeypatch.setattr(KvtoolLayer, "_stores_first", lambda self, options, rows: False)
+    general_tokens, general_logits = _generate(model, recipe, batch=1)
     torch.testing.assert_close(logits, general_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(tokens, general_tokens)
 

@@ -162,6 +162,58 @@ def test_an_eviction_interval_evicts_once_per_interval_and_keeps_batches_exact(p
             assert int(cache.layers[0].store.tokens().max()) == (21 + step if step < 7 else 20 + step - 7)
 
 
+def test_a_kept_fraction_is_checked_once_per_cut_and_cuts_exactly_when_due(monkeypatch):
+    """50% kept, interval 8: the budget grows half a token per step, so a stream cut to its budget is due
+    again about 2 x 8 steps later; the runtime skips the budget check until then (`quiet_steps`), yet cuts at
+    the very step a stream first holds more than budget + 7 tokens (checked against a step-by-step
+    simulation), and asks the budget rule at most three times per cut (the cut, the step after it, one step of margin)."""
+    from kvtool.methods.evict.base import ratio_budget
+    from kvtool.runtime.eviction import BudgetRule
+
+    model = tiny_model("llama")
+    rt = runtime(model, evicting("h2o", budget=0.5, interval=8))
+    asked = {"layer 0": 0}
+    original = BudgetRule.__call__
+
+    def counted(self, layer, length):
+        asked["layer 0"] += layer == 0
+        return original(self, layer, length)
+
+    monkeypatch.setattr(BudgetRule, "__call__", counted)
+    ids, _ = tiny_tokenizer_free_inputs(batch=1, seq=40)
+    cache = rt.new_cache()
+    held, expected = [], []
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        length, tokens = 40, int(cache.layers[0].store.tokens().max())
+        asked["layer 0"] = 0
+        for _ in range(96):
+            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            length, tokens = length + 1, tokens + 1
+            budget = int(ratio_budget(0.5, torch.tensor(length)))
+            tokens = budget if tokens > budget + 7 else tokens
+            expected.append(tokens)
+            held.append(int(cache.layers[0].store.tokens().max()))
+    assert held == expected
+    cuts = sum(1 for a, b in zip(held, held[1:]) if b < a)
+    assert cuts >= 5 and asked["layer 0"] <= 3 * cuts + 2, (cuts, asked)
+
+
+@pytest.mark.parametrize("growth", [0.0, 0.1, 0.25, 1 / 3, 0.5, 0.75, 0.9, 1.0])
+def test_quiet_steps_never_pass_the_first_step_that_may_be_due(growth):
+    """quiet_steps(room, g): every step it allows keeps k - floor(g k) <= room (never late); at most one step
+    short of the exact count (the float-rounding margin)."""
+    import math
+
+    from kvtool.runtime.eviction import quiet_steps
+
+    for room in (-3, 0, 1, 5, 15, 100):
+        exact = 0
+        while exact < 4096 and (exact + 1) - math.floor(growth * (exact + 1)) <= room:
+            exact += 1
+        assert exact - 1 <= quiet_steps(room, growth) <= exact, (room, growth)
+
+
 @pytest.mark.parametrize("policy", registered_policies())
 def test_bytes_held_match_the_kept_tokens(policy):
     model = tiny_model("llama")

@@ -9,9 +9,10 @@ from kvtool.methods.quant.packing import (
     pack_codes,
     packed_bytes,
     packed_rows,
+    raw_pieces,
     raw_slices,
     slice_widths,
-    telescope_scores,
+    telescope_pieces,
     unpack_codes,
 )
 
@@ -97,8 +98,8 @@ def test_raw_values_give_exact_contractions(bits):
     q = torch.randn(3, 5, 16, dtype=torch.float64)
     w = torch.randn(3, 5, 32, dtype=torch.float64)
     scores = sum(
-        (1 << low) * telescope_scores(q @ raw.double().transpose(-1, -2), width, 32)
-        for width, low, raw in raw_slices(packed, bits, 32)
+        (1 << low) * telescope_pieces([q @ piece.double().transpose(-1, -2) for piece in pieces], width)
+        for width, low, pieces in raw_pieces(packed, bits, 32)
     )
     mixed = sum((1 << low) * (fold_weights(w, width, 32) @ raw.double()) for width, low, raw in raw_slices(packed, bits, 32))
     torch.testing.assert_close(scores, q @ codes.double().transpose(-1, -2))
@@ -109,7 +110,7 @@ def test_raw_identities_hold_per_block_of_a_longer_axis():
     """Several blocks side by side on the last axis: each block is corrected on its own."""
     codes = random_codes(2, (4, 32, 8))  # 4 blocks
     packed = pack_codes(codes, 2)
-    (width, _, raw), = raw_slices(packed, 2, 32)
+    (width, _, pieces), = raw_pieces(packed, 2, 32)
     q = torch.randn(8, dtype=torch.float64)
-    raw_scores = (raw.double() @ q).reshape(-1)  # (4 * 32,) blocks concatenated
-    torch.testing.assert_close(telescope_scores(raw_scores, width, 32), (codes.double() @ q).reshape(-1))
+    raw_scores = [piece.double() @ q for piece in pieces]  # k x (4 blocks, 32 / k tokens)
+    torch.testing.assert_close(telescope_pieces(raw_scores, width), codes.double() @ q)

@@ -462,4 +462,5 @@ def test_uniform_many_row_forwards_equal_the_folded_algebra(bits, axis):
         scale = float(folded.abs().max())  # the folded path telescopes raw values: float32 cancellation near 1e-5 of it
         torch.testing.assert_close(quantizer.chunk_scores(query, blocks, streams), folded, rtol=1e-4, atol=1e-4 * scale)
     folded = torch.cat([quantizer.chunk_values(probs[:, :, r : r + 8], blocks, streams) for r in pieces], dim=2)
-    torch.testing.assert_close(quantizer.chunk_values(probs, blocks, streams), folded, rtol=1e-4, atol=1e-4)
+    scale = float(folded.abs().max())  # folded weights cancel too (2**w w_t - w_{t-S/k}): float32 noise near 1e-5 of it
+    torch.testing.assert_close(quantizer.chunk_values(probs, blocks, streams), folded, rtol=1e-4, atol=1e-4 * scale)

@@ -12,6 +12,7 @@ not). All batched over streams.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,25 @@ class BudgetRule:
         if self.tokens is not None:
             return torch.full_like(length, max(1, round(self.tokens * float(self.weights[layer]))))
         return ratio_budget(float(self.fractions[layer]), length)
+
+    def growth(self, layer: int) -> float:
+        """g such that k more tokens of a sequence raise ``layer``'s budget by at least floor(g k): the fraction
+        kept (ceil(f (L + k)) >= ceil(f L) + floor(f k)), 0 for a fixed token budget."""
+        return 0.0 if self.tokens is not None else float(self.fractions[layer])
+
+
+def quiet_steps(room: int, growth: float, most: int = 4096) -> int:
+    """Decode steps after which a stream with ``room`` tokens to spare is surely still within its budget, when
+    each step adds one token and k steps raise the budget by at least floor(growth k): the largest k with
+    k - floor(growth k) <= room (at most ``most``)."""
+    if room < 0:
+        return 0
+    if growth >= 1:  # the budget keeps up with every token
+        return most
+    k = min(most, int(room / (1 - growth)) + 2)
+    while k > room and k - math.floor(growth * k - 1e-9) > room:  # 1e-9: float rounding never overshoots
+        k -= 1
+    return k
 
 
 def layer_fractions(ratio: float, weights: torch.Tensor) -> torch.Tensor:

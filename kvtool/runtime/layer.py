@@ -30,7 +30,7 @@ from kvtool.methods.sparse.rocketkv import select_groups
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
-from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose
+from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose, quiet_steps
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
     CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
@@ -230,7 +230,8 @@ class KvtoolLayer(CacheLayerMixin):
         ):  # a decode step that evicts and encodes nothing: store the token, then attend over the store alone
             self._store_new(nk, nv, None, positions, None, 1)
             q = (query.float() * scaling).reshape(s, g, r, d)
-            out, chunks = attend_stored(q, self._chunks(s, r, options), options, self._sink_logits(options.sinks, b, 1), scoring)
+            chunks = self._chunks(s, r, options, trim=True)
+            out, chunks = attend_stored(q, chunks, options, self._sink_logits(options.sinks, b, 1), scoring)
             if scoring:
                 self._accumulate(Received(chunks=chunks))
             return out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
@@ -386,8 +387,11 @@ class KvtoolLayer(CacheLayerMixin):
         rows = per_head[..., None].expand(-1, -1, -1, t).reshape(self.groups, self.g, -1)  # (H/g, g, G*t)
         return rows.repeat(b, 1, 1)
 
-    def _chunks(self, s: int, r: int, options: LayerOptions):
-        """The stored tokens of every stream, chunk by chunk (float blocks, then body blocks), whole blocks at a time."""
+    def _chunks(self, s: int, r: int, options: LayerOptions, trim: bool = False):
+        """The stored tokens of every stream, chunk by chunk (float blocks, then body blocks), whole blocks at a time.
+
+        trim: when every stream's float region ends at the same slot, the last float chunk ends there too
+        (no mask needed; its last block is then partial, which `_accumulate` handles)."""
         store, context = self.store, self.context
         fbs, bs = store.fbs, store.bs
         d, g = store.layout.head_dim, self.g
@@ -395,16 +399,21 @@ class KvtoolLayer(CacheLayerMixin):
         needs_pos = bool(options.sliding_window)
         float_blocks = int(store.float_blocks().max()) if s else 0
         shortest = int(store.float_len.min()) if s else 0
+        even = trim and s and shortest == int(store.float_len.max())
         step = max(1, per_chunk // fbs)
         for c0 in range(0, float_blocks, step):
             c1 = min(float_blocks, c0 + step)
             ids = store.float_block_ids(c0, c1)  # (S, nb)
             kv = store.read_blocks(store.float_pool, ("k", "v"), ids)  # (S, nb*fbs, g, D)
-            k, v = kv["k"].float().transpose(1, 2), kv["v"].float().transpose(1, 2)  # (S, g, c, D)
-            valid = None
-            if c1 * fbs > shortest:  # some stream ends inside this chunk
-                valid = torch.arange(c0 * fbs, c1 * fbs, device=self.device) < store.lengths("float_len")[:, None]
+            k, v = kv["k"], kv["v"]
             pos = context.float_block_positions(self, ids, c0) if needs_pos else None
+            valid = None
+            if c1 * fbs > shortest and even:  # every stream ends at slot `shortest`, inside this chunk
+                k, v = k[:, : shortest - c0 * fbs], v[:, : shortest - c0 * fbs]
+                pos = None if pos is None else pos[:, : shortest - c0 * fbs]
+            elif c1 * fbs > shortest:  # some stream ends inside this chunk
+                valid = torch.arange(c0 * fbs, c1 * fbs, device=self.device) < store.lengths("float_len")[:, None]
+            k, v = k.float().transpose(1, 2), v.float().transpose(1, 2)  # (S, g, c, D)
             yield Chunk(
                 scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),
                 values=lambda p, v=v: torch.matmul(p, v),
@@ -443,10 +452,11 @@ class KvtoolLayer(CacheLayerMixin):
         if real is None:
             counts = np.full(b, t, dtype=np.int64)
             order = None
+            self.lengths = self.lengths + t
         else:
             counts = real.sum(dim=1).cpu().numpy()
             order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices  # real tokens first, in order
-        self.lengths = self.lengths + torch.from_numpy(counts).to(self.device)
+            self.lengths = self.lengths + torch.from_numpy(counts).to(self.device)
         stream_counts = np.repeat(counts, groups)
         stream_order = None if order is None else order.repeat_interleave(groups, dim=0)
 
@@ -484,8 +494,10 @@ class KvtoolLayer(CacheLayerMixin):
         store = self.store
         for region, start, values in received.chunks:
             pool, tokens = (store.float_pool, store.fbs) if region == "float" else (store.body_pool, store.bs)
-            c0 = start // tokens
-            ids = (store.float_block_ids if region == "float" else store.body_block_ids)(c0, c0 + values.shape[1] // tokens)
+            c0, blocks = start // tokens, -(-values.shape[1] // tokens)
+            if values.shape[1] < blocks * tokens:  # a trimmed chunk (`_chunks`): its last block is partial
+                values = torch.nn.functional.pad(values, (0, blocks * tokens - values.shape[1]))
+            ids = (store.float_block_ids if region == "float" else store.body_block_ids)(c0, c0 + blocks)
             # masked slots received exactly 0 and table entries past a stream's blocks are 0: adding is safe
             pool.tensors["score"].index_add_(0, ids.flatten(), values.reshape(-1, tokens))
 
@@ -515,9 +527,10 @@ class KvtoolLayer(CacheLayerMixin):
                 due_sequences, steps = (room < 0).any(dim=1), room.amin(dim=1)
             if not bool(due_sequences.any()):
                 # a decode step adds at most one token per stream and a plain budget never shrinks as the
-                # sequence grows: no sequence is due before (steps + 1) more steps
+                # sequence grows (a kept fraction grows with it): no sequence is due for `quiet_steps` steps
                 if decoding and getattr(self.budget, "never_shrinks", False):
-                    self._quiet_steps = int(steps.min())
+                    growth = self.budget.growth(self.index) if hasattr(self.budget, "growth") else 0.0
+                    self._quiet_steps = quiet_steps(int(steps.min()), growth)
                 return False
             # a sequence is cut back whole once one of its streams is due (the policy may share budgets
             # among its heads); sequences not due keep everything, as they would alone

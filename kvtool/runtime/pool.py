@@ -33,6 +33,25 @@ class BlockPool:
         self.in_use = torch.zeros(0, dtype=torch.bool, device=self.device)
         self.used = 0  # blocks in use (a Python int: no device sync to read it)
 
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """{name: (capacity, *shape)} the block tensors (replaced whole when the pool grows or shrinks)."""
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._flat_views: dict[str, torch.Tensor] = {}  # views of these tensors only: no old storage stays alive
+
+    def flat(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` viewed per slot, (capacity x tokens per block, ...): one view per pool size, reused
+        (decode steps ask for it in every layer)."""
+        view = self._flat_views.get(name)
+        if view is None:
+            t = self._tensors[name]
+            view = self._flat_views[name] = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+        return view
+
     # --- sizes ---------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
@@ -100,9 +119,11 @@ class BlockPool:
 
     def apply_moves(self, old: torch.Tensor, new: torch.Tensor, capacity: int) -> None:
         """Copy blocks ``old`` to free rows ``new`` and cut the pool to ``capacity`` rows."""
+        moved = {}
         for name, t in self.tensors.items():
             t[new] = t[old]
-            self.tensors[name] = t[:capacity].clone()
+            moved[name] = t[:capacity].clone()
+        self.tensors = moved
         self.in_use[new] = True
         self.in_use[old] = False
         self.in_use = self.in_use[:capacity].clone()

@@ -192,8 +192,7 @@ class LayerStore:
     # --- reading ----------------------------------------------------------------------------------
     def flat(self, pool: BlockPool, name: str) -> torch.Tensor:
         """A pool tensor viewed per slot: (cap * tokens per block, ...)."""
-        t = pool.tensors[name]
-        return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+        return pool.flat(name)
 
     def float_flat(self, name: str) -> torch.Tensor:
         return self.flat(self.float_pool, name)
@@ -274,17 +273,11 @@ class LayerStore:
         width = next(iter(data.values())).shape[1]
         total = int(count.sum())
         end = start + count
-        self._ensure_float_blocks(np.maximum(self.float_len, end))
         if total and width == 1 and total == self.streams:  # a decode step: one token per stream
-            slot = torch.from_numpy(start).to(self.device)  # (S,)
-            block = self.float_table.gather(1, (slot // self.fbs)[:, None])[:, 0].long()  # (S,)
-            target = block * self.fbs + slot % self.fbs
-            for name, values in data.items():
-                flat = self.float_flat(name)
-                flat.index_copy_(0, target, values[:, 0].to(flat.dtype))
-            if self.layout.summary_tokens and not self._summaries_stale:
-                self._absorb_into_summaries(block, slot % self.fbs, data["k"][:, 0])
-        elif total:
+            self._write_one_each(start, data)
+            return
+        self._ensure_float_blocks(np.maximum(self.float_len, end))
+        if total:
             if (count == width).all():  # every row written whole: no gather of the sources
                 rows_t = torch.arange(self.streams, device=self.device).repeat_interleave(width)
                 j_t = torch.arange(width, device=self.device).repeat(self.streams)
@@ -299,6 +292,30 @@ class LayerStore:
                 flat = self.float_flat(name)
                 flat[target] = values.to(flat.dtype)
             self._summaries_stale = True
+        self._set("float_len", np.maximum(self.float_len, end))
+
+    def _write_one_each(self, start: np.ndarray, data: dict[str, torch.Tensor]) -> None:
+        """`write_float` of one token per stream (data {name: (S, 1, ...)}) at float slot start[s]: a decode step.
+
+        The hot path of every decode step, so it does the least: blocks are allocated only when a slot
+        lies past a stream's blocks, slot ids come from the host table on CPU (numpy, no per-op dispatch),
+        each tensor is written by one index_copy_."""
+        fbs = self.fbs
+        end = start + 1
+        if (end > self.float_blocks() * fbs).any():
+            self._ensure_float_blocks(np.maximum(self.float_len, end))
+        column, offset = start // fbs, start % fbs
+        if self.device.type == "cpu":
+            block_np = self.float_table.numpy()[np.arange(self.streams), column].astype(np.int64)  # (S,)
+            target = torch.from_numpy(block_np * fbs + offset)  # (S,) flat slot ids
+        else:
+            block = self.float_table.gather(1, torch.from_numpy(column).to(self.device)[:, None])[:, 0].long()
+            target = block * fbs + torch.from_numpy(offset).to(self.device)
+        for name, values in data.items():
+            flat = self.float_flat(name)
+            flat.index_copy_(0, target, values[:, 0].to(flat.dtype))
+        if self.layout.summary_tokens and not self._summaries_stale:
+            self._absorb_into_summaries(target // fbs, target % fbs, data["k"][:, 0])
         self._set("float_len", np.maximum(self.float_len, end))
 
     def fill_holes(self, keep: torch.Tensor, data: dict[str, torch.Tensor], keep_new: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ slice are contiguous, and a block's bytes can be read as int32 words (S >= 32).
 Why token-split: shifting a slice's bytes right by ``i * w`` gives, for the tokens of
 sub-row i, the *raw* value ``P_t = c_t + 2**w * P_{t + S/k}`` (the bits above are not
 masked). Attention can contract raw values and correct afterwards, on the small
-result, instead of masking every element (`raw_slices`, `telescope_scores`,
+result, instead of masking every element (`raw_slices` / `raw_pieces`, `telescope_pieces`,
 `fold_weights`): ``q . c_t = q . P_t - 2**w * q . P_{t+S/k}`` and
 ``sum_t w_t c_t = sum_t (w_t - 2**w * w_{t-S/k}) P_t``. Triton kernels mask in registers.
 """
@@ -87,6 +87,27 @@ def raw_slices(packed: torch.Tensor, bits: int, tokens: int) -> list[tuple[int, 
     return out
 
 
+def raw_pieces(packed: torch.Tensor, bits: int, tokens: int) -> list[tuple[int, int, list[torch.Tensor]]]:
+    """`raw_slices` without the concatenation: per slice (width, lowest bit, [P_0, ..., P_{k-1}]), piece i the
+    raw values (..., S/k, C) uint8 of tokens [i S/k, (i + 1) S/k) of each block (k = 8 / width). Contract
+    each piece on its own and combine the small results with `telescope_pieces`."""
+    out, row, low = [], 0, 0
+    for width in slice_widths(bits):
+        k = 8 // width
+        part = packed[..., row : row + tokens // k, :]  # (..., S/k, C)
+        out.append((width, low, [part] + [part >> (i * width) for i in range(1, k)]))
+        row += tokens // k
+        low += width
+    return out
+
+
+def telescope_pieces(raw_scores: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Scores against the pieces of `raw_pieces`, each (..., S/k) -> scores against the codes (..., S):
+    piece i holds ``c + 2**w P_{i+1}``, so ``x . c = x . P_i - 2**w x . P_{i+1}`` (the last piece is exact)."""
+    codes = [raw_scores[i] - (1 << width) * raw_scores[i + 1] for i in range(len(raw_scores) - 1)]
+    return torch.cat(codes + [raw_scores[-1]], dim=-1)
+
+
 def unpack_codes(packed: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
     """Inverse of `pack_codes`: (..., S * bits / 8, C) uint8 -> (..., S, C) uint8 codes."""
     codes = None
@@ -94,21 +115,6 @@ def unpack_codes(packed: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
         part = raw & ((1 << width) - 1) if width < 8 else raw
         codes = part << low if codes is None else codes | (part << low)
     return codes
-
-
-def telescope_scores(raw_scores: torch.Tensor, width: int, tokens: int) -> torch.Tensor:
-    """Scores against raw values -> scores against codes, along the last dim (blocks of ``tokens``).
-
-    raw_scores (..., N * S): ``x . P_t`` per token; returns ``x . c_t = x . P_t - 2**w x . P_{t+S/k}``
-    within each block of S tokens.
-    """
-    if width == 8:
-        return raw_scores
-    sub = tokens // (8 // width)
-    blocks = raw_scores.reshape(*raw_scores.shape[:-1], -1, tokens)  # (..., N, S)
-    out = blocks.clone()
-    out[..., : tokens - sub] -= (1 << width) * blocks[..., sub:]
-    return out.reshape(raw_scores.shape)
 
 
 def fold_weights(weights: torch.Tensor, width: int, tokens: int) -> torch.Tensor:

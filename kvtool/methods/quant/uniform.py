@@ -12,10 +12,13 @@ Storage per block of one (sequence, KV head) stream (leading block dim omitted):
 
 Dequantization: ``x = code * scale + zero``.
 
-Attention never dequantizes (`chunk_scores`, `chunk_values`): per-channel key scales fold
-into the query, ``q . (s * c + z) = (q * s) . c + q . z``; per-token value scales fold into
-the probabilities, ``sum_t p_t (s_t * c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t``; the
-packed bytes are contracted raw and corrected on the small result (`packing.py`).
+Attention never dequantizes (`chunk_scores`, `chunk_values`): zero points fold into the query,
+``q . (s * c + z) = q . (s * c) + q . z``, and per-channel key scales multiply the chunk's raw
+packed bytes (one pass into a chunk-bounded float32 temporary; the GPU kernel folds them into
+the query instead, which on CPU would be one tiny matmul per block); per-token value scales
+fold into the probabilities, ``sum_t p_t (s_t * c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t``;
+the packed bytes are contracted raw, piece by piece, and corrected on the small result
+(`packing.py`: `raw_pieces`, `telescope_pieces`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from __future__ import annotations
 import torch
 
 from kvtool.methods.base import BlockQuantizer
-from kvtool.methods.quant.packing import fold_weights, pack_codes, packed_rows, raw_slices, telescope_scores, unpack_codes
+from kvtool.methods.quant.packing import (
+    fold_weights,
+    pack_codes,
+    packed_rows,
+    raw_pieces,
+    raw_slices,
+    telescope_pieces,
+    unpack_codes,
+)
 from kvtool.methods.registry import register
 
 _FP16_MAX = 65504.0
@@ -98,15 +109,18 @@ class UniformQuantizer(BlockQuantizer):
             return torch.matmul(query, self._dequantized(blocks).transpose(-1, -2))  # (Sc, 1, R, T)
         q = query[:, 0]  # (Sc, R, D)
         sc, nb = blocks["codes"].shape[:2]
-        s = self.block_size
-        q_scaled = q[:, None] * blocks["scale"].float()[:, :, None, :]  # (Sc, nb, R, D): per-block channel scales
+        r, d = q.shape[1:]
+        scale = blocks["scale"].float()[:, :, None, :]  # (Sc, nb, 1, D): per-block channel scales
         scores = None
-        for width, low, raw in raw_slices(blocks["codes"], self.spec.bits, s):  # raw (Sc, nb, S, D)
-            part = torch.matmul(q_scaled, raw.float().transpose(-1, -2))  # (Sc, nb, R, S)
-            part = telescope_scores(part, width, s) * float(1 << low)
+        for width, low, pieces in raw_pieces(blocks["codes"], self.spec.bits, self.block_size):  # each (Sc, nb, S/k, D)
+            # the scales multiply the chunk's raw bytes (one pass, into float32) so that every piece is one
+            # matmul over all its blocks; scaling the query per block instead makes nb tiny matmuls (slow on CPU)
+            raw = [torch.matmul(q, torch.mul(piece, scale).reshape(sc, -1, d).transpose(-1, -2)) for piece in pieces]
+            raw = [x.reshape(sc, r, nb, -1) for x in raw]  # (Sc, R, nb, S/k): tokens i S/k.. of each block
+            part = telescope_pieces(raw, width) * float(1 << low)  # (Sc, R, nb, S)
             scores = part if scores is None else scores + part
-        scores = scores + torch.matmul(blocks["zero"].float()[:, :, None, :], q.transpose(-1, -2)[:, None]).transpose(-1, -2)
-        return scores.permute(0, 2, 1, 3).reshape(sc, 1, q.shape[1], nb * s)  # (Sc, 1, R, nb*S)
+        zeros = torch.matmul(q, blocks["zero"].float().transpose(-1, -2))  # (Sc, R, nb): q . z per block
+        return (scores + zeros[..., None]).reshape(sc, 1, r, nb * self.block_size)  # (Sc, 1, R, nb*S)
 
     def chunk_values(self, probs, blocks, group):
         if probs.shape[2] > self.head_dim:  # many rows (prefill): scaling the values once costs less than every row's weights
@@ -117,14 +131,19 @@ class UniformQuantizer(BlockQuantizer):
         scale, zero = blocks["scale"].float(), blocks["zero"].float()
         if self.spec.axis == "channel":
             return self._channel_values(p, blocks["codes"], scale, zero)[:, None]
-        groups = d // self.group
+        groups, r = d // self.group, p.shape[1]
         scale_t = scale.reshape(sc, nb * s, groups).transpose(1, 2)  # (Sc, groups, T)
-        weights = p[:, :, None, :] * scale_t[:, None]  # (Sc, R, groups, T): p_t * s_t per channel group
+        weights = (p[:, :, None, :] * scale_t[:, None]).reshape(sc, r * groups, nb, s)  # p_t * s_t per channel group
         out = None
-        for width, low, raw in raw_slices(blocks["codes"], self.spec.bits, s):
-            folded = fold_weights(weights, width, s).reshape(sc, -1, nb * s)  # (Sc, R*groups, T)
-            part = torch.matmul(folded, raw.float().reshape(sc, nb * s, d)) * float(1 << low)  # (Sc, R*groups, D)
-            out = part if out is None else out + part
+        for width, low, pieces in raw_pieces(blocks["codes"], self.spec.bits, s):  # each (Sc, nb, S/k, D)
+            sub = s // len(pieces)
+            for i, piece in enumerate(pieces):  # piece i holds c_t + 2**w P_{t+S/k}: fold the weights (`fold_weights`)
+                w = weights[..., i * sub : (i + 1) * sub]  # (Sc, R*groups, nb, S/k)
+                if i:
+                    w = w - (1 << width) * weights[..., (i - 1) * sub : i * sub]
+                part = torch.matmul(w.reshape(sc, r * groups, nb * sub), piece.reshape(sc, nb * sub, d).float())
+                part = part * float(1 << low)  # (Sc, R*groups, D)
+                out = part if out is None else out + part
         out = out.reshape(sc, p.shape[1], groups, groups, self.group).diagonal(dim1=2, dim2=3)  # (Sc, R, g_size, groups)
         out = out.transpose(-1, -2).reshape(sc, p.shape[1], d)  # channel d took the weights of its own group
         zeros = torch.matmul(p, zero.reshape(sc, nb * s, groups))  # (Sc, R, groups)
