@@ -8,9 +8,11 @@ Resolved once per runtime and reported in every memory report (``backend``):
   a `kernel_format` (none: float16 data; uniform 2/3/4/8-bit, KIVI-style; fp8 e4m3/e5m2 with
   per-block or calibrated per-layer / per-KV-head scales; int_static 2/3/4/8-bit with calibrated
   per-layer / per-head / per-channel ranges; nuq 2/3/4-bit codebook lookups with per-channel or
-  per-token scales and dense-and-sparse outliers), keys stored after RoPE or before it (KVQuant's
-  ``keys.pre_rope``: rotated in the kernel at each token's true position, for RoPE types with
-  fixed frequencies), full-attention layers, policies that do not score tokens by attention, and
+  per-token scales and dense-and-sparse outliers; Palu low-rank latents with ``group_heads: 1``,
+  fp16 or 2/3/4/8-bit with or without the Hadamard transform, reconstructed in registers;
+  TurboQuant 2/3/4-bit without the outlier split or QJL, read in the rotated domain), keys stored
+  after RoPE or before it (KVQuant's and Palu's ``keys.pre_rope``: rotated in the kernel at each
+  token's true position, for RoPE types with fixed frequencies), full-attention layers, policies that do not score tokens by attention, and
   RocketKV's sparse read (`kernels/sparse_decode.py`: only the slots the summaries select; the
   selection itself is torch).
   The append/encode step runs in Triton too, for every layer step that flushes full float
@@ -20,7 +22,8 @@ Resolved once per runtime and reported in every memory report (``backend``):
   ``encode_blocks`` does and written straight into the body pool rows the store allocated;
   the other sides (int_static, nuq, TurboQuant, Palu) are encoded by the torch reference.
   Prefill attention, sliding-window layers, attention-scored eviction (h2o, snapkv, ...),
-  TurboQuant and Palu blocks stay on the torch path; `cache.memory_report()["kernel_steps"]`
+  Palu latents spanning a group of KV heads (``group_heads`` != 1), TurboQuant's outlier split
+  (``extra_bits``: turboquant-2.5bit / -3.5bit) and QJL residual stay on the torch path; `cache.memory_report()["kernel_steps"]`
   counts the layer steps the decode kernel ran and ``["kernel_encodes"]`` the body blocks the
   encode kernel wrote (keys and values counted apart). Needs CUDA, or ``TRITON_INTERPRET=1``
   to run the kernels on CPU tensors (slow; for tests);
@@ -40,6 +43,10 @@ from kvtool.errors import RuntimeConfigError
 from kvtool.recipe import Recipe
 
 BACKENDS = ("auto", "torch", "triton")
+KERNEL_READS = (
+    "the kernel reads none, uniform, fp8, int_static and nuq blocks, palu latents with group_heads 1 and turboquant "
+    "without extra_bits or qjl"
+)
 
 
 def triton_available(device: torch.device) -> bool:
@@ -68,8 +75,8 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     for quantizer, name in zip(quantizers, ("keys", "values")):
         try:
             quantizer.kernel_format()
-        except RuntimeConfigError:
-            return f"{name} use method '{quantizer.spec.method}' (the kernel reads none, uniform, fp8, int_static and nuq blocks)"
+        except RuntimeConfigError as exc:
+            return f"{name} use method '{quantizer.spec.method}': {exc} ({KERNEL_READS})"
     return None
 
 

@@ -55,9 +55,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.errors import RecipeError
+from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.methods.base import BlockQuantizer
-from kvtool.methods.lowrank.hadamard import fwht, is_power_of_two
+from kvtool.methods.lowrank.hadamard import fwht, hadamard_matrix, is_power_of_two
 from kvtool.methods.quant.packing import pack_codes, packed_rows, unpack_codes
 from kvtool.methods.registry import register
 
@@ -233,6 +233,25 @@ class TurboQuantizer(BlockQuantizer):
                 spec[p + "qjl_signs"] = ((packed_rows(s, 1), inst.dim), torch.uint8)
                 spec[p + "residual_norm"] = ((s,), torch.float16)
         return spec
+
+    # --- the Triton decode kernel ----------------------------------------------------------------
+    def kernel_format(self):
+        """One instance: codebook lookups times the per-token norm, read in the rotated domain (`body_rotated.py`)."""
+        from kvtool.runtime.kernels.body_format import BodyFormat
+
+        if self.qjl or self.outliers:
+            what = "the QJL residual" if self.qjl else "the outlier split (extra_bits: a channel subset and rotation per block)"
+            raise RuntimeConfigError(f"the Triton decode kernel does not read turboquant with {what}")
+        bits = self.instances[0].code_bits
+        return BodyFormat(bits=bits, per_channel=False, group=self.head_dim, scales="norm", zero=False, levels=2**bits,
+                          rotated=True)
+
+    def kernel_constants(self) -> dict[str, torch.Tensor]:
+        """``codebook`` (2**b,) and ``rotation`` P (D, D) = H diag(s), so that ``rotate(x) = x @ P^T``."""
+        if self.qjl or self.outliers:
+            return {}
+        tensors = self.instances[0].tensors()
+        return {"codebook": tensors["codebook"], "rotation": hadamard_matrix(self.head_dim) * tensors["signs"][None, :]}
 
     # --- one instance ---------------------------------------------------------------------------
     def _encode_instance(self, inst: Instance, x: torch.Tensor, on: dict) -> dict[str, torch.Tensor]:
