@@ -56,7 +56,18 @@ SIDES = {  # name: (key spec, value spec)
         QuantSpec(method="turboquant", bits=4, path="keys"),
         QuantSpec(method="palu", bits=2, hadamard=True, group_size=32, path="values")),
     "uniform-4-keys-turboquant-2-values": (QuantSpec(bits=4, path="keys"), QuantSpec(method="turboquant", bits=2, path="values")),
+    # the outlier split: 2.5 bits (a quarter at 4 bits: Haar rotation of the 3D/4 rest) and 3.5 (half at 4 bits)
+    "turboquant-2.5-3.5": (QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
+                           QuantSpec(method="turboquant", bits=3, extra_bits=0.5, path="values")),
+    "turboquant-3.5-keys-palu-values": (
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
+        QuantSpec(method="palu", bits=16, path="values")),
 }
+# sides that run the diagonal of the head_dim x GQA matrix only (every head_dim and GQA once: CI time)
+DIAGONAL_ONLY = [name for name in SIDES if "palu" in name or "turboquant" in name]
+DIAGONAL = [(64, 1), (128, 4), (256, 8)]
+MATRIX = [(side, d, gqa) for side in SIDES for d in (64, 128, 256) for gqa in (1, 4, 8)
+          if side not in DIAGONAL_ONLY or (d, gqa) in DIAGONAL]
 KV_HEADS = 2  # streams alternate between two KV heads, so per-head static tables are read per stream
 # (float tokens, body blocks) per stream: empty, one token, a block boundary, body-only, long
 RAGGED = [(0, 0), (1, 0), (17, 2), (0, 3), (40, 5)]
@@ -212,9 +223,7 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("gqa", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("side", list(SIDES))
+@pytest.mark.parametrize("side, head_dim, gqa", MATRIX)
 def test_decode_kernel_equals_the_dense_reference(side, head_dim, gqa, device):
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
@@ -445,11 +454,15 @@ GENERATION_RECIPES = {
         name="tq3", keys=QuantSpec(method="turboquant", bits=3, path="keys"), values=QuantSpec(method="turboquant", bits=3, path="values"),
         cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
     ),
+    "turboquant-2.5bit": Recipe(  # the outlier split: keys 8 of 32 channels at 4 bits (the 24 others Haar-rotated)
+        name="tq25", keys=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
+        values=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
 }
 CASES = [(name, "llama") for name in GENERATION_RECIPES] + [
     ("kvquant-3bit", "phi3"),  # partial rotary
     ("kvquant-3bit", "cohere"),  # interleaved pairs
-    ("palu-3bit-hadamard", "phi3"),
 ]
 
 
@@ -518,14 +531,13 @@ def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on
     assert CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="auto").backend == "torch"  # CPU
 
 
-def test_triton_backend_reads_plain_turboquant_and_per_head_palu_and_refuses_their_other_forms():
-    """What still goes to the torch path says why: TurboQuant's outlier split and QJL, Palu latents of a head group."""
+def test_triton_backend_reads_turboquant_and_per_head_palu_and_refuses_their_other_forms():
+    """What still goes to the torch path says why: TurboQuant's QJL residual, Palu latents of a head group."""
     model = tiny_model("llama", kv_heads=2)
     turbo = lambda **kw: Recipe(name="tq", keys=QuantSpec(method="turboquant", bits=3, path="keys", **kw))  # noqa: E731
     assert CompressedRuntime.from_recipe(model, turbo(), backend="triton").backend == "triton"
-    with pytest.raises(RuntimeConfigError, match="keys use method 'turboquant': .*outlier split"):
-        CompressedRuntime.from_recipe(model, turbo(extra_bits=0.5), backend="triton")
-    with pytest.raises(RuntimeConfigError, match="turboquant with the QJL residual"):
+    assert CompressedRuntime.from_recipe(model, turbo(extra_bits=0.5), backend="triton").backend == "triton"
+    with pytest.raises(RuntimeConfigError, match="keys use method 'turboquant': .*turboquant with the QJL residual"):
         CompressedRuntime.from_recipe(model, turbo(qjl=True), backend="triton")
     g = torch.Generator().manual_seed(0)
     for groups, group_heads in ((2, 1), (1, 0)):  # one basis per KV head, or one for both

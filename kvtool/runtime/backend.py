@@ -10,7 +10,8 @@ Resolved once per runtime and reported in every memory report (``backend``):
   per-layer / per-head / per-channel ranges; nuq 2/3/4-bit codebook lookups with per-channel or
   per-token scales and dense-and-sparse outliers; Palu low-rank latents with ``group_heads: 1``,
   fp16 or 2/3/4/8-bit with or without the Hadamard transform, reconstructed in registers;
-  TurboQuant 2/3/4-bit without the outlier split or QJL, read in the rotated domain), keys stored
+  TurboQuant 2/3/4-bit read in the rotated domain, and its outlier split (2.5 / 3.5 bits) rebuilt
+  in registers per block; not its QJL residual), keys stored
   after RoPE or before it (KVQuant's and Palu's ``keys.pre_rope``: rotated in the kernel at each
   token's true position, for RoPE types with fixed frequencies), full-attention layers, policies that do not score tokens by attention, and
   RocketKV's sparse read (`kernels/sparse_decode.py`: only the slots the summaries select; the
@@ -22,8 +23,8 @@ Resolved once per runtime and reported in every memory report (``backend``):
   ``encode_blocks`` does and written straight into the body pool rows the store allocated;
   the other sides (int_static, nuq, TurboQuant, Palu) are encoded by the torch reference.
   Prefill attention, sliding-window layers, attention-scored eviction (h2o, snapkv, ...),
-  Palu latents spanning a group of KV heads (``group_heads`` != 1), TurboQuant's outlier split
-  (``extra_bits``: turboquant-2.5bit / -3.5bit) and QJL residual stay on the torch path; `cache.memory_report()["kernel_steps"]`
+  Palu latents spanning a group of KV heads (``group_heads`` != 1) and TurboQuant's QJL residual
+  stay on the torch path; `cache.memory_report()["kernel_steps"]`
   counts the layer steps the decode kernel ran and ``["kernel_encodes"]`` the body blocks the
   encode kernel wrote (keys and values counted apart). Needs CUDA, or ``TRITON_INTERPRET=1``
   to run the kernels on CPU tensors (slow; for tests);
@@ -45,7 +46,7 @@ from kvtool.recipe import Recipe
 BACKENDS = ("auto", "torch", "triton")
 KERNEL_READS = (
     "the kernel reads none, uniform, fp8, int_static and nuq blocks, palu latents with group_heads 1 and turboquant "
-    "without extra_bits or qjl"
+    "without qjl"
 )
 
 

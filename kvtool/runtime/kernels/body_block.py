@@ -77,7 +77,9 @@ def fp8_bytes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @triton.jit
 def _codebook(code, lut_ptr, LEVELS: tl.constexpr):
-    """Codes (BS, BD) -> codebook levels float32, the lookup as selects in registers (nuq: <= 16 levels)."""
+    """Codes (BS, BD) -> codebook levels float32: selects in registers up to 16 levels (nuq), else a gather (cached)."""
+    if LEVELS > 16:  # TurboQuant's 5/6-bit outlier instances
+        return tl.load(lut_ptr + code)
     x = code.to(tl.float32) * 0.0
     for level in tl.static_range(LEVELS):
         x = tl.where(code == level, tl.load(lut_ptr + level), x)
@@ -150,12 +152,20 @@ def load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
     return x
 
 
-def side_constants(fmt) -> dict:
-    """The decode kernel's constants for one side's `BodyFormat`, without the K_ / V_ prefix: `load_body`'s,
-    the latent rank and its power-of-two width BL (at least 16, for tl.dot), and whether the side is rotated."""
+def _lanes(n: int) -> int:
+    """Power-of-two register width for n coordinates, at least 16 (tl.dot)."""
+    return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+def side_constants(fmt, head_dim: int) -> dict:
+    """The decode kernel's constants for one side's `BodyFormat`, without the K_ / V_ prefix: `load_body`'s, the
+    latent rank and its width BL, whether the side is rotated, and the outlier split's instances (widths BDO, BDR)."""
     w0, w1, w2 = fmt.widths()
+    o0, o1, o2 = fmt.widths(fmt.split_bits)
     mantissa, bias = fmt.fp8_layout()
     return dict(BITS=fmt.bits, W0=w0, W1=w1, W2=w2, FP8_MANTISSA=mantissa, FP8_BIAS=bias, SCALES=fmt.scale_mode(),
                 GROUP=fmt.group, HAS_ZERO=fmt.zero, LEVELS=fmt.levels, OUTLIERS=fmt.outliers, RANK=fmt.rank,
-                BL=max(16, triton.next_power_of_2(max(fmt.rank, 1))), ROTATED=fmt.rotated)
+                BL=_lanes(fmt.rank), ROTATED=fmt.rotated, SPLIT=fmt.split, O_BITS=fmt.split_bits, O_W0=o0, O_W1=o1,
+                O_W2=o2, O_LEVELS=2**fmt.split_bits if fmt.split else 0, BDO=_lanes(fmt.split),
+                BDR=_lanes(head_dim - fmt.split))
 

@@ -23,7 +23,10 @@ A body element is read in three steps, each chosen by one field (constants for t
    token (the block is (BS, rank), not (BS, D)), reconstructed in registers as
    ``latent @ recon[head] + recon_bias[head]`` (`body_lowrank.py`); ``rotated`` (TurboQuant): the
    vector read is ``P x`` for an orthogonal ``P`` (``rotation`` (D, D)), so the kernel scores it
-   against the rotated query and sums values in the rotated domain (`body_rotated.py`).
+   against the rotated query and sums values in the rotated domain (`body_rotated.py`); ``split > 0``
+   (TurboQuant's outlier split): steps 1-3 read two instances per block, ``split`` outlier
+   channels at ``split_bits`` and the rest at ``bits``, each rebuilt in head space through the
+   block's channel mask and the instance's rotation (`body_split.py`).
 
 The tensors that are not in the store (static tables, codebooks, reconstruction and rotation
 matrices) come from the quantizer's
@@ -53,6 +56,8 @@ class BodyFormat:
     outliers: int = 0  # sparse outliers per block (nuq dense-and-sparse)
     rank: int = 0  # > 0: the block holds latents of this many coordinates per token, reconstructed to D (Palu)
     rotated: bool = False  # the vector read is P x, P the side's ``rotation`` (TurboQuant)
+    split: int = 0  # > 0: outlier channels per block of a second instance (TurboQuant's outlier split)
+    split_bits: int = 0  # code bits of that outlier instance
 
     def __post_init__(self) -> None:
         if not self.scales:
@@ -63,9 +68,11 @@ class BodyFormat:
         if self.fp8 and (self.fp8 not in FP8_LAYOUTS or self.bits != 8):
             raise ValueError(f"BodyFormat.fp8: '{self.fp8}' needs bits 8 and one of {list(FP8_LAYOUTS)}")
 
-    def widths(self) -> tuple[int, int, int]:
-        """Slice widths of the packed codes, lowest bits first, padded with 0 (float data and fp8 -> none)."""
-        w = [] if self.bits == 16 or self.fp8 else slice_widths(self.bits)
+    def widths(self, bits: int | None = None) -> tuple[int, int, int]:
+        """Slice widths of the packed codes (of ``bits``, default the format's), lowest bits first, padded with 0
+        (float data and fp8 -> none)."""
+        bits = self.bits if bits is None else bits
+        w = [] if bits == 16 or self.fp8 or bits == 0 else slice_widths(bits)
         return tuple(w + [0] * (3 - len(w)))
 
     def fp8_layout(self) -> tuple[int, int]:

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kvtool.runtime.kernels.body_block import load_body
+from kvtool.runtime.kernels.body_split import load_split
 
 
 @triton.jit
@@ -44,14 +45,23 @@ def reconstruct(latent, w_ptr, b_ptr, head, c, cmask, RANK: tl.constexpr, BL: tl
 
 
 @triton.jit
-def load_side(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_ptr, w_ptr, b_ptr, srow, scol, block, head,
-              t, c, cmask, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-              W2: tl.constexpr, FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, SCALES: tl.constexpr,
-              GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, LEVELS: tl.constexpr, OUTLIERS: tl.constexpr,
-              RANK: tl.constexpr, BL: tl.constexpr):
+def load_side(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_ptr, w_ptr, b_ptr, xcodes_ptr, xnorm_ptr,
+              xmask_ptr, xtables_ptr, srow, scol, block, head, t, c, cmask, D: tl.constexpr, BS: tl.constexpr,
+              BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, FP8_MANTISSA: tl.constexpr,
+              FP8_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+              LEVELS: tl.constexpr, OUTLIERS: tl.constexpr, RANK: tl.constexpr, BL: tl.constexpr, SPLIT: tl.constexpr,
+              O_BITS: tl.constexpr, O_W0: tl.constexpr, O_W1: tl.constexpr, O_W2: tl.constexpr, O_LEVELS: tl.constexpr,
+              BDO: tl.constexpr, BDR: tl.constexpr):
     """One body block of one side: rows (BS, BD) float32 at channels c (rotated sides in their rotated domain, as
-    stored) and, for RANK > 0, the latent (BS, BL) they were reconstructed from (zeros otherwise)."""
-    if RANK > 0:  # low-rank latents: the block is (BS, RANK) wide
+    stored) and, for RANK > 0, the latent (BS, BL) they were reconstructed from (zeros otherwise).
+
+    x*_ptr: the outlier split's outlier codes, outlier norms, channel masks and tables (`body_split.py`).
+    """
+    if SPLIT > 0:  # TurboQuant's outlier split: two instances rebuilt in head space
+        latent = tl.zeros((BS, BL), tl.float32)
+        x = load_split(codes_ptr, scale_ptr, lut_ptr, xcodes_ptr, xnorm_ptr, xmask_ptr, xtables_ptr, block, t, c, cmask,
+                       D, BS, BITS, W0, W1, W2, LEVELS, SPLIT, O_BITS, O_W0, O_W1, O_W2, O_LEVELS, BDO, BDR)
+    elif RANK > 0:  # low-rank latents: the block is (BS, RANK) wide
         lanes = tl.arange(0, BL)
         latent = load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_ptr, srow, scol, block, head,
                            t, lanes, lanes < RANK, RANK, BS, BITS, W0, W1, W2, FP8_MANTISSA, FP8_BIAS, SCALES, GROUP,

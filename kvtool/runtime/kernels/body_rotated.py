@@ -22,7 +22,8 @@ Nothing is rotated back per token (the paper's point; the torch path does the sa
   commutes with pass 2's rescaling) and adds it before the merge.
 
 Each costs O(D^2) per stream and step instead of per token. The outlier split (a channel subset
-and rotation per block, chosen per block) and the QJL residual stay on the torch path.
+and rotation per block, chosen per block) is read by `body_split.py`; the QJL residual stays on
+the torch path.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ its GQA group, already multiplied by the softmax scale) and attends to
   reconstructed in registers with the head's basis (`body_lowrank.py`); TurboQuant codebook
   indices times the per-token norm, read in the rotated domain: body keys are scored against
   the query rotated once per step and body values summed in the rotated domain, rotated back once
-  per partial (`body_rotated.py`).
+  per partial (`body_rotated.py`); with TurboQuant's outlier split, both instances of a block
+  rebuilt in head space through the block's channel mask (`body_split.py`).
   Keys stored before RoPE (``keys.pre_rope``, `body_rope.BodyRope`) are rotated in registers at
   each body token's true position, read in place (per-slot ``pos`` of an evicting store, or the
   cache's per-sequence position table).
@@ -102,18 +103,22 @@ def store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR: tl.cons
 @triton.jit
 def _decode_partials(
     q_ptr, qb_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
-    kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, k_srow, k_scol,
-    vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, v_srow, v_scol,
+    kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr, kxm_ptr, kxt_ptr, k_srow, k_scol,
+    vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr, vxt_ptr, v_srow, v_scol,
     pos_ptr, pos_stride, nsink_ptr, streams_per_sequence, freq_ptr, rope_scaling,
     m_out, l_out, acc_out, accr_out, R, softcap,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FBS: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
     HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
-    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_ROTATED: tl.constexpr,
+    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
+    K_O_BITS: tl.constexpr, K_O_W0: tl.constexpr, K_O_W1: tl.constexpr, K_O_W2: tl.constexpr, K_O_LEVELS: tl.constexpr,
+    K_BDO: tl.constexpr, K_BDR: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
     V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
-    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_ROTATED: tl.constexpr,
+    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
+    V_O_BITS: tl.constexpr, V_O_W0: tl.constexpr, V_O_W1: tl.constexpr, V_O_W2: tl.constexpr, V_O_LEVELS: tl.constexpr,
+    V_BDO: tl.constexpr, V_BDR: tl.constexpr,
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -140,9 +145,10 @@ def _decode_partials(
         acc_rot = tl.zeros((BR, BD), tl.float32)  # body values summed in their rotated domain (V_ROTATED)
         for col in range(split, blen, SPLITS):
             block = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
-            k, latent = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, k_srow, k_scol,
-                                  block, head, tb, c, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS,
-                                  K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS, K_RANK, K_BL)  # (BS, BD)
+            k, latent = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr,
+                                  kxm_ptr, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, D, BS, K_BITS, K_W0, K_W1,
+                                  K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS,
+                                  K_RANK, K_BL, K_SPLIT, K_O_BITS, K_O_W0, K_O_W1, K_O_W2, K_O_LEVELS, K_BDO, K_BDR)
             if PRE_ROPE > 0:  # keys stored before RoPE: rotate at each token's true position
                 partner, sign = partner_channels(c, ROTARY, INTERLEAVED)
                 if K_RANK > 0:  # the same latent times the partner channels' columns
@@ -153,9 +159,10 @@ def _decode_partials(
                                           K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # k[:, partner]
                 pos = body_positions(pos_ptr, pos_stride, nsink_ptr, s, s // streams_per_sequence, col, tb, block, BS, PRE_ROPE)
                 k = rotate_keys(k, k_partner, sign, pos, c, freq_ptr, rope_scaling, ROTARY, INTERLEAVED)
-            v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, v_srow, v_scol, block,
-                             head, tb, c, cmask, D, BS, V_BITS, V_W0, V_W1, V_W2, V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES,
-                             V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL)
+            v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr,
+                             vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, D, BS, V_BITS, V_W0, V_W1, V_W2,
+                             V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL,
+                             V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR)
             m, l, alpha, p = _softmax_step(qb, k, valid_b, m, l, SOFTCAP, softcap)
             weighted = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (BR, BD)
             acc = acc * alpha[:, None]
@@ -206,12 +213,13 @@ def _merge_partials(
 
 
 def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> tuple:
-    """Pointers (data, codes, scale, zero, lut, outlier index, outlier value, recon, recon bias) and static-table
-    strides of one side.
+    """Pointers (data, codes, scale, zero, lut, outlier index, outlier value, recon, recon bias, split outlier codes,
+    split outlier norms, split channel masks, split tables) and static-table strides of one side.
 
     tensors: the side's body pool tensors {name: (cap, ...)} and the quantizer's `kernel_tensors`
     (``static_scale`` / ``static_zero`` (1 | H_kv, 1 | D) float32, ``codebook`` (levels,) float32,
-    ``recon`` (H_kv, r, D) / ``recon_bias`` (H_kv, D) float32 of low-rank latents). Float data is
+    ``recon`` (H_kv, r, D) / ``recon_bias`` (H_kv, D) float32 of low-rank latents, ``split_tables``
+    of TurboQuant's outlier split, see `body_split.py`). Float data is
     ``data`` (method none) or ``latent`` (Palu), the per-token scale of ``"norm"`` is ``norm``.
     Unused pointers are a 1-element dummy.
     """
@@ -227,7 +235,8 @@ def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> t
         scale, zero = pick("norm" if fmt.scales == "norm" else "scale"), pick("zero")
     data = pick("latent" if fmt.rank else "data")
     pointers = (data, pick("codes"), scale, zero, pick("codebook"), pick("outlier_index"), pick("outlier_value"),
-                pick("recon"), pick("recon_bias"))
+                pick("recon"), pick("recon_bias"), pick("outlier_codes"), pick("outlier_norm"), pick("outlier_mask"),
+                pick("split_tables"))
     return pointers, srow, scol
 
 
@@ -301,7 +310,7 @@ def paged_decode_attention(
         *k_ptrs, k_srow, k_scol, *v_ptrs, v_srow, v_scol, *rope_args,
         m, l, acc, acc_rot, r, float(softcap or 0.0),
         D=d, BR=br, BD=bd, FBS=fbs, BS=bs, SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
-        **_prefixed(side_constants(kf), "K_"), **_prefixed(side_constants(vf), "V_"),
+        **_prefixed(side_constants(kf, d), "K_"), **_prefixed(side_constants(vf, d), "V_"),
     )
     if vf.rotated:
         fold_rotated_values(acc, acc_rot, body[1])
