@@ -9,7 +9,8 @@ Pointers of one side (unused ones point at a 1-element dummy):
 * ``data``: (cap, BS, D) float blocks (method none);
 * ``codes``: (cap, BS * bits / 8, D) uint8 packed codes, or (cap, BS, D) uint8 fp8 bytes;
 * ``scale``, ``zero``: per block ((cap, D) / (cap, BS, ceil(D / group)) fp16, (cap, 1) float32,
-  (cap, BS) fp16 per-token norms), or static tables (rows 1 | H_kv, columns 1 | D) float32 read at ``head * srow + channel * scol``;
+  (cap, BS) fp16 per-token norms), or static tables (rows 1 | H_kv, columns 1 | D) float32 read
+  at ``head * srow + channel * scol``;
 * ``lut``: (levels,) float32 codebook; ``oidx``: (cap, K) int16 flat index - 32768 and ``oval``:
   (cap, K) fp16 sparse outliers.
 """

@@ -1,6 +1,6 @@
 """What the decode kernel needs to know about one side (keys or values) of the body blocks.
 
-A body element is read in three steps, each chosen by one field (constants for the kernel):
+A body element is read in steps, each chosen by one field (constants for the kernel):
 
 1. **codes** of one block: float data (``bits == 16``, method none), one fp8 byte per element
    (``fp8``: e4m3 / e5m2 bit patterns, method fp8) or ``bits``-bit integer codes, bit-sliced
@@ -29,8 +29,7 @@ A body element is read in three steps, each chosen by one field (constants for t
    block's channel mask and the instance's rotation (`body_split.py`).
 
 The tensors that are not in the store (static tables, codebooks, reconstruction and rotation
-matrices) come from the quantizer's
-`kernel_tensors`. Kept free of Triton imports so the methods can describe themselves on
+matrices) come from the quantizer's `kernel_tensors`. Kept free of Triton imports so the methods can describe themselves on
 CPU-only installs.
 """
 
