@@ -268,11 +268,13 @@ def test_fp8_bytes_decode_exactly_as_torch_float8(fmt, device):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_split_reduction_softcap_and_sinks(splits, device):
-    """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result."""
+@pytest.mark.parametrize("side", ["uniform-4", "turboquant-3", "palu-3-hadamard-4"])
+def test_split_reduction_softcap_and_sinks(side, splits, device):
+    """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result (TurboQuant: each
+    split's rotated value sum is rotated back before the merge)."""
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
-    args, reference = build_case("uniform-4", 64, 4, device, softcap=5.0, sinks=True, seed=7)
+    args, reference = build_case(side, 64, 4, device, softcap=5.0, sinks=True, seed=7)
     out = paged_decode_attention(**args, splits=splits)
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
