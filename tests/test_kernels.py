@@ -47,7 +47,27 @@ SIDES = {  # name: (key spec, value spec)
                    QuantSpec(method="nuq", bits=3, axis="token", group_size=16, outlier_fraction=0.01, path="values")),
     "nuq-2-5pct-4-dense-channel-values": (QuantSpec(method="nuq", bits=2, outlier_fraction=0.05, pre_rope=True, path="keys"),
                                           QuantSpec(method="nuq", bits=4, outlier_fraction=0.0, path="values")),
+    # palu latents of rank 3D/8 (made-up orthonormal bases; Hadamard blocks of 8-32, a partial last group at D 64)
+    "palu-fp16": (QuantSpec(method="palu", bits=16, pre_rope=True, path="keys"), QuantSpec(method="palu", bits=16, path="values")),
+    "palu-3-hadamard-4": (QuantSpec(method="palu", bits=3, hadamard=True, group_size=16, pre_rope=True, path="keys"),
+                          QuantSpec(method="palu", bits=4, group_size=16, path="values")),
+    "turboquant-3": (QuantSpec(method="turboquant", bits=3, path="keys"), QuantSpec(method="turboquant", bits=3, path="values")),
+    "turboquant-4-keys-palu-2-hadamard-values": (
+        QuantSpec(method="turboquant", bits=4, path="keys"),
+        QuantSpec(method="palu", bits=2, hadamard=True, group_size=32, path="values")),
+    "uniform-4-keys-turboquant-2-values": (QuantSpec(bits=4, path="keys"), QuantSpec(method="turboquant", bits=2, path="values")),
+    # the outlier split: 2.5 bits (a quarter at 4 bits: Haar rotation of the 3D/4 rest) and 3.5 (half at 4 bits)
+    "turboquant-2.5-3.5": (QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
+                           QuantSpec(method="turboquant", bits=3, extra_bits=0.5, path="values")),
+    "turboquant-3.5-keys-palu-values": (
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
+        QuantSpec(method="palu", bits=16, path="values")),
 }
+# sides that run the diagonal of the head_dim x GQA matrix only (every head_dim and GQA once: CI time)
+DIAGONAL_ONLY = [name for name in SIDES if "palu" in name or "turboquant" in name]
+DIAGONAL = [(64, 1), (128, 4), (256, 8)]
+MATRIX = [(side, d, gqa) for side in SIDES for d in (64, 128, 256) for gqa in (1, 4, 8)
+          if side not in DIAGONAL_ONLY or (d, gqa) in DIAGONAL]
 KV_HEADS = 2  # streams alternate between two KV heads, so per-head static tables are read per stream
 # (float tokens, body blocks) per stream: empty, one token, a block boundary, body-only, long
 RAGGED = [(0, 0), (1, 0), (17, 2), (0, 3), (40, 5)]
@@ -97,7 +117,15 @@ def fitted_for(recipe: Recipe, head_dim: int, spreads, generator) -> dict[str, t
             if spec.axis == "channel":  # the f/2 .. 1 - f/2 quantiles: about 2.5 standard deviations
                 lo, hi = _static_range("channel", spread, generator)
                 fitted[f"{part}.channel_lo"], fitted[f"{part}.channel_hi"] = lo * 0.8, hi * 0.8
+        elif spec.method == "palu":
+            fitted.update(palu_basis(part, KV_HEADS, head_dim, 3 * head_dim // 8, generator))
     return fitted
+
+
+def palu_basis(part: str, heads: int, head_dim: int, rank: int, generator) -> dict[str, torch.Tensor]:
+    """Made-up Palu tensors, one group per KV head: orthonormal ``basis`` (H, D, r) and a ``bias`` (H, D)."""
+    basis = torch.linalg.qr(torch.randn(heads, head_dim, rank, generator=generator)).Q
+    return {f"{part}.basis": basis, f"{part}.bias": torch.randn(heads, head_dim, generator=generator) * 0.1}
 
 
 def _body_rope(source: str, rotary_dim: int, interleaved: bool, body_blocks, bcap: int, btable, generator):
@@ -195,9 +223,7 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("gqa", [1, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("side", list(SIDES))
+@pytest.mark.parametrize("side, head_dim, gqa", MATRIX)
 def test_decode_kernel_equals_the_dense_reference(side, head_dim, gqa, device):
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
@@ -212,6 +238,8 @@ def test_decode_kernel_equals_the_dense_reference(side, head_dim, gqa, device):
     ("sequence", "uniform-4", 1.0, False),  # recorded sequence positions (padding, custom ids)
     ("tokens", "int8-static-channel-int4-layer", 1.0, True),  # slots are positions; Cohere's interleaved pairs
     ("sequence", "fp8-static", 0.5, False),  # partial rotary (Phi-3)
+    ("slots", "palu-3-hadamard-4", 1.0, False),  # reconstructed latents, then rotated
+    ("sequence", "palu-fp16", 0.5, True),
 ])
 @pytest.mark.parametrize("head_dim, gqa", [(64, 1), (128, 4), (256, 8)])
 def test_pre_rope_keys_are_rotated_at_their_true_positions(source, side, rotary, interleaved, head_dim, gqa, device):
@@ -240,11 +268,13 @@ def test_fp8_bytes_decode_exactly_as_torch_float8(fmt, device):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_split_reduction_softcap_and_sinks(splits, device):
-    """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result."""
+@pytest.mark.parametrize("side", ["uniform-4", "turboquant-3", "palu-3-hadamard-4"])
+def test_split_reduction_softcap_and_sinks(side, splits, device):
+    """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result (TurboQuant: each
+    split's rotated value sum is rotated back before the merge)."""
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
-    args, reference = build_case("uniform-4", 64, 4, device, softcap=5.0, sinks=True, seed=7)
+    args, reference = build_case(side, 64, 4, device, softcap=5.0, sinks=True, seed=7)
     out = paged_decode_attention(**args, splits=splits)
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
@@ -377,6 +407,7 @@ def _static_layer_tensors(model) -> list[dict]:
         "keys.lo": -3 - torch.rand(heads, d, generator=g), "keys.hi": 3 + torch.rand(heads, d, generator=g),  # int channel
         "values.lo": torch.full((1, 1), -2.5), "values.hi": torch.full((1, 1), 2.5),  # int layer
         "values.codebook": torch.linspace(-1, 1, 8) ** 3,  # nuq 3-bit: denser levels near 0
+        **palu_basis("keys", heads, d, 3 * d // 8, g), **palu_basis("values", heads, d, 3 * d // 8, g),  # palu per head
     }
     return [dict(one) for _ in range(layers)]
 
@@ -414,6 +445,21 @@ GENERATION_RECIPES = {
         name="slpre", keys=QuantSpec(bits=4, pre_rope=True, path="keys"), values=QuantSpec(bits=4, axis="token", path="values"),
         cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
         eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
+    ),
+    # palu latents reconstructed in the kernel, pre-RoPE keys rotated there; values quantized after a Hadamard transform
+    "palu-3bit-hadamard": Recipe(
+        name="palu3", keys=QuantSpec(method="palu", bits=16, pre_rope=True, path="keys"),
+        values=QuantSpec(method="palu", bits=3, hadamard=True, group_size=16, path="values"),
+        cache=CacheSpec(sink_tokens=1, recent_tokens=0, block_size=32),
+    ),
+    "turboquant-3bit": Recipe(
+        name="tq3", keys=QuantSpec(method="turboquant", bits=3, path="keys"), values=QuantSpec(method="turboquant", bits=3, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
+    "turboquant-2.5bit": Recipe(  # the outlier split: keys 8 of 32 channels at 4 bits (the 24 others Haar-rotated)
+        name="tq25", keys=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
+        values=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
     ),
 }
 CASES = [(name, "llama") for name in GENERATION_RECIPES] + [
@@ -484,10 +530,30 @@ def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on
     with pytest.raises(RuntimeConfigError, match="before RoPE .* changes its frequencies"):
         CompressedRuntime.from_recipe(dynamic, pre_rope, backend="triton")
     assert CompressedRuntime.from_recipe(dynamic, Recipe(name="q4"), backend="triton").backend == "triton"  # post-RoPE
-    turbo = Recipe(name="tq", keys=QuantSpec(method="turboquant", bits=3, path="keys"))
-    with pytest.raises(RuntimeConfigError, match="method 'turboquant'"):
-        CompressedRuntime.from_recipe(model, turbo, backend="triton")
     assert CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="auto").backend == "torch"  # CPU
+
+
+def test_triton_backend_reads_turboquant_and_per_head_palu_and_refuses_their_other_forms():
+    """What still goes to the torch path says why: TurboQuant's QJL residual, Palu latents of a head group."""
+    model = tiny_model("llama", kv_heads=2)
+    turbo = lambda **kw: Recipe(name="tq", keys=QuantSpec(method="turboquant", bits=3, path="keys", **kw))  # noqa: E731
+    assert CompressedRuntime.from_recipe(model, turbo(), backend="triton").backend == "triton"
+    assert CompressedRuntime.from_recipe(model, turbo(extra_bits=0.5), backend="triton").backend == "triton"
+    with pytest.raises(RuntimeConfigError, match="keys use method 'turboquant': .*turboquant with the QJL residual"):
+        CompressedRuntime.from_recipe(model, turbo(qjl=True), backend="triton")
+    g = torch.Generator().manual_seed(0)
+    for groups, group_heads in ((2, 1), (1, 0)):  # one basis per KV head, or one for both
+        spec = QuantSpec(method="palu", bits=16, pre_rope=True, group_heads=group_heads, path="keys")
+        width = 32 * 2 // groups  # head_dim 32 x KV heads per group
+        basis = torch.linalg.qr(torch.randn(groups, width, 24, generator=g)).Q
+        tensors = [{"keys.basis": basis, "keys.bias": torch.zeros(groups, width)}] * 2
+        recipe = Recipe(name="palu", keys=spec)
+        if group_heads == 1:
+            assert CompressedRuntime.from_recipe(model, recipe, tensors, backend="triton").backend == "triton"
+        else:
+            with pytest.raises(RuntimeConfigError, match="palu group_heads 0 stores one latent for 2 KV heads"):
+                CompressedRuntime.from_recipe(model, recipe, tensors, backend="triton")
+            assert CompressedRuntime.from_recipe(model, recipe, tensors, backend="auto").backend == "torch"
 
 
 def test_triton_needs_cuda_or_the_interpreter(monkeypatch):

@@ -187,7 +187,7 @@ class BlockQuantizer:
 
     def kernel_format(self):
         """How the Triton decode kernel reads this format's blocks (`BodyFormat`); formats it cannot read raise."""
-        raise RuntimeConfigError(f"the Triton decode kernel cannot read '{self.spec.method}' blocks; use --backend torch")
+        raise RuntimeConfigError(f"the Triton decode kernel cannot read '{self.spec.method}' blocks")
 
     def kernel_encode_format(self):
         """The `BodyFormat` the Triton encode kernel (`kernels/encode_blocks.py`) writes exactly as this

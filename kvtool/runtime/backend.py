@@ -8,11 +8,14 @@ Resolved once per runtime and reported in every memory report (``backend``):
   a `kernel_format` (none: float16 data; uniform 2/3/4/8-bit, KIVI-style; fp8 e4m3/e5m2 with
   per-block or calibrated per-layer / per-KV-head scales; int_static 2/3/4/8-bit with calibrated
   per-layer / per-head / per-channel ranges; nuq 2/3/4-bit codebook lookups with per-channel or
-  per-token scales and dense-and-sparse outliers), keys stored after RoPE or before it (KVQuant's
-  ``keys.pre_rope``: rotated in the kernel at each token's true position, for RoPE types with
-  fixed frequencies), full-attention layers, policies that do not score tokens by attention, and
-  RocketKV's sparse read (`kernels/sparse_decode.py`: only the slots the summaries select; the
-  selection itself is torch).
+  per-token scales and dense-and-sparse outliers; Palu low-rank latents with ``group_heads: 1``,
+  fp16 or 2/3/4/8-bit with or without the Hadamard transform, reconstructed in registers;
+  TurboQuant 2/3/4-bit read in the rotated domain, and its outlier split (2.5 / 3.5 bits) rebuilt
+  in registers per block; not its QJL residual), keys stored after RoPE or before it (KVQuant's
+  and Palu's ``keys.pre_rope``: rotated in the kernel at each token's true position, for RoPE
+  types with fixed frequencies), full-attention layers, policies that do not score tokens by
+  attention, and RocketKV's sparse read (`kernels/sparse_decode.py`: only the slots the
+  summaries select; the selection itself is torch).
   The append/encode step runs in Triton too, for every layer step that flushes full float
   blocks into the body, prefill included (`kernels/encode_blocks.py`): each side whose
   quantizer has a `kernel_encode_format` (uniform 2/3/4/8-bit per channel or per token group; fp8
@@ -20,9 +23,10 @@ Resolved once per runtime and reported in every memory report (``backend``):
   ``encode_blocks`` does and written straight into the body pool rows the store allocated;
   the other sides (int_static, nuq, TurboQuant, Palu) are encoded by the torch reference.
   Prefill attention, sliding-window layers, attention-scored eviction (h2o, snapkv, ...),
-  TurboQuant and Palu blocks stay on the torch path; `cache.memory_report()["kernel_steps"]`
-  counts the layer steps the decode kernel ran and ``["kernel_encodes"]`` the body blocks the
-  encode kernel wrote (keys and values counted apart). Needs CUDA, or ``TRITON_INTERPRET=1``
+  Palu latents spanning a group of KV heads (``group_heads`` != 1) and TurboQuant's QJL residual
+  stay on the torch path; `cache.memory_report()["kernel_steps"]` counts the layer steps the
+  decode kernel ran and ``["kernel_encodes"]`` the body blocks the encode kernel wrote (keys and
+  values counted apart). Needs CUDA, or ``TRITON_INTERPRET=1``
   to run the kernels on CPU tensors (slow; for tests);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
   decode kernel reads, else ``torch`` (so always ``torch`` on CPU). What the encode kernel writes
@@ -40,6 +44,10 @@ from kvtool.errors import RuntimeConfigError
 from kvtool.recipe import Recipe
 
 BACKENDS = ("auto", "torch", "triton")
+KERNEL_READS = (
+    "the kernel reads none, uniform, fp8, int_static and nuq blocks, palu latents with group_heads 1 and turboquant "
+    "without qjl"
+)
 
 
 def triton_available(device: torch.device) -> bool:
@@ -68,8 +76,8 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     for quantizer, name in zip(quantizers, ("keys", "values")):
         try:
             quantizer.kernel_format()
-        except RuntimeConfigError:
-            return f"{name} use method '{quantizer.spec.method}' (the kernel reads none, uniform, fp8, int_static and nuq blocks)"
+        except RuntimeConfigError as exc:
+            return f"{name} use method '{quantizer.spec.method}': {exc} ({KERNEL_READS})"
     return None
 
 

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from kvtool.errors import ArtifactError, DataError, RecipeError
+from kvtool.errors import ArtifactError, DataError, RecipeError, RuntimeConfigError
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.lowrank.decompose import group_bases, group_count, reconstruction_error, to_groups
 from kvtool.methods.lowrank.hadamard import block_fwht
@@ -179,6 +179,27 @@ class PaluQuantizer(BlockQuantizer):
         mixed = torch.matmul(probs, latent[:, None])  # (Sc, g, R, r)
         out = torch.matmul(mixed, up.transpose(-1, -2))  # (Sc, g, R, D)
         return out + probs.sum(dim=-1, keepdim=True) * bias[group].reshape(sc, g, 1, d)
+
+    # ----- the Triton decode kernel ----------------------------------------------------------
+    def kernel_format(self):
+        """Latents read as fp16 data or uniform per-token-group codes, reconstructed in registers (`body_lowrank.py`)."""
+        from kvtool.runtime.kernels.body_format import BodyFormat
+
+        if self.heads_per_group != 1:
+            raise RuntimeConfigError(
+                f"the Triton decode kernel reads one KV head per stream; palu group_heads {self.spec.group_heads} stores "
+                f"one latent for {self.heads_per_group} KV heads"
+            )
+        if self.spec.bits == 16:
+            return BodyFormat(bits=16, per_channel=False, group=1, rank=self.rank)
+        return BodyFormat(bits=self.spec.bits, per_channel=False, group=self.qgroup, rank=self.rank)
+
+    def kernel_constants(self) -> dict[str, torch.Tensor]:
+        """``recon`` (G, r, gD) = H @ U^T (the Hadamard transform folded in) and ``recon_bias`` (G, gD)."""
+        up = self.basis.double().transpose(1, 2)  # (G, r, gD)
+        if self.spec.bits != 16 and self.spec.hadamard:
+            up = block_fwht(up.transpose(1, 2), self.hadamard_block).transpose(1, 2)  # H symmetric: (U H)^T = H U^T
+        return {"recon": up, "recon_bias": self.bias}
 
     def block_nbytes(self) -> int | float:
         s = self.block_size

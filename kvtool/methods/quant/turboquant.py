@@ -55,9 +55,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.errors import RecipeError
+from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.methods.base import BlockQuantizer
-from kvtool.methods.lowrank.hadamard import fwht, is_power_of_two
+from kvtool.methods.lowrank.hadamard import fwht, hadamard_matrix, is_power_of_two
 from kvtool.methods.quant.packing import pack_codes, packed_rows, unpack_codes
 from kvtool.methods.registry import register
 
@@ -185,6 +185,11 @@ def unrotate_with(y: torch.Tensor, on: dict) -> torch.Tensor:
     return unrotate(y, on["signs"]) if "signs" in on else y @ on["matrix"]
 
 
+def _rotation_matrix(dim: int, on: dict) -> torch.Tensor:
+    """(dim, dim) P of an instance's fixed tensors: ``rotate_with(x, on) == x @ P.T`` (H diag(s), or the matrix)."""
+    return hadamard_matrix(dim) * on["signs"][None, :] if "signs" in on else on["matrix"]
+
+
 @register("turboquant")
 class TurboQuantizer(BlockQuantizer):
     """Randomized Hadamard rotation, Lloyd-Max codes of the rotated unit vector, its norm, optional QJL residual.
@@ -233,6 +238,31 @@ class TurboQuantizer(BlockQuantizer):
                 spec[p + "qjl_signs"] = ((packed_rows(s, 1), inst.dim), torch.uint8)
                 spec[p + "residual_norm"] = ((s,), torch.float16)
         return spec
+
+    # --- the Triton decode kernel ----------------------------------------------------------------
+    def kernel_format(self):
+        """Codebook lookups times the per-token norm: one instance read in the rotated domain (`body_rotated.py`), or
+        the outlier split's two rebuilt in head space (`body_split.py`)."""
+        from kvtool.runtime.kernels.body_format import BodyFormat
+
+        if self.qjl:
+            raise RuntimeConfigError("the Triton decode kernel does not read turboquant with the QJL residual")
+        rest = self.instances[-1]
+        split = dict(split=self.outliers, split_bits=self.instances[0].code_bits) if self.outliers else dict(rotated=True)
+        return BodyFormat(bits=rest.code_bits, per_channel=False, group=self.head_dim, scales="norm", zero=False,
+                          levels=2**rest.code_bits, **split)
+
+    def kernel_constants(self) -> dict[str, torch.Tensor]:
+        """``codebook`` (2**b,) of the (rest) instance; ``rotation`` P (D, D), ``rotate(x) = x @ P^T``, or with the
+        split ``split_tables``: the outlier codebook, then P_o and P_r flattened."""
+        if self.qjl:
+            return {}
+        tables = [inst.tensors() for inst in self.instances]
+        rotations = [_rotation_matrix(inst.dim, t) for inst, t in zip(self.instances, tables)]
+        if not self.outliers:
+            return {"codebook": tables[0]["codebook"], "rotation": rotations[0]}
+        split = torch.cat([tables[0]["codebook"], rotations[0].flatten(), rotations[1].flatten()])
+        return {"codebook": tables[1]["codebook"], "split_tables": split}
 
     # --- one instance ---------------------------------------------------------------------------
     def _encode_instance(self, inst: Instance, x: torch.Tensor, on: dict) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Triton kernels over the paged store, each tested against the torch path it replaces.
 
-* `decode_attention.py` (+ `body_block.py`, `body_format.py`, `body_rope.py`): one decode step's
-  attention over float and body blocks read in place; reference: the store's torch path.
+* `decode_attention.py` (+ `body_block.py`, `body_format.py`, `body_rope.py`, `body_lowrank.py`,
+  `body_rotated.py`, `body_split.py`): one decode step's attention over float and body blocks
+  read in place; reference: the store's torch path.
 * `encode_blocks.py`: full float blocks -> uniform or fp8 body blocks written into their pool
   rows; reference: the quantizer's ``encode_blocks`` (byte-identical).
 

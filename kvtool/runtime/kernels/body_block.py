@@ -8,8 +8,9 @@ Pointers of one side (unused ones point at a 1-element dummy):
 
 * ``data``: (cap, BS, D) float blocks (method none);
 * ``codes``: (cap, BS * bits / 8, D) uint8 packed codes, or (cap, BS, D) uint8 fp8 bytes;
-* ``scale``, ``zero``: per block ((cap, D) / (cap, BS, D / group) fp16, (cap, 1) float32), or
-  static tables (rows 1 | H_kv, columns 1 | D) float32 read at ``head * srow + channel * scol``;
+* ``scale``, ``zero``: per block ((cap, D) / (cap, BS, ceil(D / group)) fp16, (cap, 1) float32,
+  (cap, BS) fp16 per-token norms), or static tables (rows 1 | H_kv, columns 1 | D) float32 read
+  at ``head * srow + channel * scol``;
 * ``lut``: (levels,) float32 codebook; ``oidx``: (cap, K) int16 flat index - 32768 and ``oval``:
   (cap, K) fp16 sparse outliers.
 """
@@ -77,7 +78,9 @@ def fp8_bytes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @triton.jit
 def _codebook(code, lut_ptr, LEVELS: tl.constexpr):
-    """Codes (BS, BD) -> codebook levels float32, the lookup as selects in registers (nuq: <= 16 levels)."""
+    """Codes (BS, BD) -> codebook levels float32: selects in registers up to 16 levels (nuq), else a gather (cached)."""
+    if LEVELS > 16:  # TurboQuant's 5/6-bit outlier instances
+        return tl.load(lut_ptr + code)
     x = code.to(tl.float32) * 0.0
     for level in tl.static_range(LEVELS):
         x = tl.where(code == level, tl.load(lut_ptr + level), x)
@@ -110,7 +113,10 @@ def load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
               D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
               FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP: tl.constexpr,
               HAS_ZERO: tl.constexpr, LEVELS: tl.constexpr, OUTLIERS: tl.constexpr):
-    """One body block of one side as float32 (BS, BD); SCALES: 0 none, 1 channel, 2 token, 3 block, 4 static."""
+    """One body block of one side as float32 (BS, BD); SCALES: 0 none, 1 channel, 2 token, 3 block, 4 static, 5 norm.
+
+    D is the width of what the block stores: head_dim, or the latent rank of a low-rank format.
+    """
     mask = (t[:, None] < BS) & cmask[None, :]
     if BITS == 16:
         x = tl.load(data_ptr + block * BS * D + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -129,7 +135,7 @@ def load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
             if HAS_ZERO:
                 x = x + tl.load(zero_ptr + block * D + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
         elif SCALES == 2:  # per block, token and group of channels
-            NG: tl.constexpr = D // GROUP
+            NG: tl.constexpr = (D + GROUP - 1) // GROUP  # a last partial group (Palu latents)
             offs = block * BS * NG + t[:, None] * NG + c[None, :] // GROUP
             x = x * tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_ZERO:
@@ -140,15 +146,27 @@ def load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
             x = x * tl.load(scale_ptr + head * srow + c * scol, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if HAS_ZERO:
                 x = x + tl.load(zero_ptr + head * srow + c * scol, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        elif SCALES == 5:  # one fp16 per token (TurboQuant's norm)
+            x = x * tl.load(scale_ptr + block * BS + t, mask=t < BS, other=0.0).to(tl.float32)[:, None]
         if OUTLIERS > 0:
             x = _outliers(x, oidx_ptr, oval_ptr, block, t, c, D, OUTLIERS, OUTLIER_CHUNK)
     return x
 
 
-def side_constants(fmt) -> dict:
-    """`load_body`'s constants for one side's `BodyFormat`, without the K_ / V_ prefix."""
+def _lanes(n: int) -> int:
+    """Power-of-two register width for n coordinates, at least 16 (tl.dot)."""
+    return max(16, triton.next_power_of_2(max(n, 1)))
+
+
+def side_constants(fmt, head_dim: int) -> dict:
+    """The decode kernel's constants for one side's `BodyFormat`, without the K_ / V_ prefix: `load_body`'s, the
+    latent rank and its width BL, whether the side is rotated, and the outlier split's instances (widths BDO, BDR)."""
     w0, w1, w2 = fmt.widths()
+    o0, o1, o2 = fmt.widths(fmt.split_bits)
     mantissa, bias = fmt.fp8_layout()
     return dict(BITS=fmt.bits, W0=w0, W1=w1, W2=w2, FP8_MANTISSA=mantissa, FP8_BIAS=bias, SCALES=fmt.scale_mode(),
-                GROUP=fmt.group, HAS_ZERO=fmt.zero, LEVELS=fmt.levels, OUTLIERS=fmt.outliers)
+                GROUP=fmt.group, HAS_ZERO=fmt.zero, LEVELS=fmt.levels, OUTLIERS=fmt.outliers, RANK=fmt.rank,
+                BL=_lanes(fmt.rank), ROTATED=fmt.rotated, SPLIT=fmt.split, O_BITS=fmt.split_bits, O_W0=o0, O_W1=o1,
+                O_W2=o2, O_LEVELS=2**fmt.split_bits if fmt.split else 0, BDO=_lanes(fmt.split),
+                BDR=_lanes(head_dim - fmt.split))
 

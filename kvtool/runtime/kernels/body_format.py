@@ -1,6 +1,6 @@
 """What the decode kernel needs to know about one side (keys or values) of the body blocks.
 
-A body element is read in three steps, each chosen by one field (constants for the kernel):
+A body element is read in steps, each chosen by one field (constants for the kernel):
 
 1. **codes** of one block: float data (``bits == 16``, method none), one fp8 byte per element
    (``fp8``: e4m3 / e5m2 bit patterns, method fp8) or ``bits``-bit integer codes, bit-sliced
@@ -9,17 +9,27 @@ A body element is read in three steps, each chosen by one field (constants for t
 3. **scale** (``scales``): ``x = value * scale (+ zero)`` with the scale and zero from
 
    * ``"channel"``: the block, fp16 (D,) each (uniform keys);
-   * ``"token"``: the block, fp16 (BS, D / group) each (uniform and nuq values);
+   * ``"token"``: the block, fp16 (BS, ceil(D / group)) each (uniform and nuq values, Palu latents,
+     whose last group may be partial);
    * ``"block"``: the block, one float32 scale and no zero (fp8 dynamic);
    * ``"static"``: calibrated tables beside the store, rows 1 or H_kv (per layer or per KV
      head), columns 1 or D (per channel): fp8 static (no zero), int_static, nuq channel axis;
+   * ``"norm"``: the block, one fp16 per token and no zero (TurboQuant's per-token norm);
    * ``"none"``: float data;
 
 4. **outliers** (``outliers > 0``, nuq): that many (int16 flat index, fp16 value) pairs per
-   block replace the dense value at their positions.
+   block replace the dense value at their positions;
+5. **domain**: ``rank > 0`` (Palu): steps 1-3 read a low-rank latent of ``rank`` coordinates per
+   token (the block is (BS, rank), not (BS, D)), reconstructed in registers as
+   ``latent @ recon[head] + recon_bias[head]`` (`body_lowrank.py`); ``rotated`` (TurboQuant): the
+   vector read is ``P x`` for an orthogonal ``P`` (``rotation`` (D, D)), so the kernel scores it
+   against the rotated query and sums values in the rotated domain (`body_rotated.py`); ``split > 0``
+   (TurboQuant's outlier split): steps 1-3 read two instances per block, ``split`` outlier
+   channels at ``split_bits`` and the rest at ``bits``, each rebuilt in head space through the
+   block's channel mask and the instance's rotation (`body_split.py`).
 
-The tensors that are not in the store (static tables, codebooks) come from the quantizer's
-`kernel_tensors`. Kept free of Triton imports so the methods can describe themselves on
+The tensors that are not in the store (static tables, codebooks, reconstruction and rotation
+matrices) come from the quantizer's `kernel_tensors`. Kept free of Triton imports so the methods can describe themselves on
 CPU-only installs.
 """
 
@@ -29,20 +39,24 @@ from dataclasses import dataclass
 
 from kvtool.methods.quant.packing import slice_widths
 
-SCALE_MODES = ("none", "channel", "token", "block", "static")
+SCALE_MODES = ("none", "channel", "token", "block", "static", "norm")
 FP8_LAYOUTS = {"e4m3": (3, 7), "e5m2": (2, 15)}  # mantissa bits, exponent bias
 
 
 @dataclass(frozen=True)
 class BodyFormat:
     bits: int  # 16: float data (method none, any float dtype); 8 with ``fp8``; else integer codes of this many bits
-    per_channel: bool  # integer codes: scales (D,) per block ("channel"), else (BS, D / group) ("token")
+    per_channel: bool  # integer codes: scales (D,) per block ("channel"), else (BS, ceil(D / group)) ("token")
     group: int  # channels per scale group (per-token scales)
     fp8: str = ""  # "e4m3" / "e5m2": codes are fp8 bit patterns, one byte per element
     scales: str = ""  # one of SCALE_MODES; "" = from bits / per_channel (none, channel or token)
     zero: bool = True  # an additive zero point beside the scale
     levels: int = 0  # > 0: codes index a codebook of this many levels (nuq)
     outliers: int = 0  # sparse outliers per block (nuq dense-and-sparse)
+    rank: int = 0  # > 0: the block holds latents of this many coordinates per token, reconstructed to D (Palu)
+    rotated: bool = False  # the vector read is P x, P the side's ``rotation`` (TurboQuant)
+    split: int = 0  # > 0: outlier channels per block of a second instance (TurboQuant's outlier split)
+    split_bits: int = 0  # code bits of that outlier instance
 
     def __post_init__(self) -> None:
         if not self.scales:
@@ -53,9 +67,11 @@ class BodyFormat:
         if self.fp8 and (self.fp8 not in FP8_LAYOUTS or self.bits != 8):
             raise ValueError(f"BodyFormat.fp8: '{self.fp8}' needs bits 8 and one of {list(FP8_LAYOUTS)}")
 
-    def widths(self) -> tuple[int, int, int]:
-        """Slice widths of the packed codes, lowest bits first, padded with 0 (float data and fp8 -> none)."""
-        w = [] if self.bits == 16 or self.fp8 else slice_widths(self.bits)
+    def widths(self, bits: int | None = None) -> tuple[int, int, int]:
+        """Slice widths of the packed codes (of ``bits``, default the format's), lowest bits first, padded with 0
+        (float data and fp8 -> none)."""
+        bits = self.bits if bits is None else bits
+        w = [] if bits == 16 or self.fp8 or bits == 0 else slice_widths(bits)
         return tuple(w + [0] * (3 - len(w)))
 
     def fp8_layout(self) -> tuple[int, int]:

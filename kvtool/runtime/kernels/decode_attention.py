@@ -15,7 +15,13 @@ its GQA group, already multiplied by the softmax scale) and attends to
   int_static packed codes with calibrated per-layer / per-head / per-channel step and offset;
   nuq packed codes looked up in the layer's codebook (selects in registers), scaled by the
   calibrated per-channel ranges (keys) or the block's per-token-group scales (values), with
-  the block's sparse fp16 outliers written over their positions (`body_block._outliers`).
+  the block's sparse fp16 outliers written over their positions (`body_block._outliers`);
+  Palu low-rank latents (fp16, or uniform codes per token group, optionally Hadamard-mixed)
+  reconstructed in registers with the head's basis (`body_lowrank.py`); TurboQuant codebook
+  indices times the per-token norm, read in the rotated domain: body keys are scored against
+  the query rotated once per step and body values summed in the rotated domain, rotated back once
+  per partial (`body_rotated.py`); with TurboQuant's outlier split, both instances of a block
+  rebuilt in head space through the block's channel mask (`body_split.py`).
   Keys stored before RoPE (``keys.pre_rope``, `body_rope.BodyRope`) are rotated in registers at
   each body token's true position, read in place (per-slot ``pos`` of an evicting store, or the
   cache's per-sequence position table).
@@ -39,7 +45,9 @@ import triton.language as tl
 
 from kvtool.runtime.kernels.body_block import load_body, side_constants
 from kvtool.runtime.kernels.body_format import BodyFormat
+from kvtool.runtime.kernels.body_lowrank import load_side, reconstruct
 from kvtool.runtime.kernels.body_rope import SOURCES, BodyRope, body_positions, partner_channels, rotate_keys
+from kvtool.runtime.kernels.body_rotated import fold_rotated_values, rotated_query
 
 
 @triton.jit
@@ -50,8 +58,8 @@ def _softcapped(x, SOFTCAP: tl.constexpr, softcap):
 
 
 @triton.jit
-def _absorb(q, k, v, valid, m, l, acc, SOFTCAP: tl.constexpr, softcap):
-    """Online-softmax update of rows q (BR, BD) with tokens k, v (T, BD), valid (T,)."""
+def _softmax_step(q, k, valid, m, l, SOFTCAP: tl.constexpr, softcap):
+    """Online-softmax update of rows q (BR, BD) with keys k (T, BD), valid (T,): (m, l, rescale (BR,), p (BR, T))."""
     logits = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BR, T)
     logits = _softcapped(logits, SOFTCAP, softcap)
     logits = tl.where(valid[None, :], logits, float("-inf"))
@@ -59,9 +67,15 @@ def _absorb(q, k, v, valid, m, l, acc, SOFTCAP: tl.constexpr, softcap):
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     p = tl.exp(logits - m_safe[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
+    return m_new, l * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def _absorb(q, k, v, valid, m, l, acc, SOFTCAP: tl.constexpr, softcap):
+    """Online-softmax update of rows q (BR, BD) with tokens k, v (T, BD), valid (T,)."""
+    m, l, alpha, p = _softmax_step(q, k, valid, m, l, SOFTCAP, softcap)
     acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (BR, BD)
-    return m_new, l, acc
+    return m, l, acc
 
 
 @triton.jit
@@ -88,19 +102,23 @@ def store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR: tl.cons
 
 @triton.jit
 def _decode_partials(
-    q_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
-    kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol,
-    vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, v_srow, v_scol,
+    q_ptr, qb_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
+    kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr, kxm_ptr, kxt_ptr, k_srow, k_scol,
+    vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr, vxt_ptr, v_srow, v_scol,
     pos_ptr, pos_stride, nsink_ptr, streams_per_sequence, freq_ptr, rope_scaling,
-    m_out, l_out, acc_out, R, softcap,
+    m_out, l_out, acc_out, accr_out, R, softcap,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FBS: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
     HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
-    K_OUTLIERS: tl.constexpr,
+    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
+    K_O_BITS: tl.constexpr, K_O_W0: tl.constexpr, K_O_W1: tl.constexpr, K_O_W2: tl.constexpr, K_O_LEVELS: tl.constexpr,
+    K_BDO: tl.constexpr, K_BDR: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
     V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
-    V_OUTLIERS: tl.constexpr,
+    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
+    V_O_BITS: tl.constexpr, V_O_W0: tl.constexpr, V_O_W1: tl.constexpr, V_O_W2: tl.constexpr, V_O_LEVELS: tl.constexpr,
+    V_BDO: tl.constexpr, V_BDR: tl.constexpr,
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -121,22 +139,40 @@ def _decode_partials(
         head = tl.load(group_ptr + s).to(tl.int64)  # the stream's KV head: its row of static tables
         tb = tl.arange(0, BS)
         valid_b = tb < BS
+        qb = q
+        if K_ROTATED:  # keys stored rotated (TurboQuant): scored against the query rotated once, P q
+            qb = tl.load(qb_ptr + s * R * D + r[:, None] * D + c[None, :], mask=(r < R)[:, None] & cmask[None, :], other=0.0)
+        acc_rot = tl.zeros((BR, BD), tl.float32)  # body values summed in their rotated domain (V_ROTATED)
         for col in range(split, blen, SPLITS):
             block = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
-            k = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block, head, tb, c, cmask,
-                          D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO,
-                          K_LEVELS, K_OUTLIERS)  # (BS, BD)
+            k, latent = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr,
+                                  kxm_ptr, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, D, BS, K_BITS, K_W0, K_W1,
+                                  K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS,
+                                  K_RANK, K_BL, K_SPLIT, K_O_BITS, K_O_W0, K_O_W1, K_O_W2, K_O_LEVELS, K_BDO, K_BDR)
             if PRE_ROPE > 0:  # keys stored before RoPE: rotate at each token's true position
                 partner, sign = partner_channels(c, ROTARY, INTERLEAVED)
-                k_partner = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block, head,
-                                      tb, partner, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS,
-                                      K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # (BS, BD) k[:, partner]
+                if K_RANK > 0:  # the same latent times the partner channels' columns
+                    k_partner = reconstruct(latent, kw_ptr, kb_ptr, head, partner, cmask, K_RANK, K_BL, D)
+                else:
+                    k_partner = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block,
+                                          head, tb, partner, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA,
+                                          K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # k[:, partner]
                 pos = body_positions(pos_ptr, pos_stride, nsink_ptr, s, s // streams_per_sequence, col, tb, block, BS, PRE_ROPE)
                 k = rotate_keys(k, k_partner, sign, pos, c, freq_ptr, rope_scaling, ROTARY, INTERLEAVED)
-            v = load_body(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, v_srow, v_scol, block, head, tb, c, cmask,
-                          D, BS, V_BITS, V_W0, V_W1, V_W2, V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO,
-                          V_LEVELS, V_OUTLIERS)
-            m, l, acc = _absorb(q, k, v, valid_b, m, l, acc, SOFTCAP, softcap)
+            v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr,
+                             vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, D, BS, V_BITS, V_W0, V_W1, V_W2,
+                             V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL,
+                             V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR)
+            m, l, alpha, p = _softmax_step(qb, k, valid_b, m, l, SOFTCAP, softcap)
+            weighted = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (BR, BD)
+            acc = acc * alpha[:, None]
+            if V_ROTATED:
+                acc_rot = acc_rot * alpha[:, None] + weighted
+            else:
+                acc = acc + weighted
+        if V_ROTATED:  # beside the partials; `fold_rotated_values` rotates it back once
+            rows = (s * SPLITS + split) * BR + r
+            tl.store(accr_out + rows[:, None] * BD + c[None, :], acc_rot)
     store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR, BD, SPLITS)
 
 
@@ -177,10 +213,14 @@ def _merge_partials(
 
 
 def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> tuple:
-    """Pointers (data, codes, scale, zero, lut, outlier index, outlier value) and static-table strides of one side.
+    """Pointers (data, codes, scale, zero, lut, outlier index, outlier value, recon, recon bias, split outlier codes,
+    split outlier norms, split channel masks, split tables) and static-table strides of one side.
 
     tensors: the side's body pool tensors {name: (cap, ...)} and the quantizer's `kernel_tensors`
-    (``static_scale`` / ``static_zero`` (1 | H_kv, 1 | D) float32, ``codebook`` (levels,) float32).
+    (``static_scale`` / ``static_zero`` (1 | H_kv, 1 | D) float32, ``codebook`` (levels,) float32,
+    ``recon`` (H_kv, r, D) / ``recon_bias`` (H_kv, D) float32 of low-rank latents, ``split_tables``
+    of TurboQuant's outlier split, see `body_split.py`). Float data is
+    ``data`` (method none) or ``latent`` (Palu), the per-token scale of ``"norm"`` is ``norm``.
     Unused pointers are a 1-element dummy.
     """
     tensors = tensors or {}
@@ -192,8 +232,11 @@ def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> t
         srow = scale.shape[1] if scale.shape[0] > 1 else 0
         scol = 1 if scale.shape[1] > 1 else 0
     else:
-        scale, zero = pick("scale"), pick("zero")
-    pointers = (pick("data"), pick("codes"), scale, zero, pick("codebook"), pick("outlier_index"), pick("outlier_value"))
+        scale, zero = pick("norm" if fmt.scales == "norm" else "scale"), pick("zero")
+    data = pick("latent" if fmt.rank else "data")
+    pointers = (data, pick("codes"), scale, zero, pick("codebook"), pick("outlier_index"), pick("outlier_value"),
+                pick("recon"), pick("recon_bias"), pick("outlier_codes"), pick("outlier_norm"), pick("outlier_mask"),
+                pick("split_tables"))
     return pointers, srow, scol
 
 
@@ -260,13 +303,17 @@ def paged_decode_attention(
     group = stream_group if stream_group is not None else torch.zeros(s, dtype=torch.int64, device=device)
     bs = block_size if has_body else 16
     rope_args, rope_constants = _rope_arguments(rope if has_body else None, s, device)
+    q_body = rotated_query(q, body[0]) if kf.rotated else q  # (S, R, D) the query body keys are scored against
+    acc_rot = torch.zeros_like(acc) if vf.rotated else torch.zeros(1, device=device)
     _decode_partials[(s, splits)](
-        q, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
+        q, q_body, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
         *k_ptrs, k_srow, k_scol, *v_ptrs, v_srow, v_scol, *rope_args,
-        m, l, acc, r, float(softcap or 0.0),
+        m, l, acc, acc_rot, r, float(softcap or 0.0),
         D=d, BR=br, BD=bd, FBS=fbs, BS=bs, SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
-        **_prefixed(side_constants(kf), "K_"), **_prefixed(side_constants(vf), "V_"),
+        **_prefixed(side_constants(kf, d), "K_"), **_prefixed(side_constants(vf, d), "V_"),
     )
+    if vf.rotated:
+        fold_rotated_values(acc, acc_rot, body[1])
     return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
 
 
