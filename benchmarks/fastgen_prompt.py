@@ -1,0 +1,106 @@
+"""Benchmark: FastGen with head policies profiled offline vs chosen from each prompt, on the pass-key grid.
+
+The grid of `tests/test_eviction_passkey.py` and RESULTS.md "Pass-key retrieval": a pass key at
+depths 0 / 0.25 / 0.5 / 0.75 / 1 of ``--length`` tokens of held-out WikiText-2 test, 2 seeds per
+depth, asked at the end, greedy decoding through the runtime (`kvtool.eval.retrieval.evaluate_grid`).
+Rows: the 16-bit cache; `fastgen-t95` with the policy map of a `kvtool profile` artifact
+(``--profile``, skipped without one); `fastgen-prompt-t95` and the same recipe at the other
+``--thresholds``. Besides accuracy per depth and the kept fraction, each per-prompt row records
+which policies the (layer, sequence, KV head) streams chose at one prompt of each depth (seed 0).
+
+    python -m benchmarks.fastgen_prompt --model smollm2-135m --profile /tmp/smollm2-profile.safetensors
+    python -m benchmarks.fastgen_prompt --model gemma3-270m --length 1024 --no-offline
+
+Writes benchmarks/results/fastgen_prompt_<model>_<length>[_<tag>].json after every row and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+from benchmarks.common import PRETRAINED
+from benchmarks.peers import RESULTS
+from benchmarks.peers_passkey import GRID, load
+from kvtool.artifact import load_artifact
+from kvtool.eval.baselines import sixteen_bit_recipe
+from kvtool.eval.retrieval import evaluate_grid
+from kvtool.eval.retrieval_request import RetrievalGrid
+from kvtool.fileio import write_json_atomic
+from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, fastgen_token_classes
+from kvtool.recipe import load_recipe
+from kvtool.runtime.attach import CompressedRuntime
+
+
+def with_threshold(recipe, threshold: float):
+    eviction = dataclasses.replace(recipe.eviction, threshold=threshold)
+    return dataclasses.replace(recipe, name=f"{recipe.name.split('-t')[0]} T={threshold:g}", eviction=eviction)
+
+
+@torch.no_grad()
+def chosen_policies(model, runtime, task, length: int, depths) -> dict[str, float]:
+    """Share of streams (layers x sequences x KV heads) per chosen policy after one prefill per depth (seed 0)."""
+    counts = torch.zeros(len(FASTGEN_POLICIES))
+    for depth in depths:
+        prompts, _ = task.cases(length, depth, 1)
+        cache = runtime.new_cache()
+        model(input_ids=prompts, past_key_values=cache, logits_to_keep=1)
+        for layer in cache.layers:
+            counts += torch.bincount(layer.stream_state.cpu(), minlength=len(FASTGEN_POLICIES)).float()
+    return {name: round(float(c / counts.sum()), 3) for name, c in zip(FASTGEN_POLICIES, counts)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(PRETRAINED))
+    parser.add_argument("--length", type=int, default=GRID.lengths[0])
+    parser.add_argument("--seeds", type=int, default=GRID.seeds)
+    parser.add_argument("--profile", help="`kvtool profile` artifact of the model for the offline fastgen-t95 row")
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.95, 0.9], help="T of the per-prompt rows")
+    parser.add_argument("--no-full", action="store_true", help="skip the 16-bit row")
+    parser.add_argument("--tag", help="suffix of the JSON file name (parts of one grid run apart)")
+    args = parser.parse_args()
+    model, tokenizer, task = load(args.model)
+    grid = RetrievalGrid((args.length,), GRID.depths, args.seeds)
+    tag = f"_{args.tag}" if args.tag else ""
+    out, rows = RESULTS / f"fastgen_prompt_{args.model}_{args.length}{tag}.json", []
+    classes = fastgen_token_classes(tokenizer)
+
+    def run(label: str, recipe, profile: dict | None) -> dict:
+        started = time.time()
+        runtime = CompressedRuntime.from_recipe(model, recipe, profile=profile)
+        result = evaluate_grid(model, runtime, task, grid, pad_id=tokenizer.pad_token_id)
+        row = {"recipe": label, "accuracy": result["accuracy"], "kept_fraction": result["kept_fraction"],
+               "cache_bytes": result["cache_bytes"], "by_depth": {r["depth"]: r["accuracy"] for r in result["grid"]}}
+        if recipe.eviction.fastgen_per_prompt:
+            row["chosen"] = chosen_policies(model, runtime, task, args.length, grid.depths)
+        row["seconds"] = round(time.time() - started, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        write_json_atomic(out, {"model": args.model, "grid": dataclasses.asdict(grid), "rows": rows})
+        return row
+
+    if not args.no_full:
+        run("16-bit cache (full)", sixteen_bit_recipe(), None)
+    if args.profile:
+        run("fastgen-t95 (offline profile)", load_recipe("fastgen-t95"), load_artifact(args.profile).tensors)
+    for threshold in args.thresholds:
+        run(f"fastgen-prompt T={threshold:g}", with_threshold(load_recipe("fastgen-prompt-t95"), threshold), classes)
+    print(markdown(rows, grid.depths))
+
+
+def markdown(rows: list[dict], depths) -> str:
+    lines = ["| recipe | accuracy | " + " | ".join(f"depth {d:g}" for d in depths) + " | kept fraction | bytes/sequence |",
+             "|---" * (4 + len(depths)) + "|"]
+    for row in rows:
+        cells = " | ".join(f"{row['by_depth'][d]:g}" for d in depths)
+        lines.append(f"| {row['recipe']} | {row['accuracy']:.1f} | {cells} | {row['kept_fraction']:.3f} | {row['cache_bytes']:,.0f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
