@@ -9,7 +9,8 @@ Rows: the 16-bit cache; `fastgen-t95` with the policy map of a `kvtool profile` 
 which policies the (layer, sequence, KV head) streams chose at one prompt of each depth (seed 0).
 
     python -m benchmarks.fastgen_prompt --model smollm2-135m --profile /tmp/smollm2-profile.safetensors
-    python -m benchmarks.fastgen_prompt --model gemma3-270m --length 1024 --no-offline
+    python -m benchmarks.fastgen_prompt --model gemma3-270m --length 1024
+    python -m benchmarks.fastgen_prompt --model smollm2-135m --thresholds 0.95 --explain   # why needles are lost
 
 Writes benchmarks/results/fastgen_prompt_<model>_<length>[_<tag>].json after every row and prints a markdown table.
 """
@@ -54,6 +55,62 @@ def chosen_policies(model, runtime, task, length: int, depths) -> dict[str, floa
     return {name: round(float(c / counts.sum()), 3) for name, c in zip(FASTGEN_POLICIES, counts)}
 
 
+def needle_positions(tokenizer, prompt: torch.Tensor, key: str, question: int) -> list[int]:
+    """Positions of the tokens spelling the pass key in the context (the needle sentence writes it twice), not the question."""
+    texts = [tokenizer.decode([int(t)]).strip() for t in prompt[:-question]]
+    positions = []
+    for start in range(len(texts)):  # runs of tokens that spell the key
+        if not texts[start]:
+            continue
+        spelled, end = "", start
+        while end < len(texts) and len(spelled) < len(key) and key.startswith(spelled + texts[end]):
+            spelled, end = spelled + texts[end], end + 1
+        if spelled == key and (not positions or start > positions[-1]):
+            positions += list(range(start, end))
+    return positions
+
+
+@torch.no_grad()
+def explain(model, tokenizer, task, runtime, length: int, window: int, depths, seeds: int) -> list[dict]:
+    """Per case: the (layer, KV head) streams that hold no whole copy of the key after prefill, by chosen policy, and the
+    needle's share of those streams' window attention (the last ``window`` queries, GQA group summed; eager attention
+    of the same model) against the streams that kept it."""
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32, attn_implementation="eager").eval()
+    question = task.question_tokens(length, seeds)
+    rows = []
+    for depth in depths:
+        prompts, keys = task.cases(length, depth, seeds)
+        for seed in range(seeds):
+            prompt = prompts[seed : seed + 1]
+            needle = needle_positions(tokenizer, prompt[0], keys[seed], question)
+            copies = [c.tolist() for c in torch.tensor(needle).split(len(needle) // 2)] if needle else []
+            cache = runtime.new_cache()
+            model(input_ids=prompt, past_key_values=cache, logits_to_keep=1)
+            attentions = eager(input_ids=prompt, output_attentions=True).attentions  # per layer (1, H_q, T, T)
+            dropped, kept = {}, []
+            for index, layer in enumerate(cache.layers):
+                _, _, positions, valid = layer.decoded()  # (1, H_kv, N)
+                probs = attentions[index][0]  # (H_q, T, T)
+                heads = positions.shape[1]
+                share = probs.reshape(heads, -1, *probs.shape[1:])[:, :, -window:].sum(dim=(1, 2))  # (H_kv, T)
+                share = share[:, needle].sum(dim=1) / share.sum(dim=1)  # (H_kv,)
+                for head in range(heads):
+                    held = set(positions[0, head][valid[0, head]].tolist())
+                    policy = FASTGEN_POLICIES[int(layer.stream_state[head])] if layer.stream_state is not None else "offline"
+                    if any(set(copy) <= held for copy in copies):  # a whole copy of the key stays
+                        kept.append(float(share[head]))
+                    else:
+                        dropped.setdefault(policy, []).append(float(share[head]))
+            rows.append({"depth": depth, "seed": seed, "needle_tokens": len(needle),
+                         "dropped_by_policy": {p: len(v) for p, v in dropped.items()},
+                         "dropped_max_share": max((x for v in dropped.values() for x in v), default=0.0),
+                         "kept_max_share": max(kept, default=0.0)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(PRETRAINED))
@@ -62,6 +119,7 @@ def main() -> None:
     parser.add_argument("--profile", help="`kvtool profile` artifact of the model for the offline fastgen-t95 row")
     parser.add_argument("--thresholds", type=float, nargs="*", default=[0.95, 0.9], help="T of the per-prompt rows")
     parser.add_argument("--no-full", action="store_true", help="skip the 16-bit row")
+    parser.add_argument("--explain", action="store_true", help="per case: streams that dropped the needle (see `explain`)")
     parser.add_argument("--tag", help="suffix of the JSON file name (parts of one grid run apart)")
     args = parser.parse_args()
     model, tokenizer, task = load(args.model)
@@ -84,6 +142,13 @@ def main() -> None:
         write_json_atomic(out, {"model": args.model, "grid": dataclasses.asdict(grid), "rows": rows})
         return row
 
+    if args.explain:
+        recipe = with_threshold(load_recipe("fastgen-prompt-t95"), args.thresholds[0])
+        runtime = CompressedRuntime.from_recipe(model, recipe, profile=classes)
+        payload = {"recipe": recipe.name, "cases": explain(model, tokenizer, task, runtime, args.length, recipe.eviction.window,
+                                                             grid.depths, grid.seeds)}
+        write_json_atomic(RESULTS / f"fastgen_prompt_{args.model}_{args.length}_explain.json", payload)
+        return
     if not args.no_full:
         run("16-bit cache (full)", sixteen_bit_recipe(), None)
     if args.profile:

@@ -25,7 +25,7 @@ from kvtool.recipe import EvictionSpec, load_recipe, recipe_from_dict
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from kvtool.runtime.store import FLOAT_BLOCK
 from tests.test_eviction_runtime import held, left_padded_pair
-from tests.tiny_models import tiny_model
+from tests.tiny_models import WINDOW, featured_model, tiny_model
 
 CLASSES = {"tokens.special": torch.tensor([1]), "tokens.punctuation": torch.tensor([5, 6, 7])}
 R_L, R_F = 0.3, 0.3
@@ -39,6 +39,12 @@ def per_prompt(threshold: float, float_dtype: str = "model", **eviction):
 
 def runtime(model, threshold: float, **kwargs):
     return CompressedRuntime.from_recipe(model, per_prompt(threshold, **kwargs), profile=CLASSES)
+
+
+def greedy(model, cache, ids: torch.Tensor, new_tokens: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
 
 def reference_choice(window: torch.Tensor, accumulated: torch.Tensor, is_special, is_punct, threshold: float) -> int:
@@ -144,15 +150,10 @@ def test_a_left_padded_batch_keeps_and_generates_what_each_sequence_does_alone()
     ids[1, 15 + 5 : 15 + 20] = 6  # the short prompt has a run of punctuation: the two choose differently
     short = ids[1:, 15:]
 
-    def generate(cache, x, m):
-        with torch.no_grad():
-            return model.generate(input_ids=x, attention_mask=m, past_key_values=cache, max_new_tokens=12,
-                                  min_new_tokens=12, do_sample=False, pad_token_id=0)
-
     together_cache = rt.new_cache()
-    together = generate(together_cache, ids, mask)
+    together = greedy(model, together_cache, ids, 12, mask)
     alone_caches = [rt.new_cache(), rt.new_cache()]
-    alone = [generate(c, x, torch.ones_like(x)) for c, x in zip(alone_caches, (long, short))]
+    alone = [greedy(model, c, x, 12, torch.ones_like(x)) for c, x in zip(alone_caches, (long, short))]
     assert torch.equal(together[0, 48:], alone[0][0, 48:]) and torch.equal(together[1, 48:], alone[1][0, 33:])
     for index, layer in enumerate(together_cache.layers):
         states = [c.layers[index].stream_state.tolist() for c in alone_caches]
@@ -167,8 +168,7 @@ def test_bytes_held_are_the_kept_tokens_and_fewer_than_the_full_cache():
     sizes = {}
     for threshold in (1.0, 0.6):
         cache = runtime(model, threshold, float_dtype="float16").new_cache()
-        with torch.no_grad():
-            model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        greedy(model, cache, ids, 6)
         per_token = 2 * 32 * 2 + 4 + 4 + 1  # K + V fp16, position, accumulated attention, token class
         blocks, metadata = 0, 0
         for layer in cache.layers:
@@ -184,19 +184,13 @@ def test_bytes_held_are_the_kept_tokens_and_fewer_than_the_full_cache():
 def test_at_threshold_one_it_generates_what_transformers_does_and_below_it_evicts():
     model = tiny_model("llama")
     ids = torch.randint(8, 128, (2, 40), generator=torch.Generator().manual_seed(4))
-
-    def generate(cache):
-        with torch.no_grad():
-            return model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=16, min_new_tokens=16,
-                                  do_sample=False, pad_token_id=0)
-
-    reference = generate(DynamicCache(config=model.config))
+    reference = greedy(model, DynamicCache(config=model.config), ids, 16)
     full = runtime(model, 1.0).new_cache()
-    assert torch.equal(generate(full), reference)
+    assert torch.equal(greedy(model, full, ids, 16), reference)
     assert full.kept_fraction() == 1.0
     assert all(set(layer.stream_state.tolist()) == {FULL} for layer in full.layers)
     evicting = runtime(model, 0.5).new_cache()
-    generate(evicting)
+    greedy(model, evicting, ids, 16)
     assert evicting.kept_fraction() < 0.75  # compression is on below T = 1
     assert all(max(layer.stream_state.tolist()) < FULL for layer in evicting.layers)
 
@@ -236,3 +230,24 @@ def test_the_bundled_recipe_needs_no_profile_and_round_trips():
     assert (recipe.eviction.threshold, recipe.eviction.local_ratio, recipe.eviction.frequent_ratio) == (0.95, 0.3, 0.3)
     assert recipe_from_dict(recipe.to_dict()) == recipe
     assert not load_recipe("fastgen-t95").eviction.fastgen_per_prompt
+
+
+def test_beam_search_carries_each_streams_choice():
+    model = tiny_model("llama")
+    ids = torch.cat([mostly_punctuation(40, 8), torch.randint(8, 128, (1, 40), generator=torch.Generator().manual_seed(8))])
+    cache = runtime(model, 0.8).new_cache()
+    with torch.no_grad():
+        model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0)
+    for layer in cache.layers:  # (B x beams x H_kv,): each beam keeps its sequence's choice
+        punct_beams, plain_beams = layer.stream_state.reshape(2, 2, -1)
+        assert punct_beams.max() <= PUNCTUATION < LOCAL <= plain_beams.min()
+
+
+def test_on_a_sliding_window_layer_it_also_frees_what_the_window_hides():
+    """Gemma 3 (layer 0 slides over 16 tokens, layer 1 is global): at T = 1 everything visible stays, nothing else."""
+    model = featured_model("gemma3_text")
+    ids = torch.randint(8, 128, (1, 40), generator=torch.Generator().manual_seed(12))
+    cache = runtime(model, 1.0).new_cache()
+    assert torch.equal(greedy(model, cache, ids, 8), greedy(model, DynamicCache(config=model.config), ids, 8))
+    sliding, full = (held(layer)[0] for layer in cache.layers)
+    assert sliding == list(range(47 - WINDOW, 47)) and full == list(range(47))  # the last token generated is not fed

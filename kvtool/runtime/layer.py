@@ -533,6 +533,9 @@ class KvtoolLayer(CacheLayerMixin):
         view = self._view(table, data, counts, positions, received, length)
         keep = choose(policy, view, budget)
         self.stream_state = view.stream_state
+        window = self.context.sliding_window(self.index)
+        if window and not policy.budgeted:  # FastGen's rules on a sliding-window layer: also free what no query can see
+            keep &= SlidingWindowRule(window, store.bs if store.body_pool is not None else 0).keep(view, budget)
         keep_float, keep_body, keep_new = table.split(keep)
         if store.body_pool is None:
             store.fill_holes(keep_float, data, keep_new)
