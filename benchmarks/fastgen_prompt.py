@@ -89,7 +89,7 @@ def explain(model, tokenizer, task, runtime, length: int, window: int, depths, s
             cache = runtime.new_cache()
             model(input_ids=prompt, past_key_values=cache, logits_to_keep=1)
             attentions = eager(input_ids=prompt, output_attentions=True).attentions  # per layer (1, H_q, T, T)
-            dropped, kept = {}, []
+            dropped, kept, dropped_layers = {}, [], []
             for index, layer in enumerate(cache.layers):
                 _, _, positions, valid = layer.decoded()  # (1, H_kv, N)
                 probs = attentions[index][0]  # (H_q, T, T)
@@ -103,8 +103,9 @@ def explain(model, tokenizer, task, runtime, length: int, window: int, depths, s
                         kept.append(float(share[head]))
                     else:
                         dropped.setdefault(policy, []).append(float(share[head]))
+                        dropped_layers.append(index)
             rows.append({"depth": depth, "seed": seed, "needle_tokens": len(needle),
-                         "dropped_by_policy": {p: len(v) for p, v in dropped.items()},
+                         "dropped_by_policy": {p: len(v) for p, v in dropped.items()}, "dropped_layers": dropped_layers,
                          "dropped_max_share": max((x for v in dropped.values() for x in v), default=0.0),
                          "kept_max_share": max(kept, default=0.0)})
             print(json.dumps(rows[-1]), flush=True)

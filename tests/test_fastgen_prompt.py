@@ -251,3 +251,16 @@ def test_on_a_sliding_window_layer_it_also_frees_what_the_window_hides():
     assert torch.equal(greedy(model, cache, ids, 8), greedy(model, DynamicCache(config=model.config), ids, 8))
     sliding, full = (held(layer)[0] for layer in cache.layers)
     assert sliding == list(range(47 - WINDOW, 47)) and full == list(range(47))  # the last token generated is not fed
+
+
+@pytest.mark.slow
+def test_kvtool_load_takes_the_token_classes_from_the_models_tokenizer(smollm2):
+    import kvtool
+
+    model, tokenizer = smollm2
+    cache = kvtool.load(model, "fastgen-prompt-t95").new_cache()
+    ids = tokenizer("The pass key is 41235. Remember it, and then, later, say it back. " * 12, return_tensors="pt").input_ids
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    assert set(cache.context.punct_ids.tolist()) >= set(tokenizer.convert_tokens_to_ids([".", ","]))
+    assert cache.kept_fraction() < 0.9
