@@ -37,9 +37,11 @@ from kvtool.recipe import load_recipe
 from kvtool.runtime.attach import CompressedRuntime
 
 
-def with_threshold(recipe, threshold: float):
-    eviction = dataclasses.replace(recipe.eviction, threshold=threshold)
-    return dataclasses.replace(recipe, name=f"{recipe.name.split('-t')[0]} T={threshold:g}", eviction=eviction)
+def per_prompt_recipe(threshold: float, window: int):
+    """`fastgen-prompt-t95` at another threshold T and choice window (queries whose attention decides)."""
+    recipe = load_recipe("fastgen-prompt-t95")
+    eviction = dataclasses.replace(recipe.eviction, threshold=threshold, window=window)
+    return dataclasses.replace(recipe, name=f"fastgen-prompt T={threshold:g} window {window}", eviction=eviction)
 
 
 @torch.no_grad()
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=GRID.seeds)
     parser.add_argument("--profile", help="`kvtool profile` artifact of the model for the offline fastgen-t95 row")
     parser.add_argument("--thresholds", type=float, nargs="*", default=[0.95, 0.9], help="T of the per-prompt rows")
+    parser.add_argument("--window", type=int, default=32, help="prompt queries whose attention chooses (the recipe's 32)")
     parser.add_argument("--no-full", action="store_true", help="skip the 16-bit row")
     parser.add_argument("--explain", action="store_true", help="per case: streams that dropped the needle (see `explain`)")
     parser.add_argument("--tag", help="suffix of the JSON file name (parts of one grid run apart)")
@@ -144,7 +147,7 @@ def main() -> None:
         return row
 
     if args.explain:
-        recipe = with_threshold(load_recipe("fastgen-prompt-t95"), args.thresholds[0])
+        recipe = per_prompt_recipe(args.thresholds[0], args.window)
         runtime = CompressedRuntime.from_recipe(model, recipe, profile=classes)
         payload = {"recipe": recipe.name, "cases": explain(model, tokenizer, task, runtime, args.length, recipe.eviction.window,
                                                              grid.depths, grid.seeds)}
@@ -155,7 +158,8 @@ def main() -> None:
     if args.profile:
         run("fastgen-t95 (offline profile)", load_recipe("fastgen-t95"), load_artifact(args.profile).tensors)
     for threshold in args.thresholds:
-        run(f"fastgen-prompt T={threshold:g}", with_threshold(load_recipe("fastgen-prompt-t95"), threshold), classes)
+        recipe = per_prompt_recipe(threshold, args.window)
+        run(recipe.name, recipe, classes)
     print(markdown(rows, grid.depths))
 
 

@@ -6,7 +6,9 @@
 * a left-padded batch decodes and keeps what each sequence does alone;
 * the bytes held are the kept tokens' blocks plus one int64 per stream, and fewer than a full cache's;
 * T = 1 keeps everything and generates what transformers does; T < 1 really evicts;
-* a second multi-token forward re-chooses and never re-admits an evicted token;
+* a second multi-token forward re-chooses and never re-admits an evicted token (a sequence that
+  is only padding in it keeps its choice); beam search carries each stream's choice;
+* on a sliding-window layer it also frees what the window hides;
 * bad values and a missing tokenizer give clear errors.
 """
 
@@ -19,7 +21,7 @@ from transformers import DynamicCache
 from kvtool.errors import RecipeError
 from kvtool.methods.evict.base import StreamView
 from kvtool.methods.evict.fastgen import (
-    FASTGEN_POLICIES, FULL, LOCAL, PUNCTUATION, choose_from_prompt, fastgen_keep, kept_sets,
+    FASTGEN_POLICIES, FULL, LOCAL, PUNCTUATION, FastGen, choose_from_prompt, fastgen_keep, kept_sets,
 )
 from kvtool.recipe import EvictionSpec, load_recipe, recipe_from_dict
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
@@ -143,9 +145,10 @@ def test_each_sequence_of_a_batch_gets_its_own_policies():
     assert (tokens[0] < tokens[1]).all()
 
 
-def test_a_left_padded_batch_keeps_and_generates_what_each_sequence_does_alone():
+@pytest.mark.parametrize("window", [8, 40])  # 40: padding rows of the short prompt (33 tokens) fall in the window
+def test_a_left_padded_batch_keeps_and_generates_what_each_sequence_does_alone(window):
     model = tiny_model("llama")
-    rt = runtime(model, 0.6)
+    rt = runtime(model, 0.6, window=window)
     long, short, ids, mask = left_padded_pair(seed=2)
     ids[1, 15 + 5 : 15 + 20] = 6  # the short prompt has a run of punctuation: the two choose differently
     short = ids[1:, 15:]
@@ -264,3 +267,14 @@ def test_kvtool_load_takes_the_token_classes_from_the_models_tokenizer(smollm2):
         model(ids, past_key_values=cache)
     assert set(cache.context.punct_ids.tolist()) >= set(tokenizer.convert_tokens_to_ids([".", ","]))
     assert cache.kept_fraction() < 0.9
+
+
+def test_a_stream_whose_sequence_is_only_padding_in_a_later_forward_keeps_its_choice():
+    view = hand_made_view([40, 40], 40, seed=3)
+    view.window_attention[1] = 0.0  # the second sequence had only padding in this forward
+    view.stream_state = torch.tensor([LOCAL, LOCAL])
+    policy = FastGen(per_prompt(0.5).eviction)
+    keep = policy.keep(view, torch.tensor([40, 40]))
+    expected = choose_from_prompt(view.window_attention[:1], kept_sets(view, R_L, R_F)[:1], view.valid[:1], 0.5)
+    assert view.stream_state.tolist() == [int(expected), LOCAL]
+    assert torch.equal(keep[1], kept_sets(view, R_L, R_F)[1, LOCAL])

@@ -192,7 +192,8 @@ class FastGen(EvictionPolicy):
     recovers >= T of the attention the last ``window`` queries of that forward pay to the tokens
     the stream holds; the choice is kept in ``view.stream_state`` (the layer stores it per
     stream) and applied at every generated token. Tokens already evicted are never re-admitted.
-    A stream never chosen for (a sequence that only ever decoded single tokens) keeps everything.
+    A stream never chosen for (a sequence that only ever decoded single tokens) keeps everything;
+    one whose sequence is only padding in a later forward keeps its earlier choice.
     """
 
     uses_token_classes = True
@@ -208,11 +209,13 @@ class FastGen(EvictionPolicy):
         """(S,) int64 policy index of each stream for this forward."""
         if self.spec.profile_source == "offline":
             return self.profile["heads.policy"].to(view.heads.device)[view.layer, view.heads].long()
+        previous = view.stream_state if view.stream_state is not None else torch.full_like(view.length, FULL)
         if view.window_attention is not None:  # a forward of several tokens: choose from its attention
-            view.stream_state = choose_from_prompt(view.window_attention, kept, view.valid, self.spec.threshold)
-        if view.stream_state is None:
-            return torch.full_like(view.length, FULL)
-        return view.stream_state.masked_fill(view.stream_state < 0, FULL)
+            chosen = choose_from_prompt(view.window_attention, kept, view.valid, self.spec.threshold)
+            attended = (view.window_attention * view.valid).sum(dim=1) > 0  # (S,) False: only padding this forward
+            view.stream_state = torch.where(attended, chosen, previous)
+            return view.stream_state
+        return previous
 
 
 def kept_sets(view: StreamView, local_ratio: float, frequent_ratio: float) -> Tensor:
@@ -251,7 +254,7 @@ def choose_from_prompt(window_attention: Tensor, kept: Tensor, valid: Tensor, th
     window_attention (S, N): attention the forward's last ``window`` queries paid to every slot,
     summed over those queries and the GQA group's query heads (never expanded per KV head), in
     float64 normalised to a share per stream. A stream that received no attention (padding only)
-    gets ``full``.
+    gets ``full`` (the runtime keeps such a stream's earlier choice).
     """
     attention = window_attention.double().masked_fill(~valid, 0.0)  # (S, N)
     share = attention / attention.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
