@@ -4,8 +4,8 @@ The grid of `tests/test_eviction_passkey.py` and RESULTS.md "Pass-key retrieval"
 depths 0 / 0.25 / 0.5 / 0.75 / 1 of ``--length`` tokens of held-out WikiText-2 test, 2 seeds per
 depth, asked at the end, greedy decoding through the runtime (`kvtool.eval.retrieval.evaluate_grid`).
 Rows: the 16-bit cache; `fastgen-t95` with the policy map of a `kvtool profile` artifact
-(``--profile``, skipped without one); `fastgen-prompt-t95` and the same recipe at the other
-``--thresholds``. Besides accuracy per depth and the kept fraction, each per-prompt row records
+(``--profile``, skipped without one); `fastgen-prompt-t95` at each of ``--thresholds`` (and
+``--window``, the prompt queries whose attention chooses; the recipe's 32). Besides accuracy per depth and the kept fraction, each per-prompt row records
 which policies the (layer, sequence, KV head) streams chose at one prompt of each depth (seed 0).
 
     python -m benchmarks.fastgen_prompt --model smollm2-135m --profile /tmp/smollm2-profile.safetensors
