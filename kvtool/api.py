@@ -37,7 +37,7 @@ from kvtool.errors import ArtifactError, RuntimeConfigError
 from kvtool.eval.generation_report import generation_memory, generation_timing
 from kvtool.eval.speed import DecodeClock
 from kvtool.fileio import check_output_path
-from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, token_classes
+from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, fastgen_token_classes, token_classes
 from kvtool.models.adapter import adapter_for
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from kvtool.recipe import EvictionSpec, Recipe, load_recipe
@@ -414,7 +414,20 @@ def load_runtime(
     if prof is not None:
         check_model(prof, adapter_for(hf_model).fingerprint(), source=f"profile '{profile}'")
         profile_tensors = prof.tensors
+    profile_tensors = with_token_classes(hf_model, resolved, profile_tensors, tokenizer)
     return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved, profile=profile_tensors, backend=backend)
+
+
+def with_token_classes(hf_model, recipe: Recipe, profile: dict | None, tokenizer=None) -> dict | None:
+    """``profile`` plus the tokenizer's FastGen token classes when FastGen chooses per prompt and has none.
+
+    The tokenizer is loaded from the model's folder when none was (``tokenizer`` None).
+    """
+    if not recipe.eviction.fastgen_per_prompt or (profile and "tokens.special" in profile):
+        return profile
+    from kvtool.models.loading import load_tokenizer
+
+    return {**(profile or {}), **fastgen_token_classes(tokenizer or load_tokenizer(hf_model.name_or_path))}
 
 
 @dataclass(frozen=True)

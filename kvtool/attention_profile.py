@@ -36,7 +36,7 @@ from kvtool.capture import Progress, no_progress
 from kvtool.artifact import load_artifact
 from kvtool.errors import DataError, ModelError
 from kvtool.methods.budget.pyramid import fitted_weights
-from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, FREQUENT, choose_policies, fastgen_keep_rows
+from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, FREQUENT, choose_policies, fastgen_keep_rows, recovered_mass
 from kvtool.models.attention_hook import attention_handler, eager_attention, install, sdpa_reference
 from kvtool.recipe import EvictionSpec
 
@@ -135,7 +135,7 @@ class AttentionProfiler:
             kept = fastgen_keep_rows(policy, self.is_special[:, None], self.is_punct[:, None], policy_scores, lengths,
                                      self.spec.local_ratio, self.spec.frequent_ratio)  # (B, 1 or H_kv, C', T)
             fraction = (kept.sum(dim=-1) / lengths).expand(mean_probs.shape[:-1])  # (B, H_kv, C')
-            self.mass_sum[layer, :, policy] += (mean_probs * kept).sum(dim=-1).sum(dim=(0, 2)).double().cpu()
+            self.mass_sum[layer, :, policy] += recovered_mass(mean_probs, kept).sum(dim=(0, 2)).double().cpu()
             self.kept_sum[layer, :, policy] += fraction.sum(dim=(0, 2)).double().cpu()
         self.rows[layer] += group.shape[0] * group.shape[2]
         self.need_sum[layer] += _keys_needed(mean_probs, lengths, self.spec.threshold).sum().double().cpu() / group.shape[1]

@@ -67,6 +67,7 @@ def load(model, artifact_or_recipe: str | Path | Recipe | None = None, *, profil
     recipe name or recipe YAML path, a `Recipe`, or None (uncompressed, kvtool's runtime).
     profile: a `kvtool profile` artifact, for a recipe that evicts and needs one.
     """
+    from kvtool.api import with_token_classes
     from kvtool.artifact import check_model, load_artifact
     from kvtool.models.adapter import adapter_for
     from kvtool.recipe import load_recipe
@@ -91,6 +92,7 @@ def load(model, artifact_or_recipe: str | Path | Recipe | None = None, *, profil
         prof = load_artifact(profile, expect_kind="profile")
         check_model(prof, adapter_for(model).fingerprint(), source=f"profile '{profile}'")
         profile_tensors = prof.tensors
+    profile_tensors = with_token_classes(model, recipe, profile_tensors)  # FastGen chosen per prompt
     return Compression(CompressedRuntime.from_recipe(model, recipe, profile=profile_tensors, backend=backend))
 
 

@@ -55,7 +55,7 @@ def unpredictable_reason(recipe: Recipe) -> str | None:
         return None
     if spec.policy == "fastgen":
         return ("FastGen has no budget: each KV head keeps the special tokens, punctuation and local/frequent fractions "
-                "its profiled rule names, so how many tokens stay depends on the text")
+                "its rule names (profiled, or chosen from each prompt), so how many tokens stay depends on the text")
     if spec.policy == "rocketkv":
         return ("RocketKV cuts the prompt once and then keeps every generated token, so the bytes depend on how much of "
                 "the context is prompt")

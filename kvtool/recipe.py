@@ -47,6 +47,7 @@ EVICTION_POLICIES = (
 OWN_LAYER_BUDGETS = ("cake", "pyramidinfer")  # policies that set their own per-layer budgets
 LAYER_BUDGETS = ("uniform", "pyramid", "profile")
 HEAD_BUDGETS = ("uniform", "adaptive")
+FASTGEN_PROFILE_SOURCES = ("offline", "prompt")  # where FastGen's per-head policies come from
 ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv", "rocketkv")  # scores comparable across heads (head_budgets: adaptive)
 SPARSE_METHODS = ("none", "rocketkv")
 # policies that do not score tokens by attention while decoding: sparse attention reads only some blocks per step
@@ -323,6 +324,10 @@ class EvictionSpec:
         budget is the same in all three.
     threshold, local_ratio, frequent_ratio: FastGen's attention-mass threshold T and
         the local-window and heavy-hitter ratios r_l, r_f (fractions of the length).
+    profile_source: where FastGen's per-KV-head policies come from: ``offline`` (one policy
+        map for every prompt, measured on calibration text by `kvtool profile`) or ``prompt``
+        (the paper's mode: chosen at each sequence's prefill from that prompt's own attention,
+        the last ``window`` prompt queries; no profile needed). FastGen only.
     tau1, tau2, gamma: CAKE's temperatures of a layer's preference H^(1/tau1) x V^(1/tau2)
         (H: entropy of the window's attention, V: its variance over the window queries) and
         the weight of the variance in a token's score mean + gamma x variance (paper: 1, 1, 200).
@@ -348,6 +353,7 @@ class EvictionSpec:
     threshold: float = 0.95
     local_ratio: float = 0.3
     frequent_ratio: float = 0.3
+    profile_source: str = "offline"
     tau1: float = 1.0
     tau2: float = 1.0
     gamma: float = 200.0
@@ -388,6 +394,12 @@ class EvictionSpec:
         _require(_is_fraction(self.threshold), f"{p}.threshold", f"{self.threshold} must be a fraction in (0, 1]")
         for name in ("local_ratio", "frequent_ratio"):
             _require(_is_fraction(getattr(self, name), low_open=False), f"{p}.{name}", "must be a fraction in [0, 1]")
+        _require(self.profile_source in FASTGEN_PROFILE_SOURCES, f"{p}.profile_source",
+                 f"'{self.profile_source}' is not one of {list(FASTGEN_PROFILE_SOURCES)} (offline: `kvtool profile`; "
+                 "prompt: chosen from each prompt's attention)")
+        _require(self.profile_source == "offline" or self.policy == "fastgen", f"{p}.profile_source",
+                 f"'{self.profile_source}' chooses FastGen head policies, but the policy is '{self.policy}'; "
+                 "set policy: fastgen or drop profile_source")
         if self.budget_tokens is not None:
             _require(self.budget_tokens > self.sink_tokens, f"{p}.budget_tokens",
                      f"{self.budget_tokens} leaves no room beside the {self.sink_tokens} sink tokens")
@@ -421,8 +433,18 @@ class EvictionSpec:
 
     @property
     def needs_profile(self) -> bool:
-        """FastGen policies and fitted layer budgets come from `kvtool profile`."""
-        return self.enabled and (self.policy == "fastgen" or self.layer_budgets == "profile")
+        """Offline FastGen policies and fitted layer budgets come from `kvtool profile`."""
+        return self.enabled and (self.fastgen_offline or self.layer_budgets == "profile")
+
+    @property
+    def fastgen_offline(self) -> bool:
+        """FastGen with one profiled policy map for every prompt."""
+        return self.policy == "fastgen" and self.profile_source == "offline"
+
+    @property
+    def fastgen_per_prompt(self) -> bool:
+        """FastGen choosing each (sequence, KV head)'s policy from the prompt's attention at prefill."""
+        return self.policy == "fastgen" and self.profile_source == "prompt"
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ def eviction_summary(recipe: Recipe) -> str:
     if not spec.enabled:
         return "none"
     if spec.policy == "fastgen":
-        return f"fastgen T={spec.threshold:g}, r_l={spec.local_ratio:g}, r_f={spec.frequent_ratio:g} (needs a profile)"
+        source = "head policies chosen from each prompt" if spec.fastgen_per_prompt else "needs a profile"
+        return f"fastgen T={spec.threshold:g}, r_l={spec.local_ratio:g}, r_f={spec.frequent_ratio:g} ({source})"
     budget = f"{spec.budget_tokens} tokens" if spec.budget_tokens is not None else f"{spec.budget:.0%}"
     parts = [f"{spec.policy}: keep {budget}", f"{spec.sink_tokens} sink + {spec.window} recent"]
     if spec.policy in ("snapkv", "rocketkv"):

@@ -137,18 +137,30 @@ class CompressedRuntime:
                 f"recipe '{self.recipe.name}' (eviction.policy {spec.policy}, layer_budgets {spec.layer_budgets}) "
                 "needs a profile: run `kvtool profile` and pass it (--profile), or export it into the artifact"
             )
+        if spec.fastgen_per_prompt:
+            check_token_classes(self.recipe.name, profile)
         policies = profile.get("heads.policy")
-        if spec.policy == "fastgen" and (policies is None or tuple(policies.shape) != (geometry.num_layers, geometry.num_kv_heads)):
+        if spec.fastgen_offline and (policies is None or tuple(policies.shape) != (geometry.num_layers, geometry.num_kv_heads)):
             raise RecipeError(
                 f"the profile's heads.policy has shape {None if policies is None else tuple(policies.shape)}, "
                 f"expected ({geometry.num_layers}, {geometry.num_kv_heads}) for this model; profile this model again"
             )
-        if spec.policy == "fastgen":
+        if spec.fastgen_offline:
             profile = {**profile, "heads.policy": fastgen_head_policies(spec, profile)}
         weights = layer_budgets(spec, geometry.num_layers, profile.get("layers.budget_weight"))
         policy = policy_class(spec.policy)(spec, profile)
         rule = BudgetRule(spec.budget, spec.budget_tokens, policy.layer_weights(weights))  # PyramidInfer: its own pyramid
         return policy, policy.budget_rule(rule, geometry.num_layers)  # CAKE: budgets from the preferences it measures
+
+
+def check_token_classes(recipe_name: str, profile: dict[str, torch.Tensor]) -> None:
+    """FastGen chosen per prompt needs the tokenizer's special and punctuation ids (``tokens.*``), not a profile."""
+    if "tokens.special" not in profile or "tokens.punctuation" not in profile:
+        raise RecipeError(
+            f"recipe '{recipe_name}' (FastGen, profile_source prompt) needs the tokenizer's special and punctuation "
+            "token ids: pass profile=fastgen_token_classes(tokenizer) (kvtool.methods.evict.fastgen) to "
+            "CompressedRuntime.from_recipe, or load through kvtool's CLI / kvtool.load, which do it"
+        )
 
 
 def fastgen_settings(spec: EvictionSpec) -> torch.Tensor:

@@ -153,7 +153,7 @@ class KvtoolCache(Cache):
 
     # --- accounting ------------------------------------------------------------------------------
     def _extra_nbytes(self) -> int:
-        tensors = self.context.tensors() + [t for layer in self._live() for t in (layer.lengths, layer.group_of_stream)]
+        tensors = self.context.tensors() + [t for layer in self._live() for t in (layer.lengths, layer.group_of_stream, *layer.stream_tensors())]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def nbytes(self) -> int:

@@ -130,6 +130,7 @@ class KvtoolLayer(CacheLayerMixin):
         self.policy = None  # the recipe's eviction policy, or a sliding window's rule (set with the store)
         self.budget = None  # (layer, length (S,)) -> (S,) tokens a stream may keep: the policy's budget rule
         self.store: LayerStore | None = None
+        self.stream_state: torch.Tensor | None = None  # (S,) int64 the policy keeps per stream (`StreamView.stream_state`)
 
     # --- transformers' CacheLayerMixin contract -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -181,6 +182,7 @@ class KvtoolLayer(CacheLayerMixin):
         self.seen = 0
         self._pending = None
         self._quiet_steps = 0
+        self.stream_state = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -203,6 +205,8 @@ class KvtoolLayer(CacheLayerMixin):
         self.store.select_streams(streams)
         self.store.shrink()
         self.lengths = self.lengths[sequences]
+        if self.stream_state is not None:
+            self.stream_state = self.stream_state[streams]
         self.group_of_stream = torch.arange(self.groups, device=self.device).repeat(sequences.shape[0])
         if self.index == 0:
             self.context.select(sequences)
@@ -541,6 +545,10 @@ class KvtoolLayer(CacheLayerMixin):
         table = SlotTable(int(store.float_blocks().max()) * fbs, int(store.body_len.max()) if store.body_pool else 0, store.bs, t)
         view = self._view(table, data, counts, positions, received, length)
         keep = choose(policy, view, budget)
+        self.stream_state = view.stream_state
+        window = self.context.sliding_window(self.index)
+        if window and not policy.budgeted:  # FastGen's rules on a sliding-window layer: also free what no query can see
+            keep &= SlidingWindowRule(window, store.bs if store.body_pool is not None else 0).keep(view, budget)
         keep_float, keep_body, keep_new = table.split(keep)
         if store.body_pool is None:
             store.fill_holes(keep_float, data, keep_new)
@@ -587,6 +595,7 @@ class KvtoolLayer(CacheLayerMixin):
             unit_count=unit_count,
             layer=self.index,
             heads=self.group_of_stream,
+            stream_state=self.stream_state,
         )
 
     def _window_attention(self, table: SlotTable, received, t: int) -> torch.Tensor | None:
@@ -697,7 +706,11 @@ class KvtoolLayer(CacheLayerMixin):
     def tensors(self) -> list[torch.Tensor]:
         if not self.is_initialized:
             return []
-        return self.store.tensors() + [self.lengths, self.group_of_stream]
+        return self.store.tensors() + [self.lengths, self.group_of_stream] + self.stream_tensors()
+
+    def stream_tensors(self) -> list[torch.Tensor]:
+        """Per-stream state a policy keeps between forwards (none for most policies)."""
+        return [] if self.stream_state is None else [self.stream_state]
 
 
 def _sdpa(query, key, value, mask, scaling) -> torch.Tensor:

@@ -41,7 +41,10 @@ class StreamView:
     decoding; TOVA), or None when the policy does not use attention; units int64: unit id per slot in
     [0, unit_count), slots of one unit are kept or freed together; layer: the layer index;
     heads (S,) int64: the KV head of each stream; window_stats: at prefill, the sums of the
-    policy's `window_observer` statistics per slot (name -> (S, N)), else None.
+    policy's `window_observer` statistics per slot (name -> (S, N)), else None; stream_state
+    (S,) int64 or None: a per-stream value the policy keeps between forwards (FastGen's
+    per-prompt mode: each stream's chosen policy); the policy may replace it in `keep` and the
+    layer stores it, selects it with its sequences (beam search) and counts its bytes.
     """
 
     positions: torch.Tensor
@@ -58,6 +61,7 @@ class StreamView:
     heads: torch.Tensor
     current_attention: torch.Tensor | None = None
     window_stats: dict[str, torch.Tensor] | None = None
+    stream_state: torch.Tensor | None = None
 
     @property
     def single_token_units(self) -> bool:

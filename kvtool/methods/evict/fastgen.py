@@ -11,12 +11,30 @@ the one before:
 4. ``full``: every token.
 
 `kvtool profile` measures, per KV head, how much attention mass each kept set
-recovers and `choose_policies` picks the cheapest one above the threshold T. The
-runtime applies the chosen policy with `fastgen_keep` at prefill and at every
-generated token.
+recovers (`recovered_mass`) on calibration text, and `choose_policies` picks the cheapest
+one above the threshold T: one policy map for every prompt (``profile_source: offline``).
+With ``profile_source: prompt`` (the paper's mode) the runtime makes the same choice per
+(sequence, KV head) at each prefill, from that prompt's own attention (`choose_from_prompt`).
+The runtime applies the chosen policy (`kept_sets`) at prefill and at every generated token.
 
 Counts use ceil(ratio x n) computed in float64 with a 1e-9 slack, so 0.3 x 10
 keeps 3 tokens, not 4. Ties among heavy hitters go to the older token.
+
+Which attention decides at a prompt. The paper picks, at prompt encoding, the cheapest policy C
+with |A - softmax(Q K_C^T)| <= 1 - T for the prompt's attention map A. kvtool measures the kept
+set the runtime will actually hold from then on (the one at the end of the prompt: local window
+and heavy hitters counted from the whole prompt, heavy hitters by the attention accumulated over
+all prompt queries) against the attention of the prompt's last ``eviction.window`` (32) queries,
+summed over the GQA group's query heads: (1) early queries attend to their own neighbourhood,
+which the final local window does not hold, so scoring the final set with all queries would
+wrongly push every local head to ``full``, and scoring each query with its own kept set (what
+`kvtool profile` does) needs every query's whole attention row, T x T per head, which the
+runtime never forms (it sums attention per token, chunk by chunk); (2) the last queries are the
+best stand-in for the generated tokens that will read the cache (SnapKV's observation window),
+and they include the question of a question-at-the-end prompt. The threshold then reads as: the
+kept set holds >= T of what the end of the prompt attends to. The mass is a share in float64
+(the window's attention over the held tokens is the whole), so T = 1 keeps every token that
+received any attention.
 """
 
 from __future__ import annotations
@@ -112,9 +130,10 @@ def _top_rows(scores: Tensor, seen: Tensor, counts: Tensor) -> Tensor:
 
 
 def choose_policies(mass: Tensor, threshold: float) -> Tensor:
-    """(L, H) int64: per KV head the first (cheapest) policy whose recovered mass (L, H, 5) >= threshold.
+    """(...) int64: per KV head the first (cheapest) policy whose recovered mass (..., 5) >= threshold.
 
-    ``full`` always qualifies (its mass is 1 up to rounding).
+    mass (L, H, 5) from a profile, or (S, 5) per stream at a prompt. ``full`` always qualifies
+    (its mass is 1 up to rounding).
     """
     qualifies = mass >= threshold  # (L, H, 5)
     qualifies[..., FULL] = True
@@ -144,6 +163,15 @@ def token_classes(tokenizer) -> tuple[Tensor, Tensor]:
     return torch.tensor(special, dtype=torch.int64), torch.tensor(punct, dtype=torch.int64)
 
 
+def fastgen_token_classes(tokenizer) -> dict[str, Tensor]:
+    """``{"tokens.special", "tokens.punctuation"}``: `token_classes` in the form a runtime's profile carries them.
+
+    What FastGen chosen per prompt needs instead of a profile (``profile_source: prompt``).
+    """
+    special, punct = token_classes(tokenizer)
+    return {"tokens.special": special, "tokens.punctuation": punct}
+
+
 # --- runtime policy ---------------------------------------------------------------------------
 
 from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_policy, whole_units  # noqa: E402
@@ -151,28 +179,83 @@ from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_polic
 
 @register_policy("fastgen")
 class FastGen(EvictionPolicy):
-    """Apply each KV head's profiled policy (``heads.policy`` (L, H_kv) from `kvtool profile`).
+    """Apply each KV head's policy: profiled offline (``heads.policy`` (L, H_kv) from `kvtool profile`) or
+    chosen per (sequence, KV head) from the prompt's own attention (``eviction.profile_source: prompt``).
 
     The streams hold only the tokens kept so far, so the local window and the number of
     heavy hitters are fractions of the tokens the *sequence* has seen (``view.length``), as
     in profiling where nothing had been evicted yet; the budget is ignored. Heavy hitters:
     most accumulated attention, the older token first among ties.
+
+    Per-prompt choice (the paper's mode, see `choose_from_prompt`): at every forward of several
+    tokens (the prefill, a later chat turn) each stream takes the cheapest policy whose kept set
+    recovers >= T of the attention the last ``window`` queries of that forward pay to the tokens
+    the stream holds; the choice is kept in ``view.stream_state`` (the layer stores it per
+    stream) and applied at every generated token. Tokens already evicted are never re-admitted.
+    A stream never chosen for (a sequence that only ever decoded single tokens) keeps everything;
+    one whose sequence is only padding in a later forward keeps its earlier choice.
     """
 
     uses_token_classes = True
     budgeted = False
 
     def keep(self, view: StreamView, budget: Tensor) -> Tensor:
-        policies = self.profile["heads.policy"].to(view.heads.device)[view.layer, view.heads][:, None]  # (S, 1)
-        keep = view.is_special.clone()
-        keep |= (policies >= PUNCTUATION) & view.is_punct
-        local = keep_count(self.spec.local_ratio, view.length)  # (S,)
-        keep |= (policies >= LOCAL) & (view.positions > (view.latest() - local)[:, None])
-        frequent = torch.minimum(keep_count(self.spec.frequent_ratio, view.length), view.valid.sum(dim=1))
-        by_age = torch.sort(view.positions.masked_fill(~view.valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
-        attention = view.attention.float().masked_fill(~view.valid, -float("inf")).gather(1, by_age)
-        order = by_age.gather(1, torch.sort(attention, dim=1, descending=True, stable=True).indices)  # older first among ties
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-        keep |= (policies >= FREQUENT) & (rank < frequent[:, None])
-        keep = torch.where(policies == FULL, view.valid, keep & view.valid)
+        kept = kept_sets(view, self.spec.local_ratio, self.spec.frequent_ratio)  # (S, 5, N)
+        policies = self.stream_policies(view, kept)  # (S,)
+        keep = kept.gather(1, policies[:, None, None].expand(-1, 1, kept.shape[2]))[:, 0]  # (S, N)
         return whole_units(keep, view)
+
+    def stream_policies(self, view: StreamView, kept: Tensor) -> Tensor:
+        """(S,) int64 policy index of each stream for this forward."""
+        if self.spec.profile_source == "offline":
+            return self.profile["heads.policy"].to(view.heads.device)[view.layer, view.heads].long()
+        previous = view.stream_state if view.stream_state is not None else torch.full_like(view.length, FULL)
+        if view.window_attention is not None:  # a forward of several tokens: choose from its attention
+            chosen = choose_from_prompt(view.window_attention, kept, view.valid, self.spec.threshold)
+            attended = (view.window_attention * view.valid).sum(dim=1) > 0  # (S,) False: only padding this forward
+            view.stream_state = torch.where(attended, chosen, previous)
+            return view.stream_state
+        return previous
+
+
+def kept_sets(view: StreamView, local_ratio: float, frequent_ratio: float) -> Tensor:
+    """(S, 5, N) bool: what each FastGen policy keeps of every stream, nested (policy p keeps all of p - 1 keeps).
+
+    special / +punctuation: token classes; +local: positions within the last ceil(local_ratio x length)
+    of the sequence; +frequent: the ceil(frequent_ratio x length) held tokens with the most
+    accumulated attention (older first among ties); full: every held token.
+    """
+    local = keep_count(local_ratio, view.length)  # (S,)
+    recent = view.positions > (view.latest() - local)[:, None]  # (S, N)
+    frequent = torch.minimum(keep_count(frequent_ratio, view.length), view.valid.sum(dim=1))  # (S,)
+    by_age = torch.sort(view.positions.masked_fill(~view.valid, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
+    attention = view.attention.float().masked_fill(~view.valid, -float("inf")).gather(1, by_age)
+    order = by_age.gather(1, torch.sort(attention, dim=1, descending=True, stable=True).indices)  # older first among ties
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    special = view.is_special & view.valid  # (S, N)
+    punctuation = special | (view.is_punct & view.valid)
+    local_set = punctuation | (recent & view.valid)
+    frequent_set = local_set | ((rank < frequent[:, None]) & view.valid)
+    return torch.stack([special, punctuation, local_set, frequent_set, view.valid], dim=1)
+
+
+def recovered_mass(attention: Tensor, kept: Tensor) -> Tensor:
+    """Attention mass a kept set recovers: sum over keys of ``attention`` (..., T) where ``kept`` (..., T) (broadcast).
+
+    With rows that sum to one this is the share of the row's attention the kept tokens get;
+    `kvtool profile` averages it over rows, the per-prompt choice normalises the window's sums.
+    """
+    return (attention * kept).sum(dim=-1)
+
+
+def choose_from_prompt(window_attention: Tensor, kept: Tensor, valid: Tensor, threshold: float) -> Tensor:
+    """(S,) int64: per stream the cheapest policy whose kept set (S, 5, N) recovers >= ``threshold`` of its attention.
+
+    window_attention (S, N): attention the forward's last ``window`` queries paid to every slot,
+    summed over those queries and the GQA group's query heads (never expanded per KV head), in
+    float64 normalised to a share per stream. A stream that received no attention (padding only)
+    gets ``full`` (the runtime keeps such a stream's earlier choice).
+    """
+    attention = window_attention.double().masked_fill(~valid, 0.0)  # (S, N)
+    share = attention / attention.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
+    return choose_policies(recovered_mass(share[:, None, :], kept), threshold)  # (S, 5) -> (S,)
