@@ -3,6 +3,7 @@
     python -m benchmarks.decode_speed                      # the full grid (long on a small CPU)
     python -m benchmarks.decode_speed --quick              # kvref-5m and SmolLM2 at 512/2K, batch 1
     python -m benchmarks.decode_speed --models smollm2-135m --contexts 2048 --batches 1 --recipes kivi-4bit h2o
+    python -m benchmarks.decode_speed --interleaved --models smollm2-135m --contexts 2048 --batches 1 --steps 40
 
 Every row runs in its own subprocess, so its peak RSS is its own: the model is loaded, a random-token
 context of `context` tokens is prefilled (in chunks of 1024, as a server would), then `steps` decode
@@ -10,6 +11,10 @@ steps are timed one by one (the first two are warm-up). Reported per row: ms per
 best of the timed steps), decode tokens/s (batch x 1000 / median ms), the ratio of the median to
 `DynamicCache`'s in the same invocation, bytes the cache holds (`nbytes`) and reserves, the bytes found
 by walking the cache's tensors from outside, and the process' peak RSS.
+
+`--interleaved` runs the caches of a (model, context, batch) in one process instead, each prefilled, then
+decode step s of every cache before step s + 1: the ratios then hold on a loaded machine (RESULTS.md's
+interleaved tables); peak RSS and bytes are not reported in that mode.
 
 Baselines: `DynamicCache` (transformers' default cache, in the model's dtype) and,
 when `optimum-quanto` imports, transformers' `QuantizedCache` (quanto, 4-bit), the peer users compare with.
@@ -132,6 +137,40 @@ def measure_row(model_name: str, label: str, context: int, batch: int, steps: in
     return row
 
 
+def measure_interleaved(model_name: str, labels: list[str], context: int, batch: int, steps: int, threads: int) -> list[dict]:
+    """Every row in this process: each cache prefilled, then decode step s of every cache before step s + 1
+    (order reversed every other step), so a change in machine load slows every row alike. No per-row RSS."""
+    import statistics
+
+    import torch
+
+    from kvtool.models.loading import load_model
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_path(model_name))
+    context = min(context, model.config.max_position_embeddings - steps)
+    ids = torch.randint(100, min(model.config.vocab_size, 20000), (batch, context + steps), generator=torch.Generator().manual_seed(0))
+    caches, times = {}, {label: [] for label in labels}
+    with torch.no_grad():
+        for label in labels:
+            caches[label], _ = make_cache(label, model, tokenizer)
+            for start in range(0, context, 1024):
+                model(ids[:, start:min(context, start + 1024)], past_key_values=caches[label], use_cache=True)
+        for step in range(steps):
+            token = ids[:, context + step:context + step + 1]
+            for label in labels if step % 2 == 0 else labels[::-1]:
+                begin = time.perf_counter()
+                model(token, past_key_values=caches[label], use_cache=True)
+                times[label].append(time.perf_counter() - begin)
+    rows = []
+    for label in labels:
+        timed = times[label][2:]
+        median = statistics.median(timed)
+        rows.append({"cache": label, "ms_per_step": 1e3 * median, "best_ms_per_step": 1e3 * min(timed), "tokens_per_s": batch / median,
+                     "context_used": context, "interleaved": True})
+    return rows
+
+
 def run_row(model_name: str, label: str, context: int, batch: int, steps: int, threads: int) -> dict:
     """One row in a fresh subprocess (its own peak RSS); errors become a row with the message."""
     args = [sys.executable, "-m", "benchmarks.decode_speed", "--row", json.dumps([model_name, label, context, batch, steps, threads])]
@@ -164,11 +203,12 @@ def print_table(rows: list[dict]) -> None:
         if "error" in r or "skipped" in r:
             table.add_row(r["model"], str(r["context"]), str(r["batch"]), r["cache"], r.get("error") or r.get("skipped"), *[""] * 7)
             continue
+        peak = "" if "peak_rss_bytes" not in r else mb(r["peak_rss_bytes"])
         ratio = r.get("ratio_to_dynamic")
         table.add_row(
             r["model"], str(r["context"]), str(r["batch"]), r["cache"], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:.1f}",
             "" if ratio is None else f"{ratio:.2f}", mb(r.get("cache_bytes")), mb(r.get("reserved_bytes")), mb(r.get("walked_bytes")),
-            "" if r.get("kept_fraction") is None else f"{r['kept_fraction']:.2f}", mb(r["peak_rss_bytes"]),
+            "" if r.get("kept_fraction") is None else f"{r['kept_fraction']:.2f}", peak,
         )
     Console().print(table)
 
@@ -185,6 +225,9 @@ def main() -> None:
                         help="skip rows whose batch x context exceeds this (prefill time on a small CPU)")
     parser.add_argument("--quick", action="store_true", help="contexts 512 and 2048, batch 1, no calibrated recipes")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "decode_speed.json")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="run every cache of a (model, context, batch) in one process, decode steps taken in turn "
+                             "(ratios robust to machine load; no per-row peak RSS or bytes)")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
@@ -201,9 +244,11 @@ def main() -> None:
                 if batch * context > args.max_batch_tokens:
                     continue
                 base = None
-                for label in caches:
+                if args.interleaved:
+                    measured = measure_interleaved(model_name, caches, context, batch, args.steps, args.threads)
+                for index, label in enumerate(caches):
                     row = {"model": model_name, "context": context, "batch": batch, "cache": label}
-                    row.update(run_row(model_name, label, context, batch, args.steps, args.threads))
+                    row.update(measured[index] if args.interleaved else run_row(model_name, label, context, batch, args.steps, args.threads))
                     if label == "DynamicCache" and "ms_per_step" in row:
                         base = row["ms_per_step"]
                     if base and "ms_per_step" in row:
