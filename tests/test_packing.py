@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvtool.methods.quant.packing import (
+    fold_pieces,
     fold_weights,
     pack_codes,
     packed_bytes,
@@ -102,8 +103,13 @@ def test_raw_values_give_exact_contractions(bits):
         for width, low, pieces in raw_pieces(packed, bits, 32)
     )
     mixed = sum((1 << low) * (fold_weights(w, width, 32) @ raw.double()) for width, low, raw in raw_slices(packed, bits, 32))
+    mixed_pieces = sum(
+        (1 << low) * sum(wp @ piece.double() for wp, piece in zip(fold_pieces(w, width, len(pieces)), pieces))
+        for width, low, pieces in raw_pieces(packed, bits, 32)
+    )
     torch.testing.assert_close(scores, q @ codes.double().transpose(-1, -2))
     torch.testing.assert_close(mixed, w @ codes.double())
+    torch.testing.assert_close(mixed_pieces, w @ codes.double())
 
 
 def test_raw_identities_hold_per_block_of_a_longer_axis():

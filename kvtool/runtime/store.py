@@ -297,13 +297,11 @@ class LayerStore:
     def _write_one_each(self, start: np.ndarray, data: dict[str, torch.Tensor]) -> None:
         """`write_float` of one token per stream (data {name: (S, 1, ...)}) at float slot start[s]: a decode step.
 
-        The hot path of every decode step, so it does the least: blocks are allocated only when a slot
-        lies past a stream's blocks, slot ids come from the host table on CPU (numpy, no per-op dispatch),
-        each tensor is written by one index_copy_."""
+        The hot path of every decode step, so it does the least: slot ids come from the host table on CPU
+        (numpy, no per-op dispatch), each tensor is written by one index_copy_."""
         fbs = self.fbs
         end = start + 1
-        if (end > self.float_blocks() * fbs).any():
-            self._ensure_float_blocks(np.maximum(self.float_len, end))
+        self._ensure_float_blocks(end)  # allocates only where a slot lies past the stream's blocks
         column, offset = start // fbs, start % fbs
         if self.device.type == "cpu":
             block_np = self.float_table.numpy()[np.arange(self.streams), column].astype(np.int64)  # (S,)

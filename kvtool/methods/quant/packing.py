@@ -108,6 +108,14 @@ def telescope_pieces(raw_scores: list[torch.Tensor], width: int) -> torch.Tensor
     return torch.cat(codes + [raw_scores[-1]], dim=-1)
 
 
+def fold_pieces(weights: torch.Tensor, width: int, k: int) -> list[torch.Tensor]:
+    """Token weights (..., N, S) for a contraction with the k pieces of `raw_pieces`, each (..., N, S/k): piece i
+    takes ``w_i - 2**w w_{i-1}`` (`fold_weights`, piece by piece)."""
+    sub = weights.shape[-1] // k
+    pieces = [weights[..., i * sub : (i + 1) * sub] for i in range(k)]
+    return [pieces[0]] + [pieces[i] - (1 << width) * pieces[i - 1] for i in range(1, k)]
+
+
 def unpack_codes(packed: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:
     """Inverse of `pack_codes`: (..., S * bits / 8, C) uint8 -> (..., S, C) uint8 codes."""
     codes = None

@@ -27,6 +27,7 @@ import torch
 
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.quant.packing import (
+    fold_pieces,
     fold_weights,
     pack_codes,
     packed_rows,
@@ -137,10 +138,7 @@ class UniformQuantizer(BlockQuantizer):
         out = None
         for width, low, pieces in raw_pieces(blocks["codes"], self.spec.bits, s):  # each (Sc, nb, S/k, D)
             sub = s // len(pieces)
-            for i, piece in enumerate(pieces):  # piece i holds c_t + 2**w P_{t+S/k}: fold the weights (`fold_weights`)
-                w = weights[..., i * sub : (i + 1) * sub]  # (Sc, R*groups, nb, S/k)
-                if i:
-                    w = w - (1 << width) * weights[..., (i - 1) * sub : i * sub]
+            for w, piece in zip(fold_pieces(weights, width, len(pieces)), pieces):  # w (Sc, R*groups, nb, S/k)
                 part = torch.matmul(w.reshape(sc, r * groups, nb * sub), piece.reshape(sc, nb * sub, d).float())
                 part = part * float(1 << low)  # (Sc, R*groups, D)
                 out = part if out is None else out + part
