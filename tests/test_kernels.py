@@ -73,8 +73,13 @@ KV_HEADS = 2  # streams alternate between two KV heads, so per-head static table
 RAGGED = [(0, 0), (1, 0), (17, 2), (0, 3), (40, 5)]
 
 
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py sets it where no GPU is present
+# tests that run Triton on CPU tensors need the interpreter (on a GPU machine their CUDA twins run)
+needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="runs the kernels on CPU tensors: TRITON_INTERPRET=1 only")
+
+
 def devices():
-    out = ["cpu"]
+    out = ["cpu"] if INTERPRETER else []
     if torch.cuda.is_available():
         out.append(pytest.param("cuda", marks=pytest.mark.gpu))
     return out
@@ -252,6 +257,20 @@ def test_pre_rope_keys_are_rotated_at_their_true_positions(source, side, rotary,
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("side, rope", [
+    ("uniform-3", None), ("nuq-3-1pct", ("slots", 64, False)), ("palu-3-hadamard-4", ("sequence", 64, False)),
+    ("turboquant-2.5-3.5", None), ("fp8-dynamic", None),
+])
+def test_blocks_read_in_token_tiles_equal_whole_blocks(side, rope, device):
+    """A block decoded in tiles of 16 tokens (what long blocks x wide heads get on a GPU) reads the same tokens."""
+    from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+    args, reference = build_case(side, 64, 4, device, seed=3, rope=rope)
+    out = paged_decode_attention(**args, tile=16)
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_bytes_decode_exactly_as_torch_float8(fmt, device):
     """Every finite fp8 bit pattern (subnormals, signed zeros, the max) reads back as torch's own cast."""
@@ -368,6 +387,7 @@ def test_encode_kernel_writes_the_fp8_reference_bytes(fmt, granularity, head_dim
     _assert_bytes_equal({name: t.cpu() for name, t in out.items()}, reference)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("axis", ["channel", "token"])
 def test_encode_kernel_writes_only_the_pool_rows_it_is_given(axis):
     """The store's path: blocks go straight into allocated rows of the body pool, other rows untouched."""
@@ -388,8 +408,9 @@ def test_encode_kernel_writes_only_the_pool_rows_it_is_given(axis):
 def _generate(model, recipe, backend, ids, mask, tokens=6, layer_tensors=None):
     runtime = CompressedRuntime.from_recipe(model, recipe, layer_tensors, backend=backend)
     cache = runtime.new_cache()
+    device = next(model.parameters()).device
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens, do_sample=False,
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), past_key_values=cache, max_new_tokens=tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     return out, cache
 
@@ -468,9 +489,11 @@ CASES = [(name, "llama") for name in GENERATION_RECIPES] + [
 ]
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("name, family", CASES)
-def test_triton_backend_generates_the_torch_backends_tokens(name, family):
+def test_triton_backend_generates_the_torch_backends_tokens(name, family, device):
     model = tiny_model("llama", kv_heads=2) if family == "llama" else featured_model(family)
+    model = model.to(device)
     recipe = GENERATION_RECIPES[name]
     tensors = _static_layer_tensors(model) if needs_fit(recipe) else None
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
@@ -498,6 +521,7 @@ def _body_bytes(cache) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+@needs_interpreter
 def test_the_encode_kernel_writes_the_torch_stores_bytes_and_encodes_while_decoding():
     """Prefill's full blocks land in the body pool byte for byte as the torch backend stores them; blocks that
     fill up while decoding are encoded by the kernel too, and generation still equals torch's."""
@@ -522,6 +546,7 @@ def test_the_encode_kernel_writes_the_torch_stores_bytes_and_encodes_while_decod
     torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
 
 
+@needs_interpreter
 def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on_torch_on_cpu():
     model = tiny_model("llama")
     pre_rope = Recipe(name="pre", keys=QuantSpec(bits=4, pre_rope=True, path="keys"))
@@ -533,6 +558,7 @@ def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on
     assert CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="auto").backend == "torch"  # CPU
 
 
+@needs_interpreter
 def test_triton_backend_reads_turboquant_and_per_head_palu_and_refuses_their_other_forms():
     """What still goes to the torch path says why: TurboQuant's QJL residual, Palu latents of a head group."""
     model = tiny_model("llama", kv_heads=2)
@@ -602,6 +628,7 @@ def test_sparse_kernel_equals_a_dense_softmax_over_the_listed_slots(device, head
         torch.testing.assert_close(out[stream], want, rtol=1e-4, atol=1e-5)
 
 
+@needs_interpreter
 def test_triton_backend_runs_rocketkv_stage_two_as_the_torch_backend_does():
     """Both stages: the sparse read runs in the kernel at every decode step of the full-attention layers and
     generates the torch backend's tokens and logits, reading the same fraction of the tokens."""

@@ -136,10 +136,20 @@ def load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
                 x = x + tl.load(zero_ptr + block * D + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
         elif SCALES == 2:  # per block, token and group of channels
             NG: tl.constexpr = (D + GROUP - 1) // GROUP  # a last partial group (Palu latents)
-            offs = block * BS * NG + t[:, None] * NG + c[None, :] // GROUP
-            x = x * tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_ZERO:
-                x = x + tl.load(zero_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if NG <= 16:  # (TT, 16) parameters spread over the channels by a one-hot product: no per-channel gather
+                g = tl.arange(0, 16)
+                offs = block * BS * NG + t[:, None] * NG + g[None, :]
+                pmask = (t[:, None] < BS) & (g[None, :] < NG)
+                spread = ((g[:, None] == c[None, :] // GROUP) & cmask[None, :]).to(tl.float16)  # (16, BD)
+                scale = tl.load(scale_ptr + offs, mask=pmask, other=0.0).to(tl.float16)  # fp16 stored: exact
+                x = x * tl.dot(scale, spread)  # one nonzero term per output: exact in fp32
+                if HAS_ZERO:
+                    x = x + tl.dot(tl.load(zero_ptr + offs, mask=pmask, other=0.0).to(tl.float16), spread)
+            else:
+                offs = block * BS * NG + t[:, None] * NG + c[None, :] // GROUP
+                x = x * tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_ZERO:
+                    x = x + tl.load(zero_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         elif SCALES == 3:  # one float32 per block
             x = x * tl.load(scale_ptr + block).to(tl.float32)
         elif SCALES == 4:  # calibrated: per layer / KV head, optionally per channel

@@ -51,14 +51,14 @@ def load_side(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
               FP8_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
               LEVELS: tl.constexpr, OUTLIERS: tl.constexpr, RANK: tl.constexpr, BL: tl.constexpr, SPLIT: tl.constexpr,
               O_BITS: tl.constexpr, O_W0: tl.constexpr, O_W1: tl.constexpr, O_W2: tl.constexpr, O_LEVELS: tl.constexpr,
-              BDO: tl.constexpr, BDR: tl.constexpr):
-    """One body block of one side: rows (BS, BD) float32 at channels c (rotated sides in their rotated domain, as
-    stored) and, for RANK > 0, the latent (BS, BL) they were reconstructed from (zeros otherwise).
+              BDO: tl.constexpr, BDR: tl.constexpr, TT: tl.constexpr):
+    """Rows t (TT,) of one body block of one side: (TT, BD) float32 at channels c (rotated sides in their rotated domain, as
+    stored) and, for RANK > 0, the latent (TT, BL) they were reconstructed from (zeros otherwise).
 
     x*_ptr: the outlier split's outlier codes, outlier norms, channel masks and tables (`body_split.py`).
     """
     if SPLIT > 0:  # TurboQuant's outlier split: two instances rebuilt in head space
-        latent = tl.zeros((BS, BL), tl.float32)
+        latent = tl.zeros((TT, BL), tl.float32)
         x = load_split(codes_ptr, scale_ptr, lut_ptr, xcodes_ptr, xnorm_ptr, xmask_ptr, xtables_ptr, block, t, c, cmask,
                        D, BS, BITS, W0, W1, W2, LEVELS, SPLIT, O_BITS, O_W0, O_W1, O_W2, O_LEVELS, BDO, BDR)
     elif RANK > 0:  # low-rank latents: the block is (BS, RANK) wide
@@ -68,7 +68,7 @@ def load_side(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
                            HAS_ZERO, LEVELS, OUTLIERS)
         x = reconstruct(latent, w_ptr, b_ptr, head, c, cmask, RANK, BL, D)
     else:
-        latent = tl.zeros((BS, BL), tl.float32)
+        latent = tl.zeros((TT, BL), tl.float32)
         x = load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_ptr, srow, scol, block, head,
                       t, c, cmask, D, BS, BITS, W0, W1, W2, FP8_MANTISSA, FP8_BIAS, SCALES, GROUP, HAS_ZERO, LEVELS, OUTLIERS)
     return x, latent

@@ -60,7 +60,7 @@ def _softcapped(x, SOFTCAP: tl.constexpr, softcap):
 @triton.jit
 def _softmax_step(q, k, valid, m, l, SOFTCAP: tl.constexpr, softcap):
     """Online-softmax update of rows q (BR, BD) with keys k (T, BD), valid (T,): (m, l, rescale (BR,), p (BR, T))."""
-    logits = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BR, T)
+    logits = tl.dot(q, tl.trans(k), input_precision="tf32x3")  # (BR, T): three tf32 products, float32 accuracy
     logits = _softcapped(logits, SOFTCAP, softcap)
     logits = tl.where(valid[None, :], logits, float("-inf"))
     m_new = tl.maximum(m, tl.max(logits, axis=1))
@@ -74,7 +74,7 @@ def _softmax_step(q, k, valid, m, l, SOFTCAP: tl.constexpr, softcap):
 def _absorb(q, k, v, valid, m, l, acc, SOFTCAP: tl.constexpr, softcap):
     """Online-softmax update of rows q (BR, BD) with tokens k, v (T, BD), valid (T,)."""
     m, l, alpha, p = _softmax_step(q, k, valid, m, l, SOFTCAP, softcap)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (BR, BD)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")  # (BR, BD)
     return m, l, acc
 
 
@@ -92,7 +92,7 @@ def stream_rows(q_ptr, s, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr
 
 
 @triton.jit
-def store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr):
+def store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR: tl.constexpr, BD: tl.constexpr, SPLITS):
     """Program (s, split)'s partial max, sum and unnormalised output, for `_merge_partials`."""
     out = (s * SPLITS + split) * BR
     tl.store(m_out + out + r, m)
@@ -107,8 +107,8 @@ def _decode_partials(
     vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr, vxt_ptr, v_srow, v_scol,
     pos_ptr, pos_stride, nsink_ptr, streams_per_sequence, freq_ptr, rope_scaling,
     m_out, l_out, acc_out, accr_out, R, softcap,
-    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FBS: tl.constexpr, BS: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FBS: tl.constexpr, BS: tl.constexpr, TT: tl.constexpr,
+    SPLITS, HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
     K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
@@ -137,39 +137,41 @@ def _decode_partials(
     if HAS_BODY:
         blen = tl.load(blen_ptr + s).to(tl.int32)
         head = tl.load(group_ptr + s).to(tl.int64)  # the stream's KV head: its row of static tables
-        tb = tl.arange(0, BS)
-        valid_b = tb < BS
+        tt = tl.arange(0, TT)
+        valid_b = tt < TT
         qb = q
         if K_ROTATED:  # keys stored rotated (TurboQuant): scored against the query rotated once, P q
             qb = tl.load(qb_ptr + s * R * D + r[:, None] * D + c[None, :], mask=(r < R)[:, None] & cmask[None, :], other=0.0)
         acc_rot = tl.zeros((BR, BD), tl.float32)  # body values summed in their rotated domain (V_ROTATED)
         for col in range(split, blen, SPLITS):
             block = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
-            k, latent = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr,
-                                  kxm_ptr, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, D, BS, K_BITS, K_W0, K_W1,
-                                  K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS,
-                                  K_RANK, K_BL, K_SPLIT, K_O_BITS, K_O_W0, K_O_W1, K_O_W2, K_O_LEVELS, K_BDO, K_BDR)
-            if PRE_ROPE > 0:  # keys stored before RoPE: rotate at each token's true position
-                partner, sign = partner_channels(c, ROTARY, INTERLEAVED)
-                if K_RANK > 0:  # the same latent times the partner channels' columns
-                    k_partner = reconstruct(latent, kw_ptr, kb_ptr, head, partner, cmask, K_RANK, K_BL, D)
+            for sub in tl.static_range(BS // TT):  # the block in token tiles of TT rows (bounded registers)
+                tb = sub * TT + tt
+                k, latent = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr,
+                                      kxm_ptr, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, D, BS, K_BITS, K_W0, K_W1,
+                                      K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS,
+                                      K_RANK, K_BL, K_SPLIT, K_O_BITS, K_O_W0, K_O_W1, K_O_W2, K_O_LEVELS, K_BDO, K_BDR, TT)
+                if PRE_ROPE > 0:  # keys stored before RoPE: rotate at each token's true position
+                    partner, sign = partner_channels(c, ROTARY, INTERLEAVED)
+                    if K_RANK > 0:  # the same latent times the partner channels' columns
+                        k_partner = reconstruct(latent, kw_ptr, kb_ptr, head, partner, cmask, K_RANK, K_BL, D)
+                    else:
+                        k_partner = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block,
+                                              head, tb, partner, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA,
+                                              K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # k[:, partner]
+                    pos = body_positions(pos_ptr, pos_stride, nsink_ptr, s, s // streams_per_sequence, col, tb, block, BS, PRE_ROPE)
+                    k = rotate_keys(k, k_partner, sign, pos, c, freq_ptr, rope_scaling, ROTARY, INTERLEAVED)
+                v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr,
+                                 vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, D, BS, V_BITS, V_W0, V_W1, V_W2,
+                                 V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL,
+                                 V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR, TT)
+                m, l, alpha, p = _softmax_step(qb, k, valid_b, m, l, SOFTCAP, softcap)
+                weighted = tl.dot(p, v, input_precision="tf32x3")  # (BR, BD)
+                acc = acc * alpha[:, None]
+                if V_ROTATED:
+                    acc_rot = acc_rot * alpha[:, None] + weighted
                 else:
-                    k_partner = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block,
-                                          head, tb, partner, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA,
-                                          K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # k[:, partner]
-                pos = body_positions(pos_ptr, pos_stride, nsink_ptr, s, s // streams_per_sequence, col, tb, block, BS, PRE_ROPE)
-                k = rotate_keys(k, k_partner, sign, pos, c, freq_ptr, rope_scaling, ROTARY, INTERLEAVED)
-            v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr,
-                             vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, D, BS, V_BITS, V_W0, V_W1, V_W2,
-                             V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL,
-                             V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR)
-            m, l, alpha, p = _softmax_step(qb, k, valid_b, m, l, SOFTCAP, softcap)
-            weighted = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (BR, BD)
-            acc = acc * alpha[:, None]
-            if V_ROTATED:
-                acc_rot = acc_rot * alpha[:, None] + weighted
-            else:
-                acc = acc + weighted
+                    acc = acc + weighted
         if V_ROTATED:  # beside the partials; `fold_rotated_values` rotates it back once
             rows = (s * SPLITS + split) * BR + r
             tl.store(accr_out + rows[:, None] * BD + c[None, :], acc_rot)
@@ -179,7 +181,7 @@ def _decode_partials(
 @triton.jit
 def _merge_partials(
     m_in, l_in, acc_in, q_ptr, new_k_ptr, new_v_ptr, sink_ptr, out_ptr, R, softcap,
-    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPLITS, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     s = tl.program_id(0)
     r = tl.arange(0, BR)
@@ -212,6 +214,19 @@ def _merge_partials(
     tl.store(out_ptr + s * R * D + r[:, None] * D + c[None, :], out, mask=rmask[:, None] & cmask[None, :])
 
 
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def zeros(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A read-only (n,) zero tensor, kept per (dtype, device) and grown as needed: dummies and empty tables the kernels
+    never write cost no allocation or fill at every decode step."""
+    key = (dtype, torch.device(device))
+    held = _ZEROS.get(key)
+    if held is None or held.numel() < n:
+        held = _ZEROS[key] = torch.zeros(max(n, 64), dtype=dtype, device=device)
+    return held[:n]
+
+
 def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> tuple:
     """Pointers (data, codes, scale, zero, lut, outlier index, outlier value, recon, recon bias, split outlier codes,
     split outlier norms, split channel masks, split tables) and static-table strides of one side.
@@ -224,7 +239,7 @@ def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> t
     Unused pointers are a 1-element dummy.
     """
     tensors = tensors or {}
-    dummy = torch.zeros(1, device=device)
+    dummy = zeros(1, torch.float32, device)
     pick = lambda name: tensors.get(name, dummy)  # noqa: E731
     srow = scol = 0
     if fmt.scales == "static":
@@ -247,20 +262,33 @@ def _prefixed(constants: dict, prefix: str) -> dict:
 def _rope_arguments(rope: BodyRope | None, streams: int, device) -> tuple[tuple, dict]:
     """(pos, pos stride, n_sink, streams per sequence, inv_freq, scaling) and the RoPE constants of the kernel."""
     if rope is None:
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return (dummy, 0, dummy, 1, torch.zeros(1, device=device), 1.0), dict(PRE_ROPE=0, ROTARY=2, INTERLEAVED=False)
-    positions = rope.positions if rope.positions is not None else torch.zeros(1, dtype=torch.int32, device=device)
-    n_sink = rope.n_sink if rope.n_sink is not None else torch.zeros(streams, dtype=torch.int64, device=device)
+        dummy = zeros(1, torch.int32, device)
+        return (dummy, 0, dummy, 1, zeros(1, torch.float32, device), 1.0), dict(PRE_ROPE=0, ROTARY=2, INTERLEAVED=False)
+    positions = rope.positions if rope.positions is not None else zeros(1, torch.int32, device)
+    n_sink = rope.n_sink if rope.n_sink is not None else zeros(streams, torch.int64, device)
     stride = positions.stride(0) if rope.source == "sequence" else 0
     args = (positions, stride, n_sink, rope.streams_per_sequence, rope.inv_freq.float().contiguous(), float(rope.scaling))
     return args, dict(PRE_ROPE=SOURCES[rope.source], ROTARY=rope.rotary_dim, INTERLEAVED=rope.interleaved)
 
 
+def query_rows(r: int) -> int:
+    """Register rows for a stream's R query rows: a power of two, at least 16 (tl.dot's smallest tile)."""
+    return max(16, triton.next_power_of_2(r))
+
+
+def token_tile(block_size: int, head_dim_lanes: int, quantized: bool) -> int:
+    """Tokens of a body block decoded at once: the whole block up to 8192 values per tile for float16 blocks
+    (about 64 float32 registers per thread for keys and as many for values at 4 warps), 4096 for codes (their
+    integer temporaries; 32 tokens beat 64 at head_dim 128 on an H100), at least 16 (tl.dot)."""
+    return max(16, min(block_size, (4096 if quantized else 8192) // head_dim_lanes))
+
+
 def splits_for(streams: int, blocks: int) -> int:
-    """Programs per stream: enough to fill a GPU at small batch, never more than blocks to walk."""
+    """Programs per stream: about 1024 programs in all (a memory-bound walk needs many warps in flight on every
+    SM: 132 on an H100), at least two blocks to walk each, at most 64 partials to merge."""
     if blocks <= 4:
         return 1
-    return int(max(1, min(16, blocks // 4, triton.cdiv(256, max(streams, 1)))))
+    return int(max(1, min(64, blocks // 2, triton.cdiv(1024, max(streams, 1)))))
 
 
 def paged_decode_attention(
@@ -281,12 +309,15 @@ def paged_decode_attention(
     splits: int | None = None,
     stream_group: torch.Tensor | None = None,  # (S,) int64 KV head of each stream (static tables); None: all 0
     rope: BodyRope | None = None,  # body keys stored before RoPE: how to rotate them
+    tile: int | None = None,  # tokens of a body block decoded at once (None: `token_tile`); tests and tuning
+    num_warps: int = 4,
+    num_stages: int | None = None,  # None: Triton's default software pipelining
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store."""
     s, r, d = q.shape
     device = q.device
     q = q.contiguous().float()
-    br, bd, fbs = max(triton.next_power_of_2(r), 1), triton.next_power_of_2(d), float_k.shape[1]
+    br, bd, fbs = query_rows(r), triton.next_power_of_2(d), float_k.shape[1]
     has_body = body is not None and body_table is not None and body_table.shape[1] > 0
     longest = int(float_table.shape[1]) + (int(body_table.shape[1]) if has_body else 0)
     splits = splits or splits_for(s, longest)
@@ -296,21 +327,22 @@ def paged_decode_attention(
     kf, vf = formats if has_body else (BodyFormat(16, False, 1), BodyFormat(16, False, 1))
     k_ptrs, k_srow, k_scol = _side(body[0] if has_body else None, kf, device)
     v_ptrs, v_srow, v_scol = _side(body[1] if has_body else None, vf, device)
-    dummy_table = torch.zeros((s, 1), dtype=torch.int32, device=device)
+    dummy_table = zeros(s, torch.int32, device)[:, None]  # (S, 1)
     btable = body_table if has_body else dummy_table
-    blen = body_len if has_body else torch.zeros(s, dtype=torch.int64, device=device)
+    blen = body_len if has_body else zeros(s, torch.int64, device)
     ftable = float_table if float_table.shape[1] else dummy_table
-    group = stream_group if stream_group is not None else torch.zeros(s, dtype=torch.int64, device=device)
+    group = stream_group if stream_group is not None else zeros(s, torch.int64, device)
     bs = block_size if has_body else 16
     rope_args, rope_constants = _rope_arguments(rope if has_body else None, s, device)
     q_body = rotated_query(q, body[0]) if kf.rotated else q  # (S, R, D) the query body keys are scored against
-    acc_rot = torch.zeros_like(acc) if vf.rotated else torch.zeros(1, device=device)
+    acc_rot = torch.zeros_like(acc) if vf.rotated else zeros(1, torch.float32, device)
     _decode_partials[(s, splits)](
         q, q_body, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
         *k_ptrs, k_srow, k_scol, *v_ptrs, v_srow, v_scol, *rope_args,
         m, l, acc, acc_rot, r, float(softcap or 0.0),
-        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
+        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, TT=tile or token_tile(bs, bd, kf.bits != 16 or vf.bits != 16), SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
         **_prefixed(side_constants(kf, d), "K_"), **_prefixed(side_constants(vf, d), "V_"),
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if vf.rotated:
         fold_rotated_values(acc, acc_rot, body[1])
@@ -323,7 +355,7 @@ def merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits) -> torch.Te
     s, r, d = q.shape
     splits, br, bd = acc.shape[1], acc.shape[2], acc.shape[3]
     out = torch.empty((s, r, d), device=q.device, dtype=torch.float32)
-    sink = sink_logits.contiguous().float() if sink_logits is not None else torch.zeros(1, device=q.device)
+    sink = sink_logits.contiguous().float() if sink_logits is not None else zeros(1, torch.float32, q.device)
     _merge_partials[(s,)](
         m, l, acc, q, new_k.contiguous().float(), new_v.contiguous().float(), sink, out, r, float(softcap or 0.0),
         D=d, BR=br, BD=bd, SPLITS=splits, HAS_SINK=sink_logits is not None, SOFTCAP=bool(softcap),

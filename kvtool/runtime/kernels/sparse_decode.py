@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtool.runtime.kernels.decode_attention import _absorb, merge_partials, splits_for, store_partials, stream_rows
+from kvtool.runtime.kernels.decode_attention import _absorb, merge_partials, query_rows, splits_for, store_partials, stream_rows, zeros
 
 TILE = 16  # listed slots per online-softmax update
 
@@ -26,7 +26,7 @@ TILE = 16  # listed slots per online-softmax update
 @triton.jit
 def _sparse_partials(
     q_ptr, k_ptr, v_ptr, slot_ptr, valid_ptr, K, m_out, l_out, acc_out, R, softcap,
-    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, SPLITS, SOFTCAP: tl.constexpr,
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -62,13 +62,13 @@ def sparse_decode_attention(
     device = q.device
     q = q.contiguous().float()
     k_count = slots.shape[1]
-    br, bd = max(triton.next_power_of_2(r), 1), triton.next_power_of_2(d)
+    br, bd = query_rows(r), triton.next_power_of_2(d)
     splits = splits or splits_for(s, triton.cdiv(max(k_count, 1), TILE))
     m = torch.empty((s, splits, br), device=device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty((s, splits, br, bd), device=device, dtype=torch.float32)
-    slot_list = slots.contiguous() if k_count else torch.zeros((s, 1), dtype=torch.int64, device=device)
-    valid_list = valid.to(torch.int8).contiguous() if k_count else torch.zeros((s, 1), dtype=torch.int8, device=device)
+    slot_list = slots.contiguous() if k_count else zeros(s, torch.int64, device)[:, None]
+    valid_list = valid.to(torch.int8).contiguous() if k_count else zeros(s, torch.int8, device)[:, None]
     _sparse_partials[(s, splits)](
         q, float_k, float_v, slot_list, valid_list, slot_list.shape[1], m, l, acc, r, float(softcap or 0.0),
         D=d, BR=br, BD=bd, TILE=TILE, SPLITS=splits, SOFTCAP=bool(softcap),
