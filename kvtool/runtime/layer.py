@@ -31,6 +31,7 @@ from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose, quiet_steps
+from kvtool.runtime import prefill_attention
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
     CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
@@ -103,6 +104,12 @@ def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) 
     mask = mask.expand(b, t, t)
     real = mask.diagonal(dim1=1, dim2=2)
     return mask, (None if bool(real.all()) else real)
+
+
+def _stream_mask(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """(B, t, t) per-sequence new-token mask -> (S, R, t): per stream, its R = ``heads`` x t rows (head-major)."""
+    b, t, _ = mask.shape
+    return mask[:, None].expand(b, heads, t, t).reshape(b, heads * t, t).repeat_interleave(groups, dim=0)
 
 
 def _decoding_real_tokens(attention_mask: torch.Tensor | None) -> bool:
@@ -250,19 +257,23 @@ class KvtoolLayer(CacheLayerMixin):
             out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
         else:
             q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
-            stream_mask = mask[:, None].expand(b, G, t, t).reshape(b, r, t).repeat_interleave(groups, dim=0)  # (S, R, t)
             query_pos = positions[:, None].expand(b, G, t).reshape(b, r).repeat_interleave(groups, dim=0)
             sink_logits = self._sink_logits(options.sinks, b, t)
             if scoring:
                 window_rows = (torch.arange(r, device=q.device) % t >= t - policy.spec.window) if t > 1 else None
                 observer = policy.window_observer(t) if t > 1 else None  # CAKE, PyramidInfer: more window statistics
                 out, received = attend_scored(
-                    q, nk, nv, stream_mask, lambda: self._chunks(s, r, options), options, window_rows, query_pos, sink_logits,
+                    q, nk, nv, _stream_mask(mask, G, groups), lambda: self._chunks(s, r, options), options, window_rows, query_pos, sink_logits,
                     observer,
                 )
+            elif prefill_attention.covers(q, t, options):  # many rows: each chunk decoded once, fused attention
+                chunks = self._chunks(s, r if options.sliding_window else 1, options)  # (S, 1, R, C) masks: sized by rows
+                causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+                new_mask = None if bool((mask == causal).all()) else mask
+                out = prefill_attention.attend_many(q, nk, nv, new_mask, chunks, options, query_pos, sink_logits)
             else:
                 chunks = self._sparse_chunks(q, options) if self._sparse_step(t, options) else self._chunks(s, r, options)
-                out = attend(q, nk, nv, stream_mask, chunks, options, query_pos, sink_logits)
+                out = attend(q, nk, nv, _stream_mask(mask, G, groups), chunks, options, query_pos, sink_logits)
             out = out.reshape(b, groups, g, G, t, d).reshape(b, hq, t, d).transpose(1, 2).to(query.dtype)
         self._store_new(nk, nv, real, positions, received, t)
         return out
@@ -421,7 +432,7 @@ class KvtoolLayer(CacheLayerMixin):
             yield Chunk(
                 scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),
                 values=lambda p, v=v: torch.matmul(p, v),
-                valid=valid, positions=pos, region="float", start=c0 * fbs,
+                valid=valid, positions=pos, region="float", start=c0 * fbs, floats=lambda k=k, v=v: (k, v),
             )
         if store.body_pool is None:
             return
@@ -445,7 +456,15 @@ class KvtoolLayer(CacheLayerMixin):
                 scores=lambda q, kb=kb, fn=to_attention: self.key_format.chunk_scores(q, kb, self.group_of_stream, fn),
                 values=lambda p, vb=vb: self.value_format.chunk_values(p, vb, self.group_of_stream),
                 valid=valid, positions=pos, region="body", start=c0 * bs,
+                floats=lambda kb=kb, vb=vb, fn=to_attention: self._body_floats(kb, vb, fn),
             )
+
+    def _body_floats(self, kb, vb, to_attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """Body blocks {name: (S, nb, ...)} of both sides decoded once: keys (in the query's domain), values (S, g, nb*bs, D)."""
+        keys = self.key_format.chunk_floats(kb, self.group_of_stream)
+        if to_attention is not None:  # stored before RoPE: rotated at the tokens' true positions
+            keys = to_attention(keys)
+        return keys, self.value_format.chunk_floats(vb, self.group_of_stream)
 
     # --- storing ------------------------------------------------------------------------------------
     def _store_new(self, nk, nv, real, positions, received, t: int) -> None:

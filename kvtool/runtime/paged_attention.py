@@ -44,7 +44,9 @@ class Chunk:
     values(p (S, g, R, C)) -> (S, g, R, D) float32; valid (S, C) bool, or None when every
     slot holds a token;
     positions (S, C) int or None (needed for sliding windows); region/start locate it
-    in the store for scores the caller accumulates.
+    in the store for scores the caller accumulates; floats() -> keys, values (S, g, C, D)
+    float32, the chunk decoded once (keys in the query's domain), for forwards of many rows
+    (`prefill_attention.attend_many`).
     """
 
     scores: Callable[[torch.Tensor], torch.Tensor]
@@ -53,6 +55,7 @@ class Chunk:
     positions: torch.Tensor | None
     region: str
     start: int
+    floats: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
