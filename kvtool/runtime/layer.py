@@ -268,8 +268,7 @@ class KvtoolLayer(CacheLayerMixin):
                 )
             elif prefill_attention.covers(q, t, options):  # many rows: each chunk decoded once, fused attention
                 chunks = self._chunks(s, r if options.sliding_window else 1, options)  # (S, 1, R, C) masks: sized by rows
-                causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-                new_mask = None if bool((mask == causal).all()) else mask
+                new_mask = None if _plain_causal(mask) else mask
                 out = prefill_attention.attend_many(q, nk, nv, new_mask, chunks, options, query_pos, sink_logits)
             else:
                 chunks = self._sparse_chunks(q, options) if self._sparse_step(t, options) else self._chunks(s, r, options)
@@ -735,8 +734,15 @@ class KvtoolLayer(CacheLayerMixin):
 def _sdpa(query, key, value, mask, scaling) -> torch.Tensor:
     """Plain attention of the new tokens among themselves (empty store): (B, t, H_q, D)."""
     t = query.shape[2]
-    attn_mask = None if t == 1 else mask[:, None]
+    causal = t > 1 and _plain_causal(mask)  # the kernel then skips the blocks above the diagonal
+    attn_mask = None if t == 1 or causal else mask[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key.to(query.dtype), value.to(query.dtype), attn_mask=attn_mask, scale=scaling, enable_gqa=True
+        query, key.to(query.dtype), value.to(query.dtype), attn_mask=attn_mask, is_causal=causal, scale=scaling, enable_gqa=True
     )
     return out.nan_to_num(0.0).transpose(1, 2)
+
+
+def _plain_causal(mask: torch.Tensor) -> bool:
+    """The new-token mask (B, t, t) is plain causal attention (no padding, no window)."""
+    t = mask.shape[-1]
+    return bool((mask == torch.ones(t, t, dtype=torch.bool, device=mask.device).tril()).all())
