@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-import kvtool.runtime.prefill_attention as prefill_attention
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe
+from kvtool.runtime import prefill_attention
 from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.layer import KvtoolLayer, new_token_mask
 from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend
@@ -82,7 +82,7 @@ def _prefill(model, cache, ids, mask, positions) -> torch.Tensor:
 def _dense_attention(query, new_k, new_v, stored, attention_mask, scaling) -> torch.Tensor:
     """Float attention (B, t, H_q, D) of query (B, H_q, t, D) over the decoded store plus the new K/V (B, H, t, D)."""
     keys, values, _, valid = stored  # (B, H, T, D) x 2, (B, H, T)
-    b, hq, t, d = query.shape
+    b, hq, t, _ = query.shape
     g = hq // keys.shape[1]
     new_mask, _ = new_token_mask(attention_mask, b, t, query.device)  # (B, t, t)
     k = torch.cat([keys, new_k.float()], dim=2).repeat_interleave(g, dim=1)  # (B, H_q, T + t, D)

@@ -7,7 +7,9 @@ Each forward, for one layer:
 2. kvtool's attention function hands the call to `KvtoolLayer.attend`, which computes the
    attention of the new queries over the tokens the store holds (read in their storage
    format, chunk by chunk, never rebuilt as a float cache) and over the new tokens
-   themselves, in float, as in a real prefill;
+   themselves, in float, as in a real prefill; a forward of many new tokens reads each
+   chunk decoded once into a bounded float temporary and runs fused attention over it
+   (`prefill_attention.py`);
 3. when the recipe evicts, the policy decides per stream what stays (new tokens included);
 4. the kept new tokens are written into the store (padding never is), where full blocks
    beyond the recent window are encoded once.

@@ -64,8 +64,10 @@ class LseMerge:
 def _flash(q, k, v, additive_mask=None, causal=False) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused attention (B, H, L, D) x (B, H, C, D), q already scaled: (out (B, H, L, D), lse (B, H, L)).
 
-    The kernel does not check shapes: callers pass q, k, v with the same B and H, and a float mask
+    The kernel does not check shapes (mismatched heads crash the process): checked here. The mask is float,
     broadcastable to (B, H, L, C)."""
+    if k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"fused attention needs q, k, v of the same (B, H) and D; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     return _FLASH(q, k, v, is_causal=causal, attn_mask=additive_mask, scale=1.0)
 
 
