@@ -18,8 +18,9 @@ from kvtool.recipe import CacheSpec, QuantSpec, Recipe
 from kvtool.runtime import prefill_attention
 from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.layer import KvtoolLayer, new_token_mask
-from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend
+from kvtool.runtime.paged_attention import Chunk, LayerOptions, attend, attend_scored
 from tests.test_decode_step import RECIPES as DECODE_RECIPES
+from tests.test_decode_step import _evicting
 from tests.test_palu_runtime import fitted_runtime
 from tests.test_runtime import make_recipe, pre_rope_recipe
 from tests.tiny_models import featured_model, tiny_model
@@ -46,7 +47,10 @@ RECIPES = {
     "streamingllm": DECODE_RECIPES["streamingllm"],  # evicts at prefill, scores nothing: the same path
     "knorm": DECODE_RECIPES["knorm"],
     "palu-grouped": _palu_grouped,
+    "h2o": DECODE_RECIPES["h2o"],  # scored: `attend_many_scored`, the probabilities from the fused pass's log-sum-exp
+    "snapkv": DECODE_RECIPES["snapkv"],
 }
+SCORED = ("h2o", "snapkv")
 
 
 def _runtime(model, recipe: Recipe) -> CompressedRuntime:
@@ -98,12 +102,9 @@ def test_many_row_prefill_equals_dense_attention_over_the_decoded_store(name, mo
     model = tiny_model("llama")  # 4 query heads over 2 KV heads
     cache = _runtime(model, RECIPES[name]()).new_cache()
     ids, mask, positions = _inputs()
-    calls, checked = {"many": 0}, []
-    original_attend, original_many = KvtoolLayer.attend, prefill_attention.attend_many
-
-    def counted(*args, **kwargs):
-        calls["many"] += 1
-        return original_many(*args, **kwargs)
+    checked = []
+    original_attend = KvtoolLayer.attend
+    calls = _count_many(monkeypatch)
 
     def checked_attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         stored = self.decoded() if self.is_initialized and not self._empty() else None
@@ -115,37 +116,66 @@ def test_many_row_prefill_equals_dense_attention_over_the_decoded_store(name, mo
             checked.append(self.index)
         return out
 
-    monkeypatch.setattr(prefill_attention, "attend_many", counted)
     monkeypatch.setattr(KvtoolLayer, "attend", checked_attend)
     _prefill(model, cache, ids, mask, positions)
     layers = model.config.num_hidden_layers
-    assert calls["many"] == len(checked) == layers * (len(CHUNKS) - 1)
-    if name not in ("uncompressed", "streamingllm", "knorm"):
+    assert len(checked) == layers * (len(CHUNKS) - 1)
+    assert calls["many"] == (len(checked) if name not in SCORED else 0)
+    assert calls["scored"] == (layers * len(CHUNKS) if name in SCORED else 0)  # scored: the first chunk too
+    if name not in ("uncompressed", "streamingllm", "knorm", *SCORED):
         assert min(int(layer.store.body_len.min()) for layer in cache.layers) > 0  # blocks were read encoded
+
+
+def _count_many(monkeypatch) -> dict:
+    calls = {"many": 0, "scored": 0}
+    for name, key in (("attend_many", "many"), ("attend_many_scored", "scored")):
+        original = getattr(prefill_attention, name)
+
+        def counted(*args, original=original, key=key, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(prefill_attention, name, counted)
+    return calls
+
+
+def _equals_the_chunk_algebra(model, recipe, monkeypatch, new_tokens: int = 0):
+    """Logits of a chunked prefill (then greedy decode steps) by the many-row path and by the chunk algebra."""
+    runtime = CompressedRuntime.from_recipe(model, recipe)
+    ids, mask, positions = _inputs(model.config.vocab_size)
+    calls = _count_many(monkeypatch)
+    runs = []
+    for switched_off in (False, True):
+        if switched_off:
+            monkeypatch.setattr(prefill_attention, "covers", lambda *args: False)
+        cache = runtime.new_cache()
+        logits = [_prefill(model, cache, ids, mask, positions)]
+        step_mask, step_pos, token = mask, positions[:, -1:], logits[0][:, -1:].argmax(dim=-1)
+        with torch.no_grad():
+            for _ in range(new_tokens):  # decode steps over what each path chose to keep
+                step_mask, step_pos = torch.cat([step_mask, torch.ones_like(token)], dim=1), step_pos + 1
+                out = model(input_ids=token, attention_mask=step_mask, position_ids=step_pos, past_key_values=cache, use_cache=True)
+                logits.append(out.logits)
+                token = out.logits[:, -1:].argmax(dim=-1)
+        runs.append((torch.cat(logits, dim=1), dict(calls)))
+    (ours, taken), (algebra, after) = runs
+    assert taken["many"] + taken["scored"] >= model.config.num_hidden_layers * (len(CHUNKS) - 1)
+    assert after == taken  # switched off: not taken again
+    real = torch.cat([mask, torch.ones(mask.shape[0], new_tokens, dtype=mask.dtype)], dim=1).bool()
+    torch.testing.assert_close(ours[real], algebra[real], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gpt_oss", "gemma3_text"])
 def test_many_row_prefill_equals_the_chunk_algebra_on_featured_models(family, monkeypatch):
     """Sliding windows (stored tokens masked per row by position), learned sinks, a single KV head."""
-    model = featured_model(family)
-    runtime = CompressedRuntime.from_recipe(model, make_recipe(4, float_dtype="model"))
-    ids, mask, positions = _inputs(model.config.vocab_size)
-    calls = {"many": 0}
-    original_many = prefill_attention.attend_many
+    _equals_the_chunk_algebra(featured_model(family), make_recipe(4, float_dtype="model"), monkeypatch)
 
-    def counted(*args, **kwargs):
-        calls["many"] += 1
-        return original_many(*args, **kwargs)
 
-    monkeypatch.setattr(prefill_attention, "attend_many", counted)
-    ours = _prefill(model, runtime.new_cache(), ids, mask, positions)
-    taken = calls["many"]
-    assert taken >= model.config.num_hidden_layers * (len(CHUNKS) - 1)  # and the first chunk too with learned sinks
-    monkeypatch.setattr(prefill_attention, "covers", lambda *args: False)
-    algebra = _prefill(model, runtime.new_cache(), ids, mask, positions)
-    assert calls["many"] == taken  # switched off: not taken again
-    real = mask.bool()
-    torch.testing.assert_close(ours[real], algebra[real], rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "cake", "pyramidinfer"])
+def test_scored_many_row_prefill_keeps_what_the_chunk_algebra_keeps(name, monkeypatch):
+    """Policies that score by attention received: the same tokens kept (so the same logits at every later step)."""
+    recipe = DECODE_RECIPES[name]() if name in DECODE_RECIPES else _evicting(name)
+    _equals_the_chunk_algebra(tiny_model("llama"), recipe, monkeypatch, new_tokens=6)
 
 
 def _float_chunk(k, v, valid, positions, start) -> Chunk:
@@ -156,7 +186,7 @@ def _float_chunk(k, v, valid, positions, start) -> Chunk:
 
 
 @pytest.mark.parametrize("window, sinks", [(None, False), (None, True), (6, False), (6, True)])
-def test_attend_many_equals_attend_on_edge_cases(window, sinks):
+def test_attend_many_equals_attend_and_attend_scored_on_edge_cases(window, sinks):
     """Stream 1 holds no stored token (every slot invalid), sequence 1's first rows are padding (see nothing
     at all), chunks of different widths, GQA rows, learned sinks, a sliding window over stored positions."""
     generator = torch.Generator().manual_seed(0)
@@ -181,9 +211,25 @@ def test_attend_many_equals_attend_on_edge_cases(window, sinks):
     sink_logits = randn(s, g, r) if sinks else None
     stream_mask = new_mask[:, None].expand(b, heads, t, t).reshape(b, r, t).repeat_interleave(groups, dim=0)
     expected = attend(q, new_k, new_v, stream_mask, iter(chunks), options, query_pos, sink_logits)
-    ours = prefill_attention.attend_many(q, new_k, new_v, new_mask, iter(chunks), options, query_pos, sink_logits)
+    stored = lambda rows: iter(chunks)  # noqa: E731
+    ours = prefill_attention.attend_many(q, new_k, new_v, new_mask, stored, options, query_pos, sink_logits)
     assert torch.isfinite(ours).all()
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
-    causal = prefill_attention.attend_many(q, new_k, new_v, None, iter(chunks), options, query_pos, sink_logits)
+    causal = prefill_attention.attend_many(q, new_k, new_v, None, stored, options, query_pos, sink_logits)
     plain = torch.ones(t, t, dtype=torch.bool).tril().expand(s, r // t, t, t).reshape(s, r, t)
     torch.testing.assert_close(causal, attend(q, new_k, new_v, plain, iter(chunks), options, query_pos, sink_logits), rtol=1e-5, atol=1e-6)
+    window_rows = torch.arange(r) % t >= t - 3  # rows of the last 3 query tokens
+    expected, expected_received = attend_scored(
+        q, new_k, new_v, stream_mask, lambda: iter(chunks), options, window_rows, query_pos, sink_logits,
+    )
+    ours, received = prefill_attention.attend_many_scored(
+        q, new_k, new_v, new_mask, stream_mask, stored, options, window_rows, query_pos, sink_logits,
+    )
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    for field in ("chunks", "chunks_window"):
+        ours_sums, expected_sums = getattr(received, field), getattr(expected_received, field)
+        assert [(region, start) for region, start, _ in ours_sums] == [(region, start) for region, start, _ in expected_sums]
+        for (_, _, mine), (_, _, theirs) in zip(ours_sums, expected_sums):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(received.new, expected_received.new, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(received.new_window, expected_received.new_window, rtol=1e-5, atol=1e-6)

@@ -264,14 +264,21 @@ class KvtoolLayer(CacheLayerMixin):
             if scoring:
                 window_rows = (torch.arange(r, device=q.device) % t >= t - policy.spec.window) if t > 1 else None
                 observer = policy.window_observer(t) if t > 1 else None  # CAKE, PyramidInfer: more window statistics
+            if prefill_attention.covers(q, t, options):  # many rows: each chunk decoded once, fused attention
+                new_mask = None if _plain_causal(mask) else mask
+                chunks = lambda rows: self._chunks(s, rows, options)  # noqa: E731  chunks sized for `rows` query rows
+                if scoring:
+                    out, received = prefill_attention.attend_many_scored(
+                        q, nk, nv, new_mask, _stream_mask(mask, G, groups), chunks, options, window_rows, query_pos, sink_logits,
+                        observer,
+                    )
+                else:
+                    out = prefill_attention.attend_many(q, nk, nv, new_mask, chunks, options, query_pos, sink_logits)
+            elif scoring:
                 out, received = attend_scored(
                     q, nk, nv, _stream_mask(mask, G, groups), lambda: self._chunks(s, r, options), options, window_rows, query_pos, sink_logits,
                     observer,
                 )
-            elif prefill_attention.covers(q, t, options):  # many rows: each chunk decoded once, fused attention
-                chunks = self._chunks(s, r if options.sliding_window else 1, options)  # (S, 1, R, C) masks: sized by rows
-                new_mask = None if _plain_causal(mask) else mask
-                out = prefill_attention.attend_many(q, nk, nv, new_mask, chunks, options, query_pos, sink_logits)
             else:
                 chunks = self._sparse_chunks(q, options) if self._sparse_step(t, options) else self._chunks(s, r, options)
                 out = attend(q, nk, nv, _stream_mask(mask, G, groups), chunks, options, query_pos, sink_logits)

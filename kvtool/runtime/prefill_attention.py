@@ -20,11 +20,13 @@ and devices without the kernel, keep `attend` (`covers`).
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from kvtool.runtime.paged_attention import Chunk, LayerOptions
+from kvtool.runtime.paged_attention import (
+    ROW_CHUNK, Chunk, LayerOptions, Received, ReceivedTally, _masked_logits, _new_logits,
+)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -118,20 +120,62 @@ def _new_piece(q, new_k, new_v, new_mask) -> tuple[torch.Tensor, torch.Tensor]:
     return out.reshape(s, g, r, d), lse.reshape(s, g, r)
 
 
+def _fused_rows(q: torch.Tensor, options: LayerOptions) -> int:
+    """Rows to size the fused pass's chunks for: the decoded K/V bound them, unless a sliding window needs an
+    (S, 1, R, C) mask per chunk."""
+    return q.shape[2] if options.sliding_window else 1
+
+
+def _merged(q, new_k, new_v, new_mask, chunks, options, query_pos, sink_logits) -> LseMerge:
+    merged = LseMerge(q.shape, q.device, sink_logits)
+    for chunk in chunks:
+        merged.absorb(*_stored_piece(q, chunk, query_pos, options))
+    merged.absorb(*_new_piece(q, new_k, new_v, new_mask))
+    return merged
+
+
 def attend_many(
     q: torch.Tensor,  # (S, g, R, D) float32, scaled; R = G x t rows, head-major
     new_k: torch.Tensor,  # (S, g, t, D) float32
     new_v: torch.Tensor,
     new_mask: torch.Tensor | None,  # (B, t, t) bool: new token i may see new token j; None: plain causal
-    chunks: Iterator[Chunk],
+    chunks: Callable[[int], Iterator[Chunk]],  # the store's chunks, sized for this many rows
     options: LayerOptions,
     query_pos: torch.Tensor | None = None,  # (S, R) positions of each row's token (sliding windows)
     sink_logits: torch.Tensor | None = None,  # (S, g, R)
 ) -> torch.Tensor:
     """Attention of many rows over the stored chunks and the new tokens: (S, g, R, D) float32, equal to
     `paged_attention.attend` up to float rounding (see the module docstring)."""
-    merged = LseMerge(q.shape, q.device, sink_logits)
-    for chunk in chunks:
-        merged.absorb(*_stored_piece(q, chunk, query_pos, options))
-    merged.absorb(*_new_piece(q, new_k, new_v, new_mask))
-    return merged.result()
+    return _merged(q, new_k, new_v, new_mask, chunks(_fused_rows(q, options)), options, query_pos, sink_logits).result()
+
+
+def attend_many_scored(
+    q: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    new_mask: torch.Tensor | None,
+    stream_mask: torch.Tensor,  # (S, R, t) bool: row may see new token (new_mask per stream row)
+    chunks: Callable[[int], Iterator[Chunk]],
+    options: LayerOptions,
+    window_rows: torch.Tensor | None = None,  # (R,) bool: rows of the last ``window`` query tokens
+    query_pos: torch.Tensor | None = None,
+    sink_logits: torch.Tensor | None = None,
+    observe=None,  # the policy's observer, as for `paged_attention.attend_scored`
+) -> tuple[torch.Tensor, Received]:
+    """`attend_many` plus the attention every stored slot and new token received (as `attend_scored`).
+
+    The fused pass gives the output and each row's log-sum-exp, so the probabilities come in one more pass
+    per block of rows, ``p = exp(logit - lse)``: no max/sum pass and no value contraction."""
+    s, g, r, _ = q.shape
+    merged = _merged(q, new_k, new_v, new_mask, chunks(_fused_rows(q, options)), options, query_pos, sink_logits)
+    lse = merged.m + torch.log(merged.l)  # (S, g, R, 1), -inf for a row that saw nothing (its logits are all -inf)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    tally = ReceivedTally(s, new_k.shape[2], q.device, window_rows, observe)
+    for lo in range(0, r, ROW_CHUNK):
+        hi = min(r, lo + ROW_CHUNK)
+        qr, lse_r = q[:, :, lo:hi], lse[:, :, lo:hi]
+        pos_r = None if query_pos is None else query_pos[:, lo:hi]
+        for chunk in chunks(hi - lo):
+            tally.add(chunk, torch.exp(_masked_logits(chunk, qr, pos_r, options) - lse_r), lo, hi)
+        tally.add_new(torch.exp(_new_logits(qr, new_k, stream_mask[:, lo:hi], options) - lse_r), lo, hi)
+    return merged.result(), tally.received()
