@@ -4,8 +4,10 @@ A prefill chunk of t tokens has R = G x t query rows per stream, many more than 
 tokens: the algebra of `paged_attention.attend` (logits per chunk, an online softmax in
 Python-level tensor ops) then costs far more than the stored tokens' decoding. Here every
 stored chunk is decoded once to a float temporary (`Chunk.floats`: (S, g, C, D), at most
-CHUNK_ELEMENTS elements) and handed to torch's fused CPU attention kernel, which returns the
-normalised output and each row's log-sum-exp; the new tokens attend to themselves the same
+CHUNK_ELEMENTS elements) and handed to torch's fused CPU attention kernel (the flash kernel
+`scaled_dot_product_attention` runs on CPU, called as the aten op because the public function
+does not return the log-sum-exp), which returns the normalised output and each row's
+log-sum-exp; the new tokens attend to themselves the same
 way (causal, or their (t, t) mask), with the query heads of a sequence as SDPA heads. The
 pieces are merged exactly (an online softmax over (output, log-sum-exp) pairs):
 
@@ -15,6 +17,10 @@ and the result is acc / l. A row that sees nothing in a piece gets lse = -inf th
 kernel reports 0 for such rows). Learned sink logits (gpt-oss) are one more term without a
 value, as in `OnlineSoftmax`. Soft-capping cannot be expressed to the kernel: those layers,
 and devices without the kernel, keep `attend` (`covers`).
+
+Policies that score tokens by the attention they receive (`attend_many_scored`) get the
+probabilities in one more pass per block of rows, ``p = exp(logit - lse)`` with the merged
+log-sum-exp: no max/sum pass, no value contraction (`paged_attention.attend_scored` needs both).
 """
 
 from __future__ import annotations
