@@ -32,8 +32,8 @@ from kvtool.methods.sparse.rocketkv import select_groups
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
-from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose, quiet_steps
 from kvtool.runtime import prefill_attention
+from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose, quiet_steps
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
     CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,

@@ -30,9 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from kvtool.runtime.paged_attention import (
-    ROW_CHUNK, Chunk, LayerOptions, Received, ReceivedTally, _masked_logits, _new_logits,
-)
+from kvtool.runtime.paged_attention import ROW_CHUNK, Chunk, LayerOptions, Received, ReceivedTally, _masked_logits, _new_logits
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
