@@ -9,12 +9,13 @@ chunk, log-sum-exp merge) computes the attention a dense float cache would.
 * on random tensors: streams with no stored token, rows that see nothing, sinks, windows.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from kvtool.recipe import CacheSpec, QuantSpec, Recipe
+from kvtool.recipe import CacheSpec, QuantSpec, Recipe, load_recipe
 from kvtool.runtime import prefill_attention
 from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.layer import KvtoolLayer, new_token_mask
@@ -39,6 +40,13 @@ def _palu_grouped() -> Recipe:
     )
 
 
+def _bundled(name: str) -> Recipe:
+    """A bundled quantizing recipe storing floats in the model's dtype, with a window short enough for body blocks."""
+    recipe = load_recipe(name)
+    cache = dataclasses.replace(recipe.cache, float_dtype="model", sink_tokens=2, recent_tokens=8)
+    return dataclasses.replace(recipe, cache=cache)
+
+
 RECIPES = {
     "kivi-4bit": lambda: make_recipe(4, float_dtype="model"),
     "kivi-2bit": lambda: make_recipe(2, float_dtype="model"),
@@ -47,6 +55,8 @@ RECIPES = {
     "streamingllm": DECODE_RECIPES["streamingllm"],  # evicts at prefill, scores nothing: the same path
     "knorm": DECODE_RECIPES["knorm"],
     "palu-grouped": _palu_grouped,
+    "fp8-e4m3": lambda: _bundled("fp8-e4m3"),  # formats read through the default `chunk_floats` (decode_blocks)
+    "turboquant-4bit": lambda: _bundled("turboquant-4bit"),
     "h2o": DECODE_RECIPES["h2o"],  # scored: `attend_many_scored`, the probabilities from the fused pass's log-sum-exp
     "snapkv": DECODE_RECIPES["snapkv"],
 }
