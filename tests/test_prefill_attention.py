@@ -6,7 +6,10 @@ chunk, log-sum-exp merge) computes the attention a dense float cache would.
   dense float attention over the store's own decoded tokens plus the new ones (`KvtoolLayer.decoded`);
 * on featured models (sliding windows, learned sinks) the logits equal those of the chunk algebra
   (`paged_attention.attend`), the path it replaces;
-* on random tensors: streams with no stored token, rows that see nothing, sinks, windows.
+* attention-scored policies (`attend_many_scored`: H2O, SnapKV, TOVA, CAKE, PyramidInfer) keep what the chunk
+  algebra keeps (the same logits through later decode steps);
+* on random tensors, against `attend` and `attend_scored` (output and attention received): streams with no
+  stored token, rows that see nothing, sinks, windows.
 """
 
 import dataclasses
