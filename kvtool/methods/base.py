@@ -17,7 +17,8 @@ Triton kernels of `kvtool.runtime.kernels` read it as is.
 Attention reads blocks through `chunk_scores` (keys) and `chunk_values` (values): the
 torch reference for one chunk of nb blocks per stream. The default decodes the chunk
 (a bounded temporary) and contracts it; methods override them with algebra that avoids
-dequantizing (uniform: scales folded into the query or the probabilities).
+dequantizing (uniform: scales folded into the query or the probabilities). A forward of many
+query rows (prefill) reads each chunk once as floats instead (`chunk_floats`).
 
 `encode` / `decode` on (B, H_kv, N, S, D) tensors remain for calibration and tests.
 A subclass overrides `block_spec`, `encode_blocks`, `decode_blocks`; methods that learn
@@ -128,6 +129,12 @@ class BlockQuantizer:
     def chunk_values(self, probs: torch.Tensor, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
         """sum_t p_t v_t: probs (Sc, g, R, nb * S) float32 -> (Sc, g, R, D) float32."""
         return torch.matmul(probs, self._decode_chunk(blocks, group))
+
+    def chunk_floats(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
+        """The chunk decoded once for a forward of many query rows (prefill, `prefill_attention.py`):
+        {name: (Sc, nb, ...)} -> (Sc, g, nb * S, D) float32 (a bounded temporary). Methods whose
+        `chunk_scores` / `chunk_values` read values other than `decode_blocks`' override it."""
+        return self._decode_chunk(blocks, group)
 
     def _decode_chunk(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
         """{name: (Sc, nb, ...)} -> (Sc, g, nb * S, D) float32 (a bounded temporary)."""

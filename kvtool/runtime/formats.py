@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtool.methods.base import BlockQuantizer
+
 
 def lift_format(fmt, heads: int):
     """``fmt`` itself when its blocks already span ``heads`` heads, else a `LiftedFormat`."""
@@ -73,3 +75,12 @@ class LiftedFormat:
         p = probs.reshape(sc * self.factor, g // self.factor, r, t)
         out = self.inner.chunk_values(p, self._split(blocks), self._inner_groups(group))
         return out.reshape(sc, g, r, -1)
+
+    def chunk_floats(self, blocks, group):
+        sc = next(iter(blocks.values())).shape[0]
+        x = self.inner.chunk_floats(self._split(blocks), self._inner_groups(group))  # (Sc*factor, h, T, D)
+        return x.reshape(sc, self.heads_per_block, *x.shape[2:])
+
+    def _decode_chunk(self, blocks, group):
+        """{name: (Sc, nb, factor, ...)} -> (Sc, g, nb * S, D) float32 through `decode_blocks` (`KvtoolLayer.decoded`)."""
+        return BlockQuantizer._decode_chunk(self, blocks, group)  # the base's plumbing over this format's decode_blocks

@@ -7,7 +7,9 @@ Each forward, for one layer:
 2. kvtool's attention function hands the call to `KvtoolLayer.attend`, which computes the
    attention of the new queries over the tokens the store holds (read in their storage
    format, chunk by chunk, never rebuilt as a float cache) and over the new tokens
-   themselves, in float, as in a real prefill;
+   themselves, in float, as in a real prefill; a forward of many new tokens reads each
+   chunk decoded once into a bounded float temporary and runs fused attention over it
+   (`prefill_attention.py`);
 3. when the recipe evicts, the policy decides per stream what stays (new tokens included);
 4. the kept new tokens are written into the store (padding never is), where full blocks
    beyond the recent window are encoded once.
@@ -30,6 +32,7 @@ from kvtool.methods.sparse.rocketkv import select_groups
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
+from kvtool.runtime import prefill_attention
 from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose, quiet_steps
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
@@ -103,6 +106,12 @@ def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) 
     mask = mask.expand(b, t, t)
     real = mask.diagonal(dim1=1, dim2=2)
     return mask, (None if bool(real.all()) else real)
+
+
+def _stream_mask(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """(B, t, t) per-sequence new-token mask -> (S, R, t): per stream, its R = ``heads`` x t rows (head-major)."""
+    b, t, _ = mask.shape
+    return mask[:, None].expand(b, heads, t, t).reshape(b, heads * t, t).repeat_interleave(groups, dim=0)
 
 
 def _decoding_real_tokens(attention_mask: torch.Tensor | None) -> bool:
@@ -250,19 +259,29 @@ class KvtoolLayer(CacheLayerMixin):
             out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
         else:
             q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
-            stream_mask = mask[:, None].expand(b, G, t, t).reshape(b, r, t).repeat_interleave(groups, dim=0)  # (S, R, t)
             query_pos = positions[:, None].expand(b, G, t).reshape(b, r).repeat_interleave(groups, dim=0)
             sink_logits = self._sink_logits(options.sinks, b, t)
             if scoring:
                 window_rows = (torch.arange(r, device=q.device) % t >= t - policy.spec.window) if t > 1 else None
                 observer = policy.window_observer(t) if t > 1 else None  # CAKE, PyramidInfer: more window statistics
+            if prefill_attention.covers(q, t, options):  # many rows: each chunk decoded once, fused attention
+                new_mask = None if _plain_causal(mask) else mask
+                chunks = lambda rows: self._chunks(s, rows, options)  # noqa: E731  chunks sized for `rows` query rows
+                if scoring:
+                    out, received = prefill_attention.attend_many_scored(
+                        q, nk, nv, new_mask, _stream_mask(mask, G, groups), chunks, options, window_rows, query_pos, sink_logits,
+                        observer,
+                    )
+                else:
+                    out = prefill_attention.attend_many(q, nk, nv, new_mask, chunks, options, query_pos, sink_logits)
+            elif scoring:
                 out, received = attend_scored(
-                    q, nk, nv, stream_mask, lambda: self._chunks(s, r, options), options, window_rows, query_pos, sink_logits,
+                    q, nk, nv, _stream_mask(mask, G, groups), lambda: self._chunks(s, r, options), options, window_rows, query_pos, sink_logits,
                     observer,
                 )
             else:
                 chunks = self._sparse_chunks(q, options) if self._sparse_step(t, options) else self._chunks(s, r, options)
-                out = attend(q, nk, nv, stream_mask, chunks, options, query_pos, sink_logits)
+                out = attend(q, nk, nv, _stream_mask(mask, G, groups), chunks, options, query_pos, sink_logits)
             out = out.reshape(b, groups, g, G, t, d).reshape(b, hq, t, d).transpose(1, 2).to(query.dtype)
         self._store_new(nk, nv, real, positions, received, t)
         return out
@@ -421,7 +440,7 @@ class KvtoolLayer(CacheLayerMixin):
             yield Chunk(
                 scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),
                 values=lambda p, v=v: torch.matmul(p, v),
-                valid=valid, positions=pos, region="float", start=c0 * fbs,
+                valid=valid, positions=pos, region="float", start=c0 * fbs, floats=lambda k=k, v=v: (k, v),
             )
         if store.body_pool is None:
             return
@@ -445,7 +464,15 @@ class KvtoolLayer(CacheLayerMixin):
                 scores=lambda q, kb=kb, fn=to_attention: self.key_format.chunk_scores(q, kb, self.group_of_stream, fn),
                 values=lambda p, vb=vb: self.value_format.chunk_values(p, vb, self.group_of_stream),
                 valid=valid, positions=pos, region="body", start=c0 * bs,
+                floats=lambda kb=kb, vb=vb, fn=to_attention: self._body_floats(kb, vb, fn),
             )
+
+    def _body_floats(self, kb, vb, to_attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """Body blocks {name: (S, nb, ...)} of both sides decoded once: keys (in the query's domain), values (S, g, nb*bs, D)."""
+        keys = self.key_format.chunk_floats(kb, self.group_of_stream)
+        if to_attention is not None:  # stored before RoPE: rotated at the tokens' true positions
+            keys = to_attention(keys)
+        return keys, self.value_format.chunk_floats(vb, self.group_of_stream)
 
     # --- storing ------------------------------------------------------------------------------------
     def _store_new(self, nk, nv, real, positions, received, t: int) -> None:
@@ -716,8 +743,15 @@ class KvtoolLayer(CacheLayerMixin):
 def _sdpa(query, key, value, mask, scaling) -> torch.Tensor:
     """Plain attention of the new tokens among themselves (empty store): (B, t, H_q, D)."""
     t = query.shape[2]
-    attn_mask = None if t == 1 else mask[:, None]
+    causal = t > 1 and _plain_causal(mask)  # the kernel then skips the blocks above the diagonal
+    attn_mask = None if t == 1 or causal else mask[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key.to(query.dtype), value.to(query.dtype), attn_mask=attn_mask, scale=scaling, enable_gqa=True
+        query, key.to(query.dtype), value.to(query.dtype), attn_mask=attn_mask, is_causal=causal, scale=scaling, enable_gqa=True
     )
     return out.nan_to_num(0.0).transpose(1, 2)
+
+
+def _plain_causal(mask: torch.Tensor) -> bool:
+    """The new-token mask (B, t, t) is plain causal attention (no padding, no window)."""
+    t = mask.shape[-1]
+    return bool((mask == torch.ones(t, t, dtype=torch.bool, device=mask.device).tril()).all())

@@ -44,7 +44,9 @@ class Chunk:
     values(p (S, g, R, C)) -> (S, g, R, D) float32; valid (S, C) bool, or None when every
     slot holds a token;
     positions (S, C) int or None (needed for sliding windows); region/start locate it
-    in the store for scores the caller accumulates.
+    in the store for scores the caller accumulates; floats() -> keys, values (S, g, C, D)
+    float32, the chunk decoded once (keys in the query's domain), for forwards of many rows
+    (`prefill_attention.attend_many`).
     """
 
     scores: Callable[[torch.Tensor], torch.Tensor]
@@ -53,6 +55,7 @@ class Chunk:
     positions: torch.Tensor | None
     region: str
     start: int
+    floats: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -204,6 +207,47 @@ def attend_stored(
     return out, received
 
 
+class ReceivedTally:
+    """Sums, per stream, the probabilities each stored slot and each new token receive, block of rows by block of
+    rows (and over the rows of the last ``window`` query tokens; the policy's observer sees every block)."""
+
+    def __init__(self, s: int, t: int, device, window_rows: torch.Tensor | None, observe) -> None:
+        self.totals: dict[tuple[str, int], torch.Tensor] = {}
+        self.totals_window: dict[tuple[str, int], torch.Tensor] = {}
+        self.new = torch.zeros(s, t, device=device)
+        self.new_window = torch.zeros_like(self.new)
+        self.window_rows, self.observe = window_rows, observe
+
+    def _in_window(self, lo: int, hi: int) -> torch.Tensor | None:
+        return None if self.window_rows is None else self.window_rows[lo:hi].to(torch.float32)[None, None, :, None]
+
+    def add(self, chunk: Chunk, p: torch.Tensor, lo: int, hi: int) -> None:
+        """p (S, g, hi - lo, C): rows lo..hi against a stored chunk."""
+        key = (chunk.region, chunk.start)
+        self.totals[key] = self.totals.get(key, 0) + p.sum(dim=(1, 2))
+        if self.observe is not None:
+            self.observe(chunk.region, chunk.start, p, lo, hi)
+        in_window = self._in_window(lo, hi)
+        if in_window is not None:
+            self.totals_window[key] = self.totals_window.get(key, 0) + (p * in_window).sum(dim=(1, 2))
+
+    def add_new(self, p_new: torch.Tensor, lo: int, hi: int) -> None:
+        """p_new (S, g, hi - lo, t): rows lo..hi against the new tokens."""
+        self.new += p_new.sum(dim=(1, 2))
+        if self.observe is not None:
+            self.observe("new", 0, p_new, lo, hi)
+        in_window = self._in_window(lo, hi)
+        if in_window is not None:
+            self.new_window += (p_new * in_window).sum(dim=(1, 2))
+
+    def received(self) -> Received:
+        out = Received(chunks=[(region, start, t) for (region, start), t in self.totals.items()], new=self.new, observer=self.observe)
+        if self.window_rows is not None:
+            out.chunks_window = [(region, start, t) for (region, start), t in self.totals_window.items()]
+            out.new_window = self.new_window
+        return out
+
+
 def attend_scored(
     q: torch.Tensor,
     new_k: torch.Tensor,
@@ -226,10 +270,7 @@ def attend_scored(
     """
     s, g, r, d = q.shape
     out = torch.empty((s, g, r, d), device=q.device)
-    totals: dict[tuple[str, int], torch.Tensor] = {}
-    totals_window: dict[tuple[str, int], torch.Tensor] = {}
-    new_total = torch.zeros(s, new_k.shape[2], device=q.device)
-    new_window = torch.zeros_like(new_total)
+    tally = ReceivedTally(s, new_k.shape[2], q.device, window_rows, observe)
     for lo in range(0, r, ROW_CHUNK):
         hi = min(r, lo + ROW_CHUNK)
         qr, mask_r = q[:, :, lo:hi], new_mask[:, lo:hi]
@@ -250,27 +291,13 @@ def attend_scored(
         inv = 1.0 / l.clamp(min=1e-30)
         p_new = torch.exp(new_logits - m) * inv
         acc = torch.matmul(p_new, new_v)
-        in_window = None if window_rows is None else window_rows[lo:hi].to(q.dtype)[None, None, :, None]
         for chunk, logits in zip(chunks() if second is None else second, kept):  # pass 2: probabilities, output, received
             p = torch.exp((_masked_logits(chunk, qr, pos_r, options) if logits is None else logits) - m) * inv
             acc = acc + chunk.values(p)
-            key = (chunk.region, chunk.start)
-            totals[key] = totals.get(key, 0) + p.sum(dim=(1, 2))
-            if observe is not None:
-                observe(chunk.region, chunk.start, p, lo, hi)
-            if in_window is not None:
-                totals_window[key] = totals_window.get(key, 0) + (p * in_window).sum(dim=(1, 2))
-        new_total += p_new.sum(dim=(1, 2))
-        if observe is not None:
-            observe("new", 0, p_new, lo, hi)
-        if in_window is not None:
-            new_window += (p_new * in_window).sum(dim=(1, 2))
+            tally.add(chunk, p, lo, hi)
+        tally.add_new(p_new, lo, hi)
         out[:, :, lo:hi] = acc
-    received = Received(chunks=[(region, start, t) for (region, start), t in totals.items()], new=new_total, observer=observe)
-    if window_rows is not None:
-        received.chunks_window = [(region, start, t) for (region, start), t in totals_window.items()]
-        received.new_window = new_window
-    return out, received
+    return out, tally.received()
 
 
 def _max_and_sum(pieces: list[torch.Tensor], sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,6 +147,9 @@ class UniformQuantizer(BlockQuantizer):
         zeros = torch.matmul(p, zero.reshape(sc, nb * s, groups))  # (Sc, R, groups)
         return (out + zeros.repeat_interleave(self.group, dim=-1))[:, None]
 
+    def chunk_floats(self, blocks, group):
+        return self._dequantized(blocks)  # unrounded, as chunk_scores / chunk_values read them: (Sc, 1, nb*S, D)
+
     def _dequantized(self, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
         """{name: (Sc, nb, ...)} -> (Sc, 1, nb * S, D) float32 ``code * scale + zero``, unrounded (a bounded temporary:
         the chunk's blocks only). For forwards with many query rows, where the folded algebra would scale every row."""
