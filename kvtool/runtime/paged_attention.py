@@ -91,13 +91,19 @@ def _logits(scores: torch.Tensor, options: LayerOptions) -> torch.Tensor:
     return scores
 
 
-def _masked_logits(chunk: Chunk, q: torch.Tensor, query_pos, options: LayerOptions) -> torch.Tensor:
-    """(S, g, R, C) logits of the rows against a stored chunk, -inf where a row may not see a token."""
-    logits = _logits(chunk.scores(q), options)
+def chunk_visibility(chunk: Chunk, query_pos, options: LayerOptions) -> torch.Tensor | None:
+    """(S, 1, 1 or R, C) bool: which stored tokens of the chunk each row may see, or None for all."""
     visible = None if chunk.valid is None else chunk.valid[:, None, None, :]
     if options.sliding_window and chunk.positions is not None and query_pos is not None:
         window = chunk.positions[:, None, None, :] > query_pos[:, None, :, None] - options.sliding_window  # (S,1,R,C)
         visible = window if visible is None else visible & window
+    return visible
+
+
+def _masked_logits(chunk: Chunk, q: torch.Tensor, query_pos, options: LayerOptions) -> torch.Tensor:
+    """(S, g, R, C) logits of the rows against a stored chunk, -inf where a row may not see a token."""
+    logits = _logits(chunk.scores(q), options)
+    visible = chunk_visibility(chunk, query_pos, options)
     return logits if visible is None else logits.masked_fill(~visible, -math.inf)
 
 

@@ -30,7 +30,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from kvtool.runtime.paged_attention import ROW_CHUNK, Chunk, LayerOptions, Received, ReceivedTally, _masked_logits, _new_logits
+from kvtool.runtime.paged_attention import (
+    ROW_CHUNK, Chunk, LayerOptions, OnlineSoftmax, Received, ReceivedTally, _masked_logits, _new_logits, chunk_visibility,
+)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -42,16 +44,9 @@ def covers(q: torch.Tensor, t: int, options: LayerOptions) -> bool:
     return _FLASH is not None and q.device.type == "cpu" and t > 1 and rows >= head_dim and options.softcap is None
 
 
-class LseMerge:
-    """Exact merge of attention pieces given as (normalised output, log-sum-exp) per row."""
-
-    def __init__(self, shape, device, sink_logits: torch.Tensor | None) -> None:
-        s, g, r, d = shape
-        self.m = torch.full((s, g, r, 1), -math.inf, device=device)
-        self.l = torch.zeros((s, g, r, 1), device=device)
-        self.acc = torch.zeros((s, g, r, d), device=device)
-        if sink_logits is not None:  # a learned sink: one more softmax term, with no value
-            self.m, self.l = sink_logits[..., None].clone(), torch.ones_like(self.l)
+class LseMerge(OnlineSoftmax):
+    """Exact merge of attention pieces given as (normalised output, log-sum-exp) per row: `OnlineSoftmax`'s state
+    (running max m, sum l, output acc; a learned sink as one more term), each piece one weighted term."""
 
     def absorb(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         """out (S, g, R, D) normalised over the piece, lse (S, g, R) (-inf: the row saw nothing in it)."""
@@ -62,9 +57,6 @@ class LseMerge:
         self.acc = self.acc * old + out * new
         self.l = self.l * old + new
         self.m = m_new
-
-    def result(self) -> torch.Tensor:
-        return self.acc / self.l.clamp(min=1e-30)
 
 
 def _flash(q, k, v, additive_mask=None, causal=False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,19 +74,10 @@ def _additive(visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, -math.inf)
 
 
-def _chunk_visibility(chunk: Chunk, query_pos, options: LayerOptions) -> torch.Tensor | None:
-    """(S, 1, 1 or R, C) bool: which stored tokens of the chunk each row may see, or None for all."""
-    visible = None if chunk.valid is None else chunk.valid[:, None, None, :]
-    if options.sliding_window and chunk.positions is not None and query_pos is not None:
-        window = chunk.positions[:, None, None, :] > query_pos[:, None, :, None] - options.sliding_window  # (S, 1, R, C)
-        visible = window if visible is None else visible & window
-    return visible
-
-
 def _stored_piece(q: torch.Tensor, chunk: Chunk, query_pos, options: LayerOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the rows q (S, g, R, D) over one stored chunk: (out (S, g, R, D), lse (S, g, R))."""
     k, v = chunk.floats()  # (S, g, C, D) float32: the KV head read once by its G query heads (rows)
-    visible = _chunk_visibility(chunk, query_pos, options)
+    visible = chunk_visibility(chunk, query_pos, options)
     if visible is None:
         return _flash(q, k, v)
     out, lse = _flash(q, k, v, _additive(visible))
