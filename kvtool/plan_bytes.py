@@ -14,7 +14,10 @@ the policy). Per layer and stream (one sequence x KV head group):
   stream is cut back to its budget b_l(C) (the runtime's own budget rule: fraction of the
   sequence or absolute tokens, per-layer weights) once it holds ``interval`` tokens more,
   so between cuts it holds up to b_l(C) + interval - 1 tokens (never more than C); every
-  length in between is reached by some prefill length followed by decoding. A float store
+  length in between is reached by some prefill length followed by decoding. On a
+  sliding-window layer the budget is the share of the window (`WindowedBudget`) and the
+  window's rule frees what no query sees once a stream holds its limit + interval - 1
+  tokens, so a stream holds at most the smaller of the two. A float store
   holds ceil(n / 16) blocks. A quantized store (the kept tokens also quantized): kept body
   blocks are freed whole and the kept float tokens are flushed into body blocks once
   ``recent + block`` of them wait, so which split of n tokens into float and body the
@@ -36,7 +39,7 @@ import torch
 
 from kvtool.errors import RecipeError
 from kvtool.recipe import Recipe
-from kvtool.runtime.eviction import SlidingWindowRule
+from kvtool.runtime.eviction import SlidingWindowRule, WindowedBudget
 from kvtool.runtime.layer import build_formats, summary_tokens, slot_meta, storage_dtype
 from kvtool.runtime.store import FLOAT_BLOCK, LayerStore, StoreLayout
 
@@ -124,9 +127,13 @@ def _kept_bytes(recipe: Recipe, store: LayerStore, tokens: int) -> int:
     return _split_bytes(store, *stream_split(recipe, tokens))
 
 
-def _evicting_sequence_bytes(recipe: Recipe, store: LayerStore, budget: int, context: int, streams: int) -> int:
-    """Worst-case bytes of one sequence's ``streams`` streams of an evicting layer with budget ``budget`` at ``context``."""
+def _evicting_sequence_bytes(recipe: Recipe, store: LayerStore, budget: int, context: int, streams: int,
+                             most: int | None = None) -> int:
+    """Worst-case bytes of one sequence's ``streams`` streams of an evicting layer with budget ``budget`` at ``context``
+    (``most``: tokens a sliding-window layer's rule lets a stream hold, or None)."""
     tokens = min(context, budget + recipe.eviction.interval - 1)  # most a stream holds between two cuts
+    if most is not None:
+        tokens = min(tokens, most)
     if recipe.eviction.head_budgets == "adaptive":  # a float store (see unpredictable_reason): blocks of the shared total
         blocks = min((streams * tokens + streams * (FLOAT_BLOCK - 1)) // FLOAT_BLOCK, streams * _ceil_div(context, FLOAT_BLOCK))
         return blocks * (store.float_pool.block_nbytes() + INDEX_BYTES)
@@ -152,13 +159,15 @@ def predict_layer_bytes(runtime, context: int, batch: int, dtype: torch.dtype | 
     out = []
     for index, fitted in enumerate(runtime.layer_tensors):
         layer = recipe.for_layer(index)  # its layer_overrides applied
-        window = windows[index] if index < len(windows) and policy is None else None
+        window = windows[index] if index < len(windows) else None
         rule = SlidingWindowRule(window, layer.cache.block_size if _quantized(layer) else 0) if window else None
         store = _empty_store(layer, fitted, geometry, store_dtype, policy or rule)
         per_sequence = geometry.num_kv_heads // store.layout.heads_per_stream  # streams of one sequence
-        if policy is not None:
-            budget = int(budget_rule(index, torch.tensor([context]))[0])
-            total = batch * _evicting_sequence_bytes(layer, store, budget, context, per_sequence)
+        if policy is not None:  # budgeted (check_predictable); on a sliding-window layer a share of the window
+            layer_budget = WindowedBudget(budget_rule, window) if rule is not None else budget_rule
+            budget = int(layer_budget(index, torch.tensor([context]))[0])
+            most = rule.limit + rule.spec.interval - 1 if rule is not None else None
+            total = batch * _evicting_sequence_bytes(layer, store, budget, context, per_sequence, most)
         else:
             tokens = window if rule is not None and context > rule.limit else context  # past the limit: the window
             total = batch * per_sequence * _kept_bytes(layer, store, tokens)

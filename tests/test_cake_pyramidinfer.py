@@ -96,10 +96,11 @@ def cake_recipe(**fields):
     return evicting("cake", budget=0.5, sink_tokens=SINKS, window=WINDOW, pooling=3, float_dtype="float16", **fields)
 
 
-def test_cake_budgets_scores_and_cascade_follow_the_models_attention():
+@pytest.mark.parametrize("interval", [1, 1000])  # 1000: no cut while decoding, but the trim to the final shares
+def test_cake_budgets_scores_and_cascade_follow_the_models_attention(interval):
     model = shaped_model()
     ids = torch.randint(3, 128, (2, T + 1), generator=torch.Generator().manual_seed(21))
-    cache = runtime(model, cake_recipe()).new_cache()
+    cache = runtime(model, cake_recipe(interval=interval)).new_cache()
     with torch.no_grad():
         model(ids[:, :T], past_key_values=cache)
         after_prefill = held_sets(cache)

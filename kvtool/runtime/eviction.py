@@ -1,7 +1,10 @@
 """Eviction on the paged store: budgets per layer and stream, the policies' view, applying their choice.
 
-Sliding-window layers (Gemma 2/3, Mistral) of a recipe that evicts nothing free the tokens
-no future query can see (`SlidingWindowRule`) through the same machinery.
+Sliding-window layers (Gemma 2/3, Mistral) free the tokens no future query can see
+(`SlidingWindowRule`) through the same machinery: as the layer's only rule when the recipe
+evicts nothing, and beside a budgeted policy otherwise (the rule runs on its own schedule,
+the policy chooses among the tokens inside the window, and its budget is a share of the
+window, `WindowedBudget`), so such a layer never holds more than the model's own cache.
 
 Every forward of a layer whose recipe evicts: the attention each stored and new token
 received is added to its score, a `StreamView` of all streams (stored slots, then the new
@@ -42,6 +45,25 @@ class BudgetRule:
         """g such that k more tokens of a sequence raise ``layer``'s budget by at least floor(g k): the fraction
         kept (ceil(f (L + k)) >= ceil(f L) + floor(f k)), 0 for a fixed token budget."""
         return 0.0 if self.tokens is not None else float(self.fractions[layer])
+
+
+class WindowedBudget:
+    """A budget rule on a sliding-window layer of ``window`` tokens: the share of what the layer can see.
+
+    A full cache holds min(length, window) tokens on such a layer, so a kept fraction f means
+    f x min(length, window) here (the wrapped rule asked at the clamped length), never more than
+    the window. Once the length passes the window the budget stops growing: ``growth`` is 0.
+    """
+
+    def __init__(self, rule, window: int) -> None:
+        self.rule, self.window = rule, window
+        self.never_shrinks = getattr(rule, "never_shrinks", False)
+
+    def __call__(self, layer: int, length: torch.Tensor) -> torch.Tensor:
+        return self.rule(layer, length.clamp(max=self.window)).clamp(max=self.window)
+
+    def growth(self, layer: int) -> float:
+        return 0.0
 
 
 def quiet_steps(room: int, growth: float, most: int = 4096) -> int:

@@ -20,6 +20,7 @@ G x H query heads; a stream's query rows are R = G x t (its G query heads x t ne
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
 from kvtool.runtime import prefill_attention
-from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, choose, quiet_steps
+from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, WindowedBudget, choose, quiet_steps
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
     CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
@@ -136,7 +137,9 @@ class KvtoolLayer(CacheLayerMixin):
         self.seen = 0  # token slots seen, padding included: transformers' logical length
         self._pending = None
         self._quiet_steps = 0  # decode steps in which no stream can reach its eviction point
+        self._trim_next = False  # the next decode step cuts down to the budget (a budget that may shrink, after a prompt)
         self.policy = None  # the recipe's eviction policy, or a sliding window's rule (set with the store)
+        self.window_rule = None  # a sliding-window layer's rule beside a budgeted policy (frees what no query sees)
         self.budget = None  # (layer, length (S,)) -> (S,) tokens a stream may keep: the policy's budget rule
         self.store: LayerStore | None = None
         self.stream_state: torch.Tensor | None = None  # (S,) int64 the policy keeps per stream (`StreamView.stream_state`)
@@ -151,9 +154,12 @@ class KvtoolLayer(CacheLayerMixin):
         self.heads, self.groups = h, h // self.g
         policy, self.budget = context.policy, context.budget
         window = context.sliding_window(self.index)
+        block = recipe.cache.block_size if (recipe.quantizes or recipe.keys.pre_rope) else 0
         if policy is None and window:  # a sliding-window layer frees what no later query can see
-            block = recipe.cache.block_size if (recipe.quantizes or recipe.keys.pre_rope) else 0
             policy = self.budget = SlidingWindowRule(window, block)
+        elif window and policy.budgeted:  # ... and beside a budgeted policy, which keeps a share of the window
+            self.window_rule = SlidingWindowRule(window, block)
+            self.budget = WindowedBudget(self.budget, window)
         self.policy = policy
         layout = StoreLayout(
             block_size=recipe.cache.block_size, heads_per_stream=self.g, head_dim=d, float_dtype=store_dtype,
@@ -191,6 +197,7 @@ class KvtoolLayer(CacheLayerMixin):
         self.seen = 0
         self._pending = None
         self._quiet_steps = 0
+        self._trim_next = False
         self.stream_state = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -538,9 +545,10 @@ class KvtoolLayer(CacheLayerMixin):
         Returns True when it also stored the kept new tokens (a float store: they fill the
         freed slots), False when they still have to be appended (nothing to evict).
         """
-        store, policy = self.store, self.policy
+        store, policy, rule = self.store, self.policy, self.window_rule
         decoding = positions.shape[1] == 1
-        if decoding and not policy.evicts_while_decoding:  # RocketKV: only multi-token forwards evict
+        policy_cuts = not decoding or policy.evicts_while_decoding  # RocketKV: only multi-token forwards evict
+        if not policy_cuts and rule is None:
             return False
         if policy.budgeted and decoding and self._quiet_steps > 0:  # no stream can be due yet (see below)
             self._quiet_steps -= 1
@@ -550,13 +558,22 @@ class KvtoolLayer(CacheLayerMixin):
         budget = self.budget(self.index, length)
         if policy.budgeted:  # a stream is cut back to its budget once it holds ``interval`` tokens more
             slack = policy.spec.interval - 1 if decoding else 0  # prefill: always down to the budget
+            if decoding and self._trim_next:  # a budget that shrank after the prompt (CAKE's final shares): cut now
+                slack = 0
+            self._trim_next = not decoding and not getattr(self.budget, "never_shrinks", False)
             held = torch.from_numpy(store.tokens() + counts).to(self.device)  # (S,) after this forward
             room = (budget + slack - held).reshape(-1, self.groups)  # (B, H/g): a sequence's streams
             if policy.spec.head_budgets == "adaptive":  # heads share the sequence's budget
                 due_sequences, steps = room.sum(dim=1) < 0, room.sum(dim=1) // self.groups
             else:
                 due_sequences, steps = (room < 0).any(dim=1), room.amin(dim=1)
-            if not bool(due_sequences.any()):
+            if not policy_cuts:
+                due_sequences, steps = torch.zeros_like(due_sequences), torch.full_like(steps, 1 << 30)
+            window_due = torch.zeros_like(due_sequences)
+            if rule is not None:  # a sliding-window layer also frees what no query can see, on the rule's own schedule
+                window_room = (rule.limit + (rule.spec.interval - 1 if decoding else 0) - held).reshape(-1, self.groups)
+                window_due, steps = (window_room < 0).any(dim=1), torch.minimum(steps, window_room.amin(dim=1))
+            if not bool(due_sequences.any() | window_due.any()):
                 # a decode step adds at most one token per stream and a plain budget never shrinks as the
                 # sequence grows (a kept fraction grows with it): no sequence is due for `quiet_steps` steps
                 if decoding and getattr(self.budget, "never_shrinks", False):
@@ -564,13 +581,16 @@ class KvtoolLayer(CacheLayerMixin):
                     self._quiet_steps = quiet_steps(int(steps.min()), growth)
                 return False
             # a sequence is cut back whole once one of its streams is due (the policy may share budgets
-            # among its heads); sequences not due keep everything, as they would alone
+            # among its heads); sequences not due keep everything, as they would alone (but what their
+            # sliding window hides)
             due = due_sequences.repeat_interleave(self.groups)  # (S,)
             budget = torch.where(due, budget, held)
         t = positions.shape[1]
         fbs = store.fbs
         table = SlotTable(int(store.float_blocks().max()) * fbs, int(store.body_len.max()) if store.body_pool else 0, store.bs, t)
         view = self._view(table, data, counts, positions, received, length)
+        if rule is not None:  # the policy chooses among what the window still shows
+            view = dataclasses.replace(view, valid=rule.keep(view, budget))
         keep = choose(policy, view, budget)
         self.stream_state = view.stream_state
         window = self.context.sliding_window(self.index)

@@ -1,0 +1,159 @@
+"""Budgeted eviction policies on sliding-window layers (Gemma 2/3, Mistral).
+
+A sliding-window layer's own cache (transformers') holds its window; a policy that keeps a
+fraction of everything seen used to *replace* the window rule there, so tokens that left the
+window stayed until the policy evicted them (on Gemma-3-270M, H2O at 25% kept in a
+prefill-only protocol held 1.69x the 16-bit cache). Now the window rule runs beside the
+policy (`SlidingWindowRule` on its own schedule), the policy chooses among the tokens the
+window still shows, and its budget is its share of the window (`WindowedBudget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvtool.plan_bytes import predict_layer_bytes
+from kvtool.recipe import load_recipe
+from kvtool.runtime.attach import CompressedRuntime
+from kvtool.runtime.eviction import BudgetRule, WindowedBudget, quiet_steps
+from tests.tiny_models import featured_model
+
+WINDOW = 48  # the models' sliding window: longer than the policies' own recent windows (8)
+
+
+def recipe(policy: str, quantization: str | None = None, budget: float = 0.5, interval: int = 16):
+    """A bundled evicting recipe with a small recent window (so a share of 48 tokens is not all protected)."""
+    r = load_recipe(policy)
+    r = dataclasses.replace(r, eviction=dataclasses.replace(r.eviction, window=8, sink_tokens=2, budget=budget, interval=interval))
+    if quantization is not None:
+        q = load_recipe(quantization)
+        r = dataclasses.replace(r, name=f"{policy}+{quantization}", keys=q.keys, values=q.values,
+                                cache=dataclasses.replace(q.cache, block_size=32, recent_tokens=8, sink_tokens=2))
+    return r
+
+
+def decode(runtime, ids: torch.Tensor, prefill: int, each_step):
+    """Prefill ``prefill`` tokens, then one token per step; ``each_step(cache, reference)`` after every forward, with
+    transformers' own cache fed the same tokens."""
+    cache, reference = runtime.new_cache(), DynamicCache(config=runtime.model.config)
+    with torch.no_grad():
+        for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
+            runtime.model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True)
+            runtime.model(input_ids=ids[:, start:end], past_key_values=reference, use_cache=True)
+            each_step(cache, reference)
+    return cache
+
+
+CASES = [("gemma3_text", "h2o", None), ("gemma3_text", "snapkv", None), ("gemma3_text", "tova", None),
+         ("gemma3_text", "streamingllm", None), ("gemma3_text", "rocketkv", None), ("gemma3_text", "snapkv", "kivi-4bit"),
+         ("mistral", "h2o", None), ("mistral", "tova", "kivi-2bit")]
+
+
+@pytest.mark.parametrize("family,policy,quantization", CASES, ids=[f"{f}-{p}-{q}" for f, p, q in CASES])
+def test_sliding_layers_never_hold_more_than_transformers_cache(family, policy, quantization):
+    """Every step: a sliding layer holds at most transformers' sliding layer's tokens (+ the eviction slack and one
+    body block), nothing its window hides beyond that slack, and its budget is a share of the window."""
+    model = featured_model(family, sliding_window=WINDOW)
+    runtime = CompressedRuntime.from_recipe(model, recipe(policy, quantization))
+    windows = runtime.adapter.geometry.sliding_windows
+    assert any(windows)  # gemma3: sliding and global layers; mistral: every layer sliding
+    block = 32 if quantization else 0
+    ids = torch.randint(3, 100, (2, 200), generator=torch.Generator().manual_seed(0))
+    sliding_peak = []
+
+    def check(cache, reference):
+        peak = 0
+        for layer, theirs, window in zip(cache.layers, reference.layers, windows):
+            held = layer.store.tokens()  # (S,)
+            if window is None:
+                continue
+            assert held.max() <= theirs.keys.shape[-2] + 16 + block, (layer.index, held, theirs.keys.shape)  # it keeps W - 1
+            budget = int(layer.budget(layer.index, layer.lengths[:1])[0])
+            assert budget <= window
+            assert held.max() <= max(budget + 15, window + block + 15)
+            peak = max(peak, int(held.max()))
+        sliding_peak.append(peak)
+
+    cache = decode(runtime, ids, prefill=120, each_step=check)
+    assert max(sliding_peak) > 0
+    for layer, window in zip(cache.layers, windows):  # at the end: what a sliding layer holds, it can still see
+        _, _, positions, valid = layer.decoded()
+        newest = positions.masked_fill(~valid, -1).amax(dim=-1, keepdim=True)
+        hidden = valid & (positions <= newest - window) if window else torch.zeros_like(valid)
+        assert int(hidden.sum(dim=-1).max()) <= 15 + block, (layer.index, hidden.sum(dim=-1))
+
+
+def test_a_sliding_layer_keeps_its_share_of_the_window_and_a_global_layer_its_share_of_the_sequence():
+    """After a 120-token prefill at 25% kept (float store): global layers hold ceil(0.25 x 120) = 30 tokens per stream,
+    sliding layers ceil(0.25 x 48) = 12, all of them inside the window; the policy chose them (not the newest 12)."""
+    model = featured_model("gemma3_text", sliding_window=WINDOW)
+    runtime = CompressedRuntime.from_recipe(model, recipe("h2o", budget=0.25))
+    ids = torch.randint(3, 100, (1, 120), generator=torch.Generator().manual_seed(1))
+    cache = runtime.new_cache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    windows = runtime.adapter.geometry.sliding_windows
+    chose_older = False
+    for layer, window in zip(cache.layers, windows):
+        held = layer.store.tokens()
+        if window is None:
+            assert (held == 30).all(), (layer.index, held)
+            continue
+        assert (held == 12).all(), (layer.index, held)
+        _, _, positions, valid = layer.decoded()
+        assert bool((positions[valid] > 119 - window).all())
+        chose_older |= bool((positions[valid] < 120 - 12).any())  # not simply the newest tokens
+    assert chose_older
+
+
+def test_the_prefill_only_protocol_still_frees_what_the_window_hides():
+    """With an interval longer than the generation (the policy never cuts while decoding, as in the peers'
+    prefill-only protocol) a sliding layer still drops what left its window, as transformers' cache does."""
+    model = featured_model("gemma3_text", sliding_window=WINDOW)
+    runtime = CompressedRuntime.from_recipe(model, recipe("h2o", budget=0.25, interval=1000))
+    ids = torch.randint(3, 100, (1, 200), generator=torch.Generator().manual_seed(2))
+
+    def check(cache, reference):
+        for layer, theirs, window in zip(cache.layers, reference.layers, runtime.adapter.geometry.sliding_windows):
+            if window:
+                assert layer.store.tokens().max() <= theirs.keys.shape[-2] + 16
+
+    cache = decode(runtime, ids, prefill=60, each_step=check)
+    globals_held = [int(layer.store.tokens().max()) for layer, w in zip(cache.layers, runtime.adapter.geometry.sliding_windows) if not w]
+    assert globals_held and all(h == 15 + 140 for h in globals_held)  # ceil(0.25 x 60) at prefill, then every decoded token
+
+
+def test_windowed_budget_is_a_share_of_the_window_that_stops_growing():
+    rule = BudgetRule(0.25, None, torch.ones(2))
+    windowed = WindowedBudget(rule, 48)
+    lengths = torch.tensor([1, 10, 47, 48, 49, 200, 10_000])
+    assert windowed(0, lengths).tolist() == [1, 3, 12, 12, 12, 12, 12]
+    assert windowed.growth(0) == 0.0 and windowed.never_shrinks
+    tokens = WindowedBudget(BudgetRule(0.5, 100, torch.ones(2)), 48)  # a token budget larger than the window
+    assert tokens(1, lengths).tolist() == [48] * 7
+    assert quiet_steps(5, windowed.growth(0)) == 5  # no growth: exactly the room
+
+
+@pytest.mark.parametrize("policy,quantization", [("h2o", None), ("snapkv", "kivi-4bit")])
+def test_the_plan_bounds_what_sliding_layers_hold(policy, quantization):
+    """`predict_layer_bytes` on a model with sliding-window layers: never below what any step holds, and within 5%
+    of the largest step at the context where decoding ends (the rule's limit is reached)."""
+    model = featured_model("gemma3_text", sliding_window=WINDOW)
+    runtime = CompressedRuntime.from_recipe(model, recipe(policy, quantization))
+    ids = torch.randint(3, 100, (2, 160), generator=torch.Generator().manual_seed(3))
+    windows = runtime.adapter.geometry.sliding_windows
+    steps = []
+    decode(runtime, ids, prefill=100, each_step=lambda cache, _: steps.append(
+        [layer.store.used_nbytes() + 8 * (layer.lengths.numel() + layer.group_of_stream.numel()) for layer in cache.layers]))
+    for length, held in zip(range(100, 161), steps):
+        predicted = predict_layer_bytes(runtime, length, 2)
+        assert all(h <= 1.02 * p for h, p in zip(held, predicted)), (length, held, predicted)
+    predicted = predict_layer_bytes(runtime, 160, 2)
+    for index, window in enumerate(windows):
+        if window:
+            most = max(step[index] for step in steps[-32:])
+            assert most >= 0.95 * predicted[index] / 1.02, (index, most, predicted[index])
