@@ -186,5 +186,8 @@ def predict_cache_bytes(runtime, context: int, batch: int, dtype: torch.dtype | 
 
 
 def fp16_cache_bytes(geometry, context: int, batch: int) -> int:
-    """A 16-bit K and V cache of every layer for the same tokens."""
-    return 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * 2 * context * batch
+    """transformers' own 16-bit K and V cache for the same tokens: every token of a global layer, the last W - 1
+    of a sliding-window layer of window W (as `KvtoolCache.fp16_nbytes`)."""
+    windows = tuple(geometry.sliding_windows) + (None,) * geometry.num_layers
+    tokens = sum(min(context, w - 1) if w else context for w in windows[: geometry.num_layers])
+    return 2 * geometry.num_kv_heads * geometry.head_dim * 2 * tokens * batch

@@ -98,7 +98,9 @@ def _uniform(bits: int) -> Recipe:
 
 @pytest.mark.parametrize(
     "name, ceiling, max_bytes",
-    [("uniform-4", 0.06, 0.45), ("uniform-2", 0.80, 0.33), ("kvquant-4", 0.12, 0.45), ("h2o-50", 0.35, 0.60)],
+    # max_bytes: of transformers' own 16-bit cache, whose sliding layers hold 511 of the 600 tokens (measured
+    # 2026-11-24: 0.445, 0.336, 0.349, 0.537)
+    [("uniform-4", 0.06, 0.50), ("uniform-2", 0.80, 0.38), ("kvquant-4", 0.12, 0.40), ("h2o-50", 0.35, 0.60)],
 )
 def test_perplexity_floor_per_recipe_family(gemma3, windows, baseline, kvquant4, name, ceiling, max_bytes):
     model, _ = gemma3

@@ -196,8 +196,14 @@ class KvtoolCache(Cache):
         return self.kept_tokens() / seen if seen else 1.0
 
     def fp16_nbytes(self) -> int:
-        """Bytes a 16-bit cache would hold for the real tokens seen (K and V)."""
-        return sum(2 * int(layer.lengths.sum()) * layer.heads * layer.store.layout.head_dim * 2 for layer in self._live())
+        """Bytes transformers' own cache would hold in 16 bits for the real tokens seen (K and V): every token, but a
+        sliding-window layer of window W only its last W - 1 per sequence (`DynamicSlidingWindowLayer`)."""
+        total = 0
+        for layer in self._live():
+            window = self.context.sliding_window(layer.index)
+            lengths = layer.lengths.clamp(max=window - 1) if window else layer.lengths
+            total += 2 * int(lengths.sum()) * layer.heads * layer.store.layout.head_dim * 2
+        return total
 
     def memory_report(self) -> dict:
         """Bytes held and allocated vs the 16-bit cache for the same tokens."""
