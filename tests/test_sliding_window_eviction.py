@@ -50,7 +50,8 @@ def decode(runtime, ids: torch.Tensor, prefill: int, each_step):
 
 CASES = [("gemma3_text", "h2o", None), ("gemma3_text", "snapkv", None), ("gemma3_text", "tova", None),
          ("gemma3_text", "streamingllm", None), ("gemma3_text", "rocketkv", None), ("gemma3_text", "snapkv", "kivi-4bit"),
-         ("mistral", "h2o", None), ("mistral", "tova", "kivi-2bit")]
+         ("gemma3_text", "cake", None), ("gemma3_text", "chunkkv", None), ("mistral", "h2o", None),
+         ("mistral", "tova", "kivi-2bit")]
 
 
 @pytest.mark.parametrize("family,policy,quantization", CASES, ids=[f"{f}-{p}-{q}" for f, p, q in CASES])
@@ -157,3 +158,24 @@ def test_the_plan_bounds_what_sliding_layers_hold(policy, quantization):
         if window:
             most = max(step[index] for step in steps[-32:])
             assert most >= 0.95 * predicted[index] / 1.02, (index, most, predicted[index])
+
+
+def test_cake_splits_the_layers_visible_tokens():
+    """CAKE (window-aware budgets): after a 120-token prompt and one decoded token at 25%, the layers together hold
+    exactly the sum of their uniform budgets at 121 tokens: ceil(0.25 x 121) = 31 for the global layer, ceil(0.25 x 48)
+    = 12 for the sliding one (its window), split by preference; the sliding layer holds only tokens it can see."""
+    model = featured_model("gemma3_text", sliding_window=WINDOW)
+    runtime = CompressedRuntime.from_recipe(model, recipe("cake", budget=0.25, interval=1000))
+    windows = runtime.adapter.geometry.sliding_windows
+    ids = torch.randint(3, 100, (1, 121), generator=torch.Generator().manual_seed(4))
+    cache = runtime.new_cache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :120], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, 120:], past_key_values=cache, use_cache=True)
+    held = [int(layer.store.tokens()[0]) for layer in cache.layers]
+    assert sum(held) == 31 + 12, held
+    for layer, window, n in zip(cache.layers, windows, held):
+        if window:
+            _, _, positions, valid = layer.decoded()
+            assert bool((positions[valid] > 120 - window).all()) and n <= window
+    assert held[0] != 12 or held[1] != 31  # the preferences moved tokens between the layers

@@ -150,7 +150,8 @@ class CompressedRuntime:
         weights = layer_budgets(spec, geometry.num_layers, profile.get("layers.budget_weight"))
         policy = policy_class(spec.policy)(spec, profile)
         rule = BudgetRule(spec.budget, spec.budget_tokens, policy.layer_weights(weights))  # PyramidInfer: its own pyramid
-        return policy, policy.budget_rule(rule, geometry.num_layers)  # CAKE: budgets from the preferences it measures
+        # CAKE: budgets from the preferences it measures
+        return policy, policy.budget_rule(rule, geometry.num_layers, tuple(geometry.sliding_windows))
 
 
 def check_token_classes(recipe_name: str, profile: dict[str, torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.methods.evict.base import EvictionPolicy, StreamView, ratio_budget, unit_sums
+from kvtool.methods.evict.base import EvictionPolicy, StreamView, ratio_budget, unit_sums, window_share
 
 
 class BudgetRule:
@@ -60,7 +60,7 @@ class WindowedBudget:
         self.never_shrinks = getattr(rule, "never_shrinks", False)
 
     def __call__(self, layer: int, length: torch.Tensor) -> torch.Tensor:
-        return self.rule(layer, length.clamp(max=self.window)).clamp(max=self.window)
+        return window_share(self.rule, layer, length, self.window)
 
     def growth(self, layer: int) -> float:
         return 0.0

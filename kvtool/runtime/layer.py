@@ -159,7 +159,8 @@ class KvtoolLayer(CacheLayerMixin):
             policy = self.budget = SlidingWindowRule(window, block)
         elif window and policy.budgeted:  # ... and beside a budgeted policy, which keeps a share of the window
             self.window_rule = SlidingWindowRule(window, block)
-            self.budget = WindowedBudget(self.budget, window)
+            if not policy.window_aware_budgets:
+                self.budget = WindowedBudget(self.budget, window)
         self.policy = policy
         layout = StoreLayout(
             block_size=recipe.cache.block_size, heads_per_stream=self.g, head_dim=d, float_dtype=store_dtype,

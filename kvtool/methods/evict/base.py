@@ -72,6 +72,12 @@ class StreamView:
         return self.positions.masked_fill(~self.valid, -1).amax(dim=1)
 
 
+def window_share(rule, layer: int, length: torch.Tensor, window: int) -> torch.Tensor:
+    """(S,) the budget ``rule`` gives a sliding-window layer of ``window`` tokens: asked at the tokens it can see
+    (min(length, window)), never more than the window."""
+    return rule(layer, length.clamp(max=window)).clamp(max=window)
+
+
 class EvictionPolicy:
     """Decide per stream which tokens stay; see the module docstring."""
 
@@ -81,6 +87,7 @@ class EvictionPolicy:
     uses_token_classes = False  # True: the runtime records special/punctuation classes per token
     budgeted = True  # False: the kept set follows rules (FastGen), so it is re-selected every step
     evicts_while_decoding = True  # False: only multi-token forwards (prefill, a new chat turn) evict (RocketKV)
+    window_aware_budgets = False  # True: `budget_rule` counts sliding-window layers' visible tokens itself (CAKE)
 
     def __init__(self, spec: EvictionSpec, profile: dict[str, torch.Tensor] | None = None) -> None:
         self.spec = spec
@@ -102,8 +109,11 @@ class EvictionPolicy:
         """(L,) per-layer budget weights (mean 1) the runtime's budget rule uses; default: the recipe's."""
         return weights
 
-    def budget_rule(self, rule, num_layers: int):
-        """The budget callable ``(layer, length (S,)) -> (S,)`` the runtime asks; default: its own ``rule``."""
+    def budget_rule(self, rule, num_layers: int, windows: tuple = ()):
+        """The budget callable ``(layer, length (S,)) -> (S,)`` the runtime asks; default: its own ``rule``.
+
+        windows: each layer's sliding window or None. Unless the policy is ``window_aware_budgets``, the
+        runtime asks a sliding-window layer's budget as `window_share` of the returned rule."""
         return rule
 
     def protected(self, view: StreamView) -> torch.Tensor:

@@ -32,6 +32,12 @@ sum a sequence's KV heads. Rows are counted by their attention mass (each row su
 learned sink logits, gpt-oss, the count is low and the variance slightly off). After
 `batch_repeat_interleave` (contrastive search) the per-sequence preferences no longer line up
 with the streams, and the budgets fall back to the uniform ones.
+
+Sliding-window layers (Gemma 2/3, Mistral). Such a layer can see only its last W tokens, so
+it counts min(n, W) tokens, not n: its uniform budget is the share of those (as the runtime's
+`WindowedBudget`), the total is the sum of the layers' uniform budgets, and its share is
+capped at what it can see. The runtime still frees what the window hides (`SlidingWindowRule`)
+and lets CAKE choose only among the visible tokens (`window_aware_budgets`).
 """
 
 from __future__ import annotations
@@ -40,20 +46,22 @@ import math
 
 import torch
 
-from kvtool.methods.evict.base import EvictionPolicy, StreamView, at_positions, by_position, rank_desc, register_policy
+from kvtool.methods.evict.base import (
+    EvictionPolicy, StreamView, at_positions, by_position, rank_desc, register_policy, window_share,
+)
 from kvtool.methods.evict.snapkv import pool_by_position
 from kvtool.methods.evict.window_stats import WindowStats
 
 
 def water_fill(weights: torch.Tensor, room: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
-    """(B, K) float64 shares min(cap, lam x weights) summing to ``room`` (B,) as far as the caps (B,) allow.
+    """(B, K) float64 shares min(cap, lam x weights) summing to ``room`` (B,) as far as the caps (B,) or (B, K) allow.
 
     weights (B, K) >= 0 (a row of zeros splits evenly). Adding a column never raises another
     column's share (lam only falls): the cascade's shares shrink towards the final ones.
     """
     w = weights.double()
     w = torch.where(w.sum(dim=1, keepdim=True) > 0, w, torch.ones_like(w))
-    room, cap = room.double()[:, None], cap.double()[:, None]  # (B, 1)
+    room, cap = room.double()[:, None], _columns(cap)  # (B, 1), (B, 1) or (B, K)
     shares = torch.zeros_like(w)
     for _ in range(w.shape[1]):
         open_ = (shares < cap - 1e-9).double()  # columns below the cap
@@ -66,11 +74,17 @@ def water_fill(weights: torch.Tensor, room: torch.Tensor, cap: torch.Tensor) -> 
 
 
 def integer_shares(shares: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
-    """(B, K) int64: floors of ``shares`` plus one for the largest remainders (below ``cap`` (B,)), same row sums."""
+    """(B, K) int64: floors of ``shares`` plus one for the largest remainders (below ``cap`` (B,) or (B, K)), same row sums."""
     base = torch.floor(shares + 1e-9)
     left = torch.round(shares.sum(dim=1)) - base.sum(dim=1)  # (B,)
-    remainder = (shares - base).masked_fill(base >= cap.double()[:, None], -1.0)
+    remainder = (shares - base).masked_fill(base >= _columns(cap), -1.0)
     return (base + (rank_desc(remainder) < left[:, None])).long()
+
+
+def _columns(cap: torch.Tensor) -> torch.Tensor:
+    """A cap per row (B,) as (B, 1), or per row and column (B, K) as is; float64."""
+    cap = cap.double()
+    return cap[:, None] if cap.dim() == 1 else cap
 
 
 def squared(p: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
@@ -85,6 +99,7 @@ def entropy(p: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
 class CAKE(EvictionPolicy):
     def __init__(self, spec, profile=None) -> None:
         super().__init__(spec, profile)
+        self._windows: tuple = ()  # each layer's sliding window or None (`budget_rule`)
         self._uniform = None  # the runtime's budget rule: (layer, length (S,)) -> (S,) uniform budgets
         self._layers = 0
         self._groups = 1  # KV streams per sequence
@@ -97,21 +112,29 @@ class CAKE(EvictionPolicy):
     def window_observer(self, t: int) -> WindowStats:
         return WindowStats(t, self.spec.window, {"square": squared, "entropy": entropy})
 
-    def budget_rule(self, rule, num_layers: int):
+    window_aware_budgets = True  # its shares count what each sliding-window layer can see (module docstring)
+
+    def budget_rule(self, rule, num_layers: int, windows: tuple = ()):
         self._uniform, self._layers = rule, num_layers
+        self._windows = tuple(windows[:num_layers]) + (None,) * (num_layers - len(windows[:num_layers]))
         return self.layer_budget
+
+    def _layer_uniform(self, layer: int, length: torch.Tensor) -> torch.Tensor:
+        """(S,) the uniform budget of ``layer``: on a sliding-window layer the share of the window."""
+        window = self._windows[layer] if layer < len(self._windows) else None
+        return self._uniform(layer, length) if not window else window_share(self._uniform, layer, length, window)
 
     def layer_budget(self, layer: int, length: torch.Tensor) -> torch.Tensor:
         """(S,) budgets of ``layer``: its final share once the last prefill measured every layer, else uniform."""
         stored = self._prefill_scores.get(layer)
         if stored is not None and not _next_step(stored[0], length):
             del self._prefill_scores[layer]  # the layer was not trimmed at the first step after prefill: drop its scores
-        uniform = self._uniform(layer, length)
+        uniform = self._layer_uniform(layer, length)
         pref = self._log_preference
         if pref is None or bool(torch.isnan(pref).any()) or pref.shape[0] * self._groups != length.shape[0]:
             return uniform
         if self._final is None or not torch.equal(self._final[0], length):
-            self._final = (length.clone(), self._budgets(pref, uniform, length, final=True))
+            self._final = (length.clone(), self._budgets(pref, length, final=True))
         return self._final[1][:, layer]
 
     # --- choosing -----------------------------------------------------------------------------------
@@ -168,23 +191,28 @@ class CAKE(EvictionPolicy):
         pref[:, layer] = log_pref
         self._final = None
         seen = pref[:, : layer + 1].nan_to_num(nan=-math.inf)  # a layer not measured gets no share (its own is larger)
-        return self._budgets(seen, self._uniform(layer, view.length), view.length, final=False)[:, layer]
+        return self._budgets(seen, view.length, final=False)[:, layer]
 
-    def _budgets(self, log_pref: torch.Tensor, uniform: torch.Tensor, length: torch.Tensor, final: bool) -> torch.Tensor:
-        """(S, K) budgets of K layers splitting L x the uniform budget beyond the protected tokens by preference.
+    def _budgets(self, log_pref: torch.Tensor, length: torch.Tensor, final: bool) -> torch.Tensor:
+        """(S, K) budgets of the first K layers splitting the layers' summed uniform budgets beyond the protected
+        tokens by preference (each layer counting the tokens it can see: min(n, W) on a sliding-window layer).
 
         final: integer shares summing to the total (largest remainders); else rounded up (the cascade, >= final).
         """
-        b = log_pref.shape[0]
-        u, n = uniform.reshape(b, -1)[:, 0], length.reshape(b, -1)[:, 0]  # (B,) every stream of a sequence alike
-        protected = n.clamp(max=self.spec.sink_tokens + self.spec.window)  # sinks + window, always kept
-        room = (self._layers * (u - protected)).clamp(min=0)  # tokens the layers share beyond their protected ones
-        cap = (n - protected).clamp(min=0)
+        b, k = log_pref.shape
+        n = length.reshape(b, -1)[:, 0]  # (B,) every stream of a sequence alike
+        streams = length.shape[0]
+        uniform = torch.stack([self._layer_uniform(i, length).reshape(b, -1)[:, 0] for i in range(self._layers)], 1)  # (B, L)
+        visible = torch.stack([n.clamp(max=w) if w else n for w in self._windows], dim=1)  # (B, L)
+        protected = visible.clamp(max=self.spec.sink_tokens + self.spec.window)  # sinks + window, always kept
+        room = (uniform - protected).clamp(min=0).sum(dim=1)  # (B,) tokens the layers share beyond their protected ones
+        cap = (visible - protected).clamp(min=0)[:, :k]  # (B, K)
         weights = torch.exp(log_pref - log_pref.amax(dim=1, keepdim=True)).nan_to_num(nan=1.0)  # P / max P, no overflow
         shares = water_fill(weights, room, cap)  # (B, K)
         own = integer_shares(shares, cap) if final else torch.ceil(shares - 1e-9).long()
-        budgets = torch.where((u > protected)[:, None], protected[:, None] + own, u[:, None])  # below the protected: uniform
-        return budgets.repeat_interleave(length.shape[0] // b, dim=0)
+        below = uniform[:, :k] <= protected[:, :k]  # below the protected tokens: the uniform budget
+        budgets = torch.where(below, uniform[:, :k], protected[:, :k] + own)
+        return budgets.repeat_interleave(streams // b, dim=0)
 
 
 def _next_step(stored_length: torch.Tensor, length: torch.Tensor) -> bool:
