@@ -199,13 +199,14 @@ def _tally_received(tally: ReceivedTally, q, lse, spans, new_k, stream_mask, chu
             if visible is not None:
                 logits.masked_fill_(~visible, -math.inf)
             tally.add(chunk, logits.sub_(lse[:, :, lo:hi]).exp_(), lo, hi)
-    rows = max(MIN_ROWS, PROBABILITY_ELEMENTS // (s * g * new_k.shape[2]))
+    t = new_k.shape[2]
+    seen = stream_mask.any(dim=0)  # (R, t): a stream's row may see the new token
+    extent = torch.arange(1, t + 1, dtype=torch.int32, device=q.device).masked_fill(~seen, 0).amax(dim=1).tolist()
+    rows = max(MIN_ROWS, PROBABILITY_ELEMENTS // (s * g * t))
     for lo, hi in _row_blocks(spans, rows):
-        mask = stream_mask[:, lo:hi]  # (S, rows, t)
-        seen = mask.any(dim=1).any(dim=0).nonzero()  # new tokens any of the rows may see
-        if seen.numel() == 0:
+        w = max(extent[lo:hi])  # the rows see none of the new tokens after the w-th (causal: the last row's token + 1)
+        if w == 0:
             continue
-        w = int(seen.max()) + 1  # the rows see no new token after the w-th (causal: w <= the last row's token + 1)
         logits = torch.matmul(q[:, :, lo:hi], new_k[:, :, :w].transpose(-1, -2))  # (S, g, rows, w)
-        logits.masked_fill_(~mask[:, None, :, :w], -math.inf)
+        logits.masked_fill_(~stream_mask[:, None, lo:hi, :w], -math.inf)
         tally.add_new(logits.sub_(lse[:, :, lo:hi]).exp_(), lo, hi)
