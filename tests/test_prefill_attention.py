@@ -305,6 +305,12 @@ def test_attend_many_equals_attend_and_attend_scored_on_edge_cases(window, sinks
             torch.testing.assert_close(received.new, expected_received.new, rtol=1e-5, atol=1e-6)
         else:  # only the window rows were formed
             assert received.chunks == [] and not received.new.any()
+    _, causal_received = prefill_attention.attend_many_scored(  # new_mask None: plain causal among the new tokens
+        q, new_k, new_v, None, plain, stored, options, window_rows, query_pos, sink_logits,
+    )
+    _, expected_causal = attend_scored(q, new_k, new_v, plain, lambda: iter(chunks), options, window_rows, query_pos, sink_logits)
+    _assert_same_sums(causal_received.chunks, expected_causal.chunks)
+    torch.testing.assert_close(causal_received.new, expected_causal.new, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="window_rows"):
         prefill_attention.attend_many_scored(q, new_k, new_v, new_mask, stream_mask, stored, options, all_rows=False)
 

@@ -172,7 +172,7 @@ def attend_many_scored(
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     tally = ReceivedTally(s, new_k.shape[2], q.device, window_rows, observe, all_rows)
     spans = [(0, r)] if all_rows else row_runs(window_rows)  # the rows whose probabilities are formed
-    _tally_received(tally, q, lse, spans, new_k, stream_mask, chunks(_fused_rows(q, options)), options, query_pos)
+    _tally_received(tally, q, lse, spans, new_k, new_mask, stream_mask, chunks(_fused_rows(q, options)), options, query_pos)
     return merged.result(), tally.received()
 
 
@@ -183,12 +183,26 @@ def _row_blocks(spans: list[tuple[int, int]], rows: int) -> Iterator[tuple[int, 
             yield start, min(hi, start + rows)
 
 
-def _tally_received(tally: ReceivedTally, q, lse, spans, new_k, stream_mask, chunks: Iterator[Chunk], options, query_pos) -> None:
+def _new_extent(new_mask: torch.Tensor | None, r: int, t: int) -> list[int]:
+    """Per row (head-major: its token is row % t), 1 + the last new token it may see in any sequence (0: none).
+
+    new_mask (B, t, t) bool, or None for plain causal attention (token i sees tokens 0..i)."""
+    if new_mask is None:
+        per_token = list(range(1, t + 1))
+    else:
+        last = torch.arange(1, t + 1, dtype=torch.int32, device=new_mask.device).masked_fill(~new_mask.any(dim=0), 0)
+        per_token = last.amax(dim=1).tolist()  # (t,)
+    return [per_token[row % t] for row in range(r)]
+
+
+def _tally_received(tally: ReceivedTally, q, lse, spans, new_k, new_mask, stream_mask, chunks: Iterator[Chunk], options,
+                    query_pos) -> None:
     """Add to ``tally`` the probabilities ``exp(logit - lse)`` of the rows in ``spans`` over every stored chunk (each
     decoded once) and over the new tokens, in blocks of rows of about PROBABILITY_ELEMENTS.
 
     q (S, g, R, D) scaled, lse (S, g, R, 1) the merged log-sum-exp (0 for rows that see nothing: their logits are
-    -inf), stream_mask (S, R, t). No soft-capping (`covers`)."""
+    -inf), new_mask (B, t, t) or None (plain causal), stream_mask (S, R, t) the same per stream row. No soft-capping
+    (`covers`)."""
     s, g = q.shape[:2]
     for chunk in chunks:
         keys_t = chunk.floats()[0].transpose(-1, -2)  # (S, g, D, C)
@@ -200,8 +214,7 @@ def _tally_received(tally: ReceivedTally, q, lse, spans, new_k, stream_mask, chu
                 logits.masked_fill_(~visible, -math.inf)
             tally.add(chunk, logits.sub_(lse[:, :, lo:hi]).exp_(), lo, hi)
     t = new_k.shape[2]
-    seen = stream_mask.any(dim=0)  # (R, t): a stream's row may see the new token
-    extent = torch.arange(1, t + 1, dtype=torch.int32, device=q.device).masked_fill(~seen, 0).amax(dim=1).tolist()
+    extent = _new_extent(new_mask, q.shape[2], t)
     rows = max(MIN_ROWS, PROBABILITY_ELEMENTS // (s * g * t))
     for lo, hi in _row_blocks(spans, rows):
         w = max(extent[lo:hi])  # the rows see none of the new tokens after the w-th (causal: the last row's token + 1)
