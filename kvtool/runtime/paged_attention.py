@@ -262,7 +262,8 @@ class ReceivedTally:
         if self.all_rows:
             self.new[:, :w] += p_new.sum(dim=(1, 2))
         if self.observe is not None:
-            self.observe("new", 0, torch.nn.functional.pad(p_new, (0, self.new.shape[1] - w)), lo, hi)
+            padded = p_new if w == self.new.shape[1] else torch.nn.functional.pad(p_new, (0, self.new.shape[1] - w))
+            self.observe("new", 0, padded, lo, hi)  # (S, g, hi - lo, t)
         in_window = self._window_sum(p_new, lo, hi)
         if in_window is not None:
             self.new_window[:, :w] += in_window
