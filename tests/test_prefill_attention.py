@@ -6,10 +6,12 @@ chunk, log-sum-exp merge) computes the attention a dense float cache would.
   dense float attention over the store's own decoded tokens plus the new ones (`KvtoolLayer.decoded`);
 * on featured models (sliding windows, learned sinks) the logits equal those of the chunk algebra
   (`paged_attention.attend`), the path it replaces;
-* attention-scored policies (`attend_many_scored`: H2O, SnapKV, TOVA, CAKE, PyramidInfer) keep what the chunk
-  algebra keeps (the same logits through later decode steps);
-* on random tensors, against `attend` and `attend_scored` (output and attention received): streams with no
-  stored token, rows that see nothing, sinks, windows.
+* attention-scored policies (`attend_many_scored`: H2O, SnapKV, TOVA, CAKE, PyramidInfer, ChunkKV, AdaKV, RocketKV,
+  VATP; also on sliding-window models) keep what the chunk algebra keeps (the same logits through later decode steps);
+* a policy that declares it reads fewer sums (`EvictionPolicy.attention_from`: H2O and VATP no window sums, TOVA and
+  RocketKV no all-query sums, which the runtime then does not form) keeps what it keeps when every sum is formed;
+* on random tensors, against `attend` and `attend_scored` (output, attention received, a window observer's sums),
+  every row or the window rows only: streams with no stored token, rows that see nothing, sinks, windows.
 """
 
 import dataclasses
@@ -18,6 +20,9 @@ import math
 import pytest
 import torch
 
+from kvtool.methods.evict.base import policy_class, registered_policies
+from kvtool.methods.evict.cake import squared
+from kvtool.methods.evict.window_stats import WindowStats
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe, load_recipe
 from kvtool.runtime import prefill_attention
 from kvtool.runtime.attach import CompressedRuntime
@@ -152,29 +157,32 @@ def _count_many(monkeypatch) -> dict:
     return calls
 
 
+def _generate(model, runtime, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (B, T + new_tokens, vocab), real (B, T + new_tokens) bool) of a chunked prefill, then greedy decode steps."""
+    ids, mask, positions = _inputs(model.config.vocab_size)
+    cache = runtime.new_cache()
+    logits = [_prefill(model, cache, ids, mask, positions)]
+    step_mask, step_pos, token = mask, positions[:, -1:], logits[0][:, -1:].argmax(dim=-1)
+    with torch.no_grad():
+        for _ in range(new_tokens):  # decode steps over what the prefill chose to keep
+            step_mask, step_pos = torch.cat([step_mask, torch.ones_like(token)], dim=1), step_pos + 1
+            out = model(input_ids=token, attention_mask=step_mask, position_ids=step_pos, past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            token = out.logits[:, -1:].argmax(dim=-1)
+    real = torch.cat([mask, torch.ones(mask.shape[0], new_tokens, dtype=mask.dtype)], dim=1).bool()
+    return torch.cat(logits, dim=1), real
+
+
 def _equals_the_chunk_algebra(model, recipe, monkeypatch, new_tokens: int = 0):
     """Logits of a chunked prefill (then greedy decode steps) by the many-row path and by the chunk algebra."""
     runtime = CompressedRuntime.from_recipe(model, recipe)
-    ids, mask, positions = _inputs(model.config.vocab_size)
     calls = _count_many(monkeypatch)
-    runs = []
-    for switched_off in (False, True):
-        if switched_off:
-            monkeypatch.setattr(prefill_attention, "covers", lambda *args: False)
-        cache = runtime.new_cache()
-        logits = [_prefill(model, cache, ids, mask, positions)]
-        step_mask, step_pos, token = mask, positions[:, -1:], logits[0][:, -1:].argmax(dim=-1)
-        with torch.no_grad():
-            for _ in range(new_tokens):  # decode steps over what each path chose to keep
-                step_mask, step_pos = torch.cat([step_mask, torch.ones_like(token)], dim=1), step_pos + 1
-                out = model(input_ids=token, attention_mask=step_mask, position_ids=step_pos, past_key_values=cache, use_cache=True)
-                logits.append(out.logits)
-                token = out.logits[:, -1:].argmax(dim=-1)
-        runs.append((torch.cat(logits, dim=1), dict(calls)))
-    (ours, taken), (algebra, after) = runs
+    ours, real = _generate(model, runtime, new_tokens)
+    taken = dict(calls)
+    monkeypatch.setattr(prefill_attention, "covers", lambda *args: False)
+    algebra, _ = _generate(model, runtime, new_tokens)
     assert taken["many"] + taken["scored"] >= model.config.num_hidden_layers * (len(CHUNKS) - 1)
-    assert after == taken  # switched off: not taken again
-    real = torch.cat([mask, torch.ones(mask.shape[0], new_tokens, dtype=mask.dtype)], dim=1).bool()
+    assert calls == taken  # switched off: not taken again
     torch.testing.assert_close(ours[real], algebra[real], rtol=1e-4, atol=1e-4)
 
 
@@ -184,11 +192,50 @@ def test_many_row_prefill_equals_the_chunk_algebra_on_featured_models(family, mo
     _equals_the_chunk_algebra(featured_model(family), make_recipe(4, float_dtype="model"), monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "cake", "pyramidinfer"])
+def _scored_recipe(name: str) -> Recipe:
+    """A bundled recipe of an attention-scored policy (4-token window, 2 sinks), or H2O's with ``name``'s policy."""
+    if name in DECODE_RECIPES:
+        return DECODE_RECIPES[name]()
+    return _evicting(name) if name in ("cake", "pyramidinfer", "chunkkv", "ada-snapkv", "rocketkv") else _evicting("h2o", name)
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "cake", "pyramidinfer", "chunkkv", "ada-snapkv", "rocketkv", "vatp"])
 def test_scored_many_row_prefill_keeps_what_the_chunk_algebra_keeps(name, monkeypatch):
     """Policies that score by attention received: the same tokens kept (so the same logits at every later step)."""
-    recipe = DECODE_RECIPES[name]() if name in DECODE_RECIPES else _evicting(name)
-    _equals_the_chunk_algebra(tiny_model("llama"), recipe, monkeypatch, new_tokens=6)
+    _equals_the_chunk_algebra(tiny_model("llama"), _scored_recipe(name), monkeypatch, new_tokens=6)
+
+
+@pytest.mark.parametrize("family, name", [("mistral", "h2o"), ("mistral", "tova"), ("gemma3_text", "snapkv"), ("gemma3_text", "tova")])
+def test_scored_many_row_prefill_keeps_what_the_chunk_algebra_keeps_on_sliding_window_models(family, name, monkeypatch):
+    """Stored tokens masked per row by position in the probabilities too (every row, or the window rows only)."""
+    _equals_the_chunk_algebra(featured_model(family), _scored_recipe(name), monkeypatch, new_tokens=6)
+
+
+SCORED_POLICIES = [name for name in registered_policies() if policy_class(name).uses_attention and name != "fastgen"]
+
+
+@pytest.mark.parametrize("name", SCORED_POLICIES)
+def test_policies_keep_the_same_tokens_when_only_the_sums_they_declare_are_formed(name, monkeypatch):
+    """`attention_from` leaves out sums the policy never reads: the same logits as with every sum formed, through
+    decode steps that evict by the scores accumulated since (a policy declaring away a sum it reads fails here:
+    TOVA without "window" scores by every query, SnapKV without "all" decodes on scores missing the prompt's)."""
+    cls = policy_class(name)
+    model, recipe = tiny_model("llama"), _scored_recipe(name)
+    recipe = dataclasses.replace(recipe, eviction=dataclasses.replace(recipe.eviction, interval=1))  # decode steps evict
+    formed = []
+    original = prefill_attention.attend_many_scored
+
+    def recorded(*args, **kwargs):
+        formed.append((args[7] is not None, kwargs["all_rows"]))  # (window sums, all-query sums)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_attention, "attend_many_scored", recorded)
+    declared, real = _generate(model, CompressedRuntime.from_recipe(model, recipe), new_tokens=6)
+    assert set(formed) == {("window" in cls.attention_from, "all" in cls.attention_from)}
+    monkeypatch.setattr(cls, "attention_from", ("all", "window"))
+    everything, _ = _generate(model, CompressedRuntime.from_recipe(model, recipe), new_tokens=6)
+    assert set(formed[len(formed) // 2 :]) == {(True, True)}
+    torch.testing.assert_close(declared[real], everything[real], rtol=1e-4, atol=1e-4)
 
 
 def _float_chunk(k, v, valid, positions, start) -> Chunk:
@@ -232,17 +279,44 @@ def test_attend_many_equals_attend_and_attend_scored_on_edge_cases(window, sinks
     plain = torch.ones(t, t, dtype=torch.bool).tril().expand(s, r // t, t, t).reshape(s, r, t)
     torch.testing.assert_close(causal, attend(q, new_k, new_v, plain, iter(chunks), options, query_pos, sink_logits), rtol=1e-5, atol=1e-6)
     window_rows = torch.arange(r) % t >= t - 3  # rows of the last 3 query tokens
+    observer = lambda: WindowStats(t, 3, {"square": squared})  # noqa: E731  a policy's statistics of the window rows
     expected, expected_received = attend_scored(
-        q, new_k, new_v, stream_mask, lambda: iter(chunks), options, window_rows, query_pos, sink_logits,
+        q, new_k, new_v, stream_mask, lambda: iter(chunks), options, window_rows, query_pos, sink_logits, observer(),
     )
-    ours, received = prefill_attention.attend_many_scored(
-        q, new_k, new_v, new_mask, stream_mask, stored, options, window_rows, query_pos, sink_logits,
+    _, of_window_rows = attend_scored(  # the window sums as every-row sums of the window rows alone
+        q[:, :, window_rows], new_k, new_v, stream_mask[:, window_rows], lambda: iter(chunks), options, None,
+        query_pos[:, window_rows], None if sink_logits is None else sink_logits[:, :, window_rows],
     )
-    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
-    for field in ("chunks", "chunks_window"):
-        ours_sums, expected_sums = getattr(received, field), getattr(expected_received, field)
-        assert [(region, start) for region, start, _ in ours_sums] == [(region, start) for region, start, _ in expected_sums]
-        for (_, _, mine), (_, _, theirs) in zip(ours_sums, expected_sums):
-            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(received.new, expected_received.new, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(received.new_window, expected_received.new_window, rtol=1e-5, atol=1e-6)
+    _assert_same_sums(expected_received.chunks_window, of_window_rows.chunks)
+    torch.testing.assert_close(expected_received.new_window, of_window_rows.new, rtol=1e-5, atol=1e-6)
+    for all_rows in (True, False):
+        ours, received = prefill_attention.attend_many_scored(
+            q, new_k, new_v, new_mask, stream_mask, stored, options, window_rows, query_pos, sink_logits, observer(),
+            all_rows=all_rows,
+        )
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+        _assert_same_sums(received.chunks_window, expected_received.chunks_window)
+        torch.testing.assert_close(received.new_window, expected_received.new_window, rtol=1e-5, atol=1e-6)
+        assert received.observer.sums.keys() == expected_received.observer.sums.keys()
+        for key, value in expected_received.observer.sums.items():
+            torch.testing.assert_close(received.observer.sums[key], value, rtol=1e-5, atol=1e-6)
+        if all_rows:
+            _assert_same_sums(received.chunks, expected_received.chunks)
+            torch.testing.assert_close(received.new, expected_received.new, rtol=1e-5, atol=1e-6)
+        else:  # only the window rows were formed
+            assert received.chunks == [] and not received.new.any()
+    _, causal_received = prefill_attention.attend_many_scored(  # new_mask None: plain causal among the new tokens
+        q, new_k, new_v, None, plain, stored, options, window_rows, query_pos, sink_logits,
+    )
+    _, expected_causal = attend_scored(q, new_k, new_v, plain, lambda: iter(chunks), options, window_rows, query_pos, sink_logits)
+    _assert_same_sums(causal_received.chunks, expected_causal.chunks)
+    torch.testing.assert_close(causal_received.new, expected_causal.new, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="window_rows"):
+        prefill_attention.attend_many_scored(q, new_k, new_v, new_mask, stream_mask, stored, options, all_rows=False)
+
+
+def _assert_same_sums(ours_sums, expected_sums) -> None:
+    """Lists of (region, start, (S, C)) sums: the same chunks, the same values."""
+    assert [(region, start) for region, start, _ in ours_sums] == [(region, start) for region, start, _ in expected_sums]
+    for (_, _, mine), (_, _, theirs) in zip(ours_sums, expected_sums):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)

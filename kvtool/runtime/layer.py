@@ -270,7 +270,8 @@ class KvtoolLayer(CacheLayerMixin):
             query_pos = positions[:, None].expand(b, G, t).reshape(b, r).repeat_interleave(groups, dim=0)
             sink_logits = self._sink_logits(options.sinks, b, t)
             if scoring:
-                window_rows = (torch.arange(r, device=q.device) % t >= t - policy.spec.window) if t > 1 else None
+                reads_window = t > 1 and "window" in policy.attention_from  # else the last queries' sums go unread
+                window_rows = (torch.arange(r, device=q.device) % t >= t - policy.spec.window) if reads_window else None
                 observer = policy.window_observer(t) if t > 1 else None  # CAKE, PyramidInfer: more window statistics
             if prefill_attention.covers(q, t, options):  # many rows: each chunk decoded once, fused attention
                 new_mask = None if _plain_causal(mask) else mask
@@ -278,7 +279,7 @@ class KvtoolLayer(CacheLayerMixin):
                 if scoring:
                     out, received = prefill_attention.attend_many_scored(
                         q, nk, nv, new_mask, _stream_mask(mask, G, groups), chunks, options, window_rows, query_pos, sink_logits,
-                        observer,
+                        observer, all_rows="all" in policy.attention_from,
                     )
                 else:
                     out = prefill_attention.attend_many(q, nk, nv, new_mask, chunks, options, query_pos, sink_logits)

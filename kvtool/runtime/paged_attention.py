@@ -213,38 +213,60 @@ def attend_stored(
     return out, received
 
 
+def row_runs(rows: torch.Tensor) -> list[tuple[int, int]]:
+    """(lo, hi) of every run of consecutive True entries of ``rows`` (R,) bool: the window rows of each query head."""
+    edges = torch.diff(rows.to(torch.int8), prepend=rows.new_zeros(1, dtype=torch.int8), append=rows.new_zeros(1, dtype=torch.int8))
+    starts, ends = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+    return list(zip(starts, ends))
+
+
 class ReceivedTally:
     """Sums, per stream, the probabilities each stored slot and each new token receive, block of rows by block of
-    rows (and over the rows of the last ``window`` query tokens; the policy's observer sees every block)."""
+    rows (and over the rows of the last ``window`` query tokens; the policy's observer sees every block).
 
-    def __init__(self, s: int, t: int, device, window_rows: torch.Tensor | None, observe) -> None:
+    all_rows False: only the window rows' sums are kept (the blocks then hold window rows only); `received` has no
+    all-rows sums (``chunks`` empty, ``new`` zeros)."""
+
+    def __init__(self, s: int, t: int, device, window_rows: torch.Tensor | None, observe, all_rows: bool = True) -> None:
         self.totals: dict[tuple[str, int], torch.Tensor] = {}
         self.totals_window: dict[tuple[str, int], torch.Tensor] = {}
         self.new = torch.zeros(s, t, device=device)
         self.new_window = torch.zeros_like(self.new)
-        self.window_rows, self.observe = window_rows, observe
+        self.window_rows, self.observe, self.all_rows = window_rows, observe, all_rows
+        self.window_runs = None if window_rows is None else row_runs(window_rows)  # [(lo, hi)] one per query head
 
-    def _in_window(self, lo: int, hi: int) -> torch.Tensor | None:
-        return None if self.window_rows is None else self.window_rows[lo:hi].to(torch.float32)[None, None, :, None]
+    def _window_sum(self, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor | None:
+        """(S, C) sum of p (S, g, hi - lo, C) over its rows that are window rows, or None when it has none."""
+        total = None
+        for run_lo, run_hi in self.window_runs or ():
+            a, b = max(lo, run_lo), min(hi, run_hi)
+            if a < b:
+                part = p[:, :, a - lo : b - lo].sum(dim=(1, 2))
+                total = part if total is None else total + part
+        return total
 
     def add(self, chunk: Chunk, p: torch.Tensor, lo: int, hi: int) -> None:
         """p (S, g, hi - lo, C): rows lo..hi against a stored chunk."""
         key = (chunk.region, chunk.start)
-        self.totals[key] = self.totals.get(key, 0) + p.sum(dim=(1, 2))
+        if self.all_rows:
+            self.totals[key] = self.totals.get(key, 0) + p.sum(dim=(1, 2))
         if self.observe is not None:
             self.observe(chunk.region, chunk.start, p, lo, hi)
-        in_window = self._in_window(lo, hi)
+        in_window = self._window_sum(p, lo, hi)
         if in_window is not None:
-            self.totals_window[key] = self.totals_window.get(key, 0) + (p * in_window).sum(dim=(1, 2))
+            self.totals_window[key] = self.totals_window.get(key, 0) + in_window
 
     def add_new(self, p_new: torch.Tensor, lo: int, hi: int) -> None:
-        """p_new (S, g, hi - lo, t): rows lo..hi against the new tokens."""
-        self.new += p_new.sum(dim=(1, 2))
+        """p_new (S, g, hi - lo, w): rows lo..hi against the first w <= t new tokens (the rows see none after them)."""
+        w = p_new.shape[-1]
+        if self.all_rows:
+            self.new[:, :w] += p_new.sum(dim=(1, 2))
         if self.observe is not None:
-            self.observe("new", 0, p_new, lo, hi)
-        in_window = self._in_window(lo, hi)
+            padded = p_new if w == self.new.shape[1] else torch.nn.functional.pad(p_new, (0, self.new.shape[1] - w))
+            self.observe("new", 0, padded, lo, hi)  # (S, g, hi - lo, t)
+        in_window = self._window_sum(p_new, lo, hi)
         if in_window is not None:
-            self.new_window += (p_new * in_window).sum(dim=(1, 2))
+            self.new_window[:, :w] += in_window
 
     def received(self) -> Received:
         out = Received(chunks=[(region, start, t) for (region, start), t in self.totals.items()], new=self.new, observer=self.observe)

@@ -19,8 +19,14 @@ value, as in `OnlineSoftmax`. Soft-capping cannot be expressed to the kernel: th
 and devices without the kernel, keep `attend` (`covers`).
 
 Policies that score tokens by the attention they receive (`attend_many_scored`) get the
-probabilities in one more pass per block of rows, ``p = exp(logit - lse)`` with the merged
+probabilities in a second walk over the store, ``p = exp(logit - lse)`` with the merged
 log-sum-exp: no max/sum pass, no value contraction (`paged_attention.attend_scored` needs both).
+Each stored chunk is decoded once more and its probabilities are formed a few rows at a time
+(PROBABILITY_ELEMENTS: the block stays in cache while it is formed, exponentiated in place and
+summed), against the new tokens only up to the last one the rows may see (causal: half of
+them on average). Only the rows the policy reads are formed: every row for the all-query sum
+(`StreamView.attention`), or only the last ``window`` query tokens' rows for policies that read
+nothing else of a forward of many tokens (TOVA, RocketKV: `EvictionPolicy.attention_from`).
 """
 
 from __future__ import annotations
@@ -31,8 +37,11 @@ from typing import Callable, Iterator
 import torch
 
 from kvtool.runtime.paged_attention import (
-    ROW_CHUNK, Chunk, LayerOptions, OnlineSoftmax, Received, ReceivedTally, _masked_logits, _new_logits, chunk_visibility,
+    Chunk, LayerOptions, OnlineSoftmax, Received, ReceivedTally, chunk_visibility, row_runs,
 )
+
+PROBABILITY_ELEMENTS = 1 << 18  # float32 elements of one block of probabilities (1 MiB: formed and summed in cache)
+MIN_ROWS = 32  # rows per block of probabilities at least (a matmul of fewer rows runs slowly)
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -148,21 +157,69 @@ def attend_many_scored(
     query_pos: torch.Tensor | None = None,
     sink_logits: torch.Tensor | None = None,
     observe=None,  # the policy's observer, as for `paged_attention.attend_scored`
+    all_rows: bool = True,  # False: only the window rows' sums (`Received.chunks` empty, `Received.new` zeros)
 ) -> tuple[torch.Tensor, Received]:
     """`attend_many` plus the attention every stored slot and new token received (as `attend_scored`).
 
-    The fused pass gives the output and each row's log-sum-exp, so the probabilities come in one more pass
-    per block of rows, ``p = exp(logit - lse)``: no max/sum pass and no value contraction."""
+    The fused pass gives the output and each row's log-sum-exp, so the probabilities come in one more walk
+    over the store, ``p = exp(logit - lse)`` (`_tally_received`): no max/sum pass and no value contraction.
+    Without ``all_rows`` only the window rows are formed (and the observer sees only those)."""
+    if not all_rows and window_rows is None:
+        raise ValueError("attend_many_scored: all_rows=False needs window_rows (the rows whose sums are kept)")
     s, g, r, _ = q.shape
     merged = _merged(q, new_k, new_v, new_mask, chunks(_fused_rows(q, options)), options, query_pos, sink_logits)
     lse = merged.m + torch.log(merged.l)  # (S, g, R, 1), -inf for a row that saw nothing (its logits are all -inf)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    tally = ReceivedTally(s, new_k.shape[2], q.device, window_rows, observe)
-    for lo in range(0, r, ROW_CHUNK):
-        hi = min(r, lo + ROW_CHUNK)
-        qr, lse_r = q[:, :, lo:hi], lse[:, :, lo:hi]
-        pos_r = None if query_pos is None else query_pos[:, lo:hi]
-        for chunk in chunks(hi - lo):
-            tally.add(chunk, torch.exp(_masked_logits(chunk, qr, pos_r, options) - lse_r), lo, hi)
-        tally.add_new(torch.exp(_new_logits(qr, new_k, stream_mask[:, lo:hi], options) - lse_r), lo, hi)
+    tally = ReceivedTally(s, new_k.shape[2], q.device, window_rows, observe, all_rows)
+    spans = [(0, r)] if all_rows else row_runs(window_rows)  # the rows whose probabilities are formed
+    _tally_received(tally, q, lse, spans, new_k, new_mask, stream_mask, chunks(_fused_rows(q, options)), options, query_pos)
     return merged.result(), tally.received()
+
+
+def _row_blocks(spans: list[tuple[int, int]], rows: int) -> Iterator[tuple[int, int]]:
+    """(lo, hi) blocks of at most ``rows`` rows covering the spans."""
+    for lo, hi in spans:
+        for start in range(lo, hi, rows):
+            yield start, min(hi, start + rows)
+
+
+def _new_extent(new_mask: torch.Tensor | None, r: int, t: int) -> list[int]:
+    """Per row (head-major: its token is row % t), 1 + the last new token it may see in any sequence (0: none).
+
+    new_mask (B, t, t) bool, or None for plain causal attention (token i sees tokens 0..i)."""
+    if new_mask is None:
+        per_token = list(range(1, t + 1))
+    else:
+        last = torch.arange(1, t + 1, dtype=torch.int32, device=new_mask.device).masked_fill(~new_mask.any(dim=0), 0)
+        per_token = last.amax(dim=1).tolist()  # (t,)
+    return [per_token[row % t] for row in range(r)]
+
+
+def _tally_received(tally: ReceivedTally, q, lse, spans, new_k, new_mask, stream_mask, chunks: Iterator[Chunk], options,
+                    query_pos) -> None:
+    """Add to ``tally`` the probabilities ``exp(logit - lse)`` of the rows in ``spans`` over every stored chunk (each
+    decoded once) and over the new tokens, in blocks of rows of about PROBABILITY_ELEMENTS.
+
+    q (S, g, R, D) scaled, lse (S, g, R, 1) the merged log-sum-exp (0 for rows that see nothing: their logits are
+    -inf), new_mask (B, t, t) or None (plain causal), stream_mask (S, R, t) the same per stream row. No soft-capping
+    (`covers`)."""
+    s, g = q.shape[:2]
+    for chunk in chunks:
+        keys_t = chunk.floats()[0].transpose(-1, -2)  # (S, g, D, C)
+        rows = max(MIN_ROWS, PROBABILITY_ELEMENTS // (s * g * keys_t.shape[-1]))
+        for lo, hi in _row_blocks(spans, rows):
+            logits = torch.matmul(q[:, :, lo:hi], keys_t)  # (S, g, rows, C)
+            visible = chunk_visibility(chunk, None if query_pos is None else query_pos[:, lo:hi], options)
+            if visible is not None:
+                logits.masked_fill_(~visible, -math.inf)
+            tally.add(chunk, logits.sub_(lse[:, :, lo:hi]).exp_(), lo, hi)
+    t = new_k.shape[2]
+    extent = _new_extent(new_mask, q.shape[2], t)
+    rows = max(MIN_ROWS, PROBABILITY_ELEMENTS // (s * g * t))
+    for lo, hi in _row_blocks(spans, rows):
+        w = max(extent[lo:hi])  # the rows see none of the new tokens after the w-th (causal: the last row's token + 1)
+        if w == 0:
+            continue
+        logits = torch.matmul(q[:, :, lo:hi], new_k[:, :, :w].transpose(-1, -2))  # (S, g, rows, w)
+        logits.masked_fill_(~stream_mask[:, None, lo:hi, :w], -math.inf)
+        tally.add_new(logits.sub_(lse[:, :, lo:hi]).exp_(), lo, hi)

@@ -88,6 +88,10 @@ class EvictionPolicy:
     budgeted = True  # False: the kept set follows rules (FastGen), so it is re-selected every step
     evicts_while_decoding = True  # False: only multi-token forwards (prefill, a new chat turn) evict (RocketKV)
     window_aware_budgets = False  # True: `budget_rule` counts sliding-window layers' visible tokens itself (CAKE)
+    # the sums of the attention received in a forward of several tokens the policy reads (one token: always its own):
+    # "all" (from every query: `StreamView.attention`, which later steps keep adding to) and/or "window" (from the
+    # last ``window`` queries: `window_attention`, `current_attention`); the runtime forms only these
+    attention_from: tuple[str, ...] = ("all", "window")
 
     def __init__(self, spec: EvictionSpec, profile: dict[str, torch.Tensor] | None = None) -> None:
         self.spec = spec
@@ -271,6 +275,8 @@ def register_policy(name: str):
     def bind(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
         if name in POLICIES and POLICIES[name] is not cls:
             raise ValueError(f"eviction policy '{name}' registered twice")
+        if not cls.attention_from or not set(cls.attention_from) <= {"all", "window"}:
+            raise ValueError(f"eviction policy '{name}': attention_from must name 'all' and/or 'window', not {cls.attention_from}")
         cls.name = name
         POLICIES[name] = cls
         return cls

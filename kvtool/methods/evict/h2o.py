@@ -7,5 +7,7 @@ from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_polic
 class H2O(EvictionPolicy):
     """Score = attention a token has received from every query so far (the group's query heads summed)."""
 
+    attention_from = ("all",)  # never the window's sums
+
     def token_scores(self, view: StreamView):
         return view.attention

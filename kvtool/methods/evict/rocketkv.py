@@ -26,3 +26,4 @@ class RocketKV(SnapKV):
     """SnapKV's scores (`SnapKV.token_scores`); only multi-token forwards evict."""
 
     evicts_while_decoding = False  # the prompt is cut once; generated tokens stay
+    attention_from = ("window",)  # it never scores while decoding, so the all-query sums would go unread

@@ -29,6 +29,8 @@ def sum_over_heads(scores: torch.Tensor, view: StreamView) -> torch.Tensor:
 
 @register_policy("tova")
 class TOVA(EvictionPolicy):
+    attention_from = ("window",)  # the last queries at prefill; a decode step's one query is its own sum
+
     def token_scores(self, view: StreamView):
         current = view.current_attention if view.current_attention is not None else view.attention  # (S, N)
         return sum_over_heads(current, view)

@@ -6,6 +6,7 @@ from kvtool.methods.evict.base import EvictionPolicy, StreamView, register_polic
 @register_policy("vatp")
 class VATP(EvictionPolicy):
     uses_feature = True
+    attention_from = ("all",)  # never the window's sums
 
     def token_feature(self, keys, values):
         return values.abs().sum(dim=-1)  # (S, t): the value's L1 norm, fixed once the token exists
