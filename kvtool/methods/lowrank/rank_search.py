@@ -2,8 +2,20 @@
 
 `error_curve` measures, for one layer's K (or V), the (Fisher-weighted) squared
 reconstruction error when every head group keeps r = 0..g*D basis columns.
+`gradient_curve` measures the squared first-order loss change instead: each dropped basis
+coordinate's value times the loss gradient's projection on that basis vector.
 `allocate_ranks` spends a budget of kept dimensions across all (layer, part) keys,
-greedily where the curves drop most ("fisher") or the same fraction everywhere ("uniform").
+greedily where the curves drop most ("fisher", "gradient") or the same fraction everywhere ("uniform").
+
+Why ``gradient``: per-element Fisher weights ``g_i^2`` (KVQuant's diagonal) are blind to
+direction. The loss gradient of a pre-RoPE key lies in the span of the (rotated) queries
+that attend to it, the gradient of a value in the span of the output gradients, so error in
+a direction the gradient is orthogonal to costs nothing, yet the diagonal weights charge
+it the full ``sum_i g_i^2 e_i^2``. Projecting on the gradient (``(c_j a_j)^2`` per basis
+coordinate j, `gradient_curve`) keeps that direction; RoPE is handled exactly because the
+gradient is taken w.r.t. the pre-RoPE keys the cache stores. Measured on SmolLM2-135M
+(palu-50, whitened, per KV head; benchmarks/RESULTS.md "Palu rank allocation"): the
+diagonal Fisher search loses to uniform ranks, the gradient search beats it.
 """
 
 from __future__ import annotations
