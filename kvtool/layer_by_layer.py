@@ -13,7 +13,7 @@ Phases (each step saved to the store before the next starts, see `calibration_ch
 * ``forward``  layers 0..L-1: sample + fit (methods that learn), measure SQNR, next inputs.
   Static scales (fp8 / int_static, fitted from `RangeStats`) see the layer's K/V in the same
   pass as the sample; their rows are drawn per layer from Generator(seed) as in memory.
-* Fisher-weighted recipes (KVQuant's fisher-kmeans nuq, Palu's fisher ranks) need the loss
+* Fisher-weighted recipes (KVQuant's fisher-kmeans nuq, Palu's fisher and gradient ranks) need the loss
   gradient w.r.t. every layer's K/V through all later layers. The ``forward`` sweep then only
   stores each layer's inputs; ``head`` runs the model's head on the last outputs and takes
   d loss / d hidden; ``backward`` goes from layer L-1 down to 0, recomputing each layer with

@@ -8,7 +8,7 @@ wanted, and returns `apply_rope(k_pre)` and the values, cast back to the model's
 so attention is computed from exactly those tensors. After the forward, the loss (summed
 next-token cross-entropy) is differentiated w.r.t. all of them at once with
 `torch.autograd.grad`, and every observer gets, per layer, the activations and their
-squared gradients (the diagonal Fisher information of KVQuant).
+squared gradients (the diagonal Fisher information of KVQuant) and the signed gradients.
 
 The gradients are total derivatives: a layer's K/V are NOT detached from the graph, so
 the gradient of layer i's keys includes the paths through the keys and values of the
@@ -200,7 +200,13 @@ class SampleReservoir:
         """Plain capture Observer: sample token rows without Fisher weights (post-RoPE keys are ignored)."""
         self._add(layer, (keys_pre_rope, values), None)
 
-    def _add(self, layer, parts, fishers, gradients=None) -> None:
+    def _add(
+        self,
+        layer: int,
+        parts: tuple[torch.Tensor, ...],
+        fishers: tuple[torch.Tensor, ...] | None,
+        gradients: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
         with_fisher = fishers is not None
         if self._with_fisher is None:
             self._with_fisher = with_fisher
