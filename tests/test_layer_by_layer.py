@@ -111,9 +111,9 @@ def test_head_gradient_matches_autograd_through_the_model():
 RECIPES = [  # (recipe, overrides, relative tolerance): Fisher-weighted fits differ by float rounding only
     ("kivi-4bit", {}, 0.0),
     ("kvquant-3bit-1pct", {}, 1e-4),
-    ("palu-30", {"rank_allocation": "uniform"}, 0.0),
+    ("palu-30", {}, 0.0),
     ("palu-30", {"rank_allocation": "fisher"}, 1e-3),
-    ("palu-30", {}, 1e-3),  # bundled: rank_allocation gradient
+    ("palu-30", {"rank_allocation": "gradient"}, 1e-3),
     ("fp8-e4m3-static", {}, 0.0),  # static scales: every token's range (amax)
     ("int4-static-channel", {}, 0.0),  # ... and the sampled rows the mse clip is searched on
     ("int8-static-tensor", {}, 0.0),
