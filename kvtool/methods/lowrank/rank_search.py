@@ -17,9 +17,10 @@ gradient is taken w.r.t. the pre-RoPE keys the cache stores. Measured at 50% kep
 (whitened, per KV head, 16-bit latents; benchmarks/RESULTS.md "Palu rank allocation"):
 perplexity delta uniform / fisher / gradient +17.4% / +23.1% / +14.3% on SmolLM2-135M,
 +7.3% / +7.3% / +6.3% on Gemma-3-270M; the gradient search moves rank from keys to values.
-It is not a sure win: at 30% reduction on Gemma-3-270M it lost to uniform ranks on the test
-windows (+1.5% vs +0.9%) and won on held-out valid ones, and neither curve models the quantization error of low-bit latents (3-bit +
-Hadamard: the gradient search lost to uniform ranks on SmolLM2-135M).
+It is not a sure win: at 30% reduction on Gemma-3-270M it lost to uniform ranks on the
+test windows (+1.5% vs +0.9%) and won on held-out valid ones, and neither curve models the
+quantization error of low-bit latents (3-bit + Hadamard: the gradient search lost to
+uniform ranks on SmolLM2-135M).
 """
 
 from __future__ import annotations
