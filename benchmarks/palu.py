@@ -4,7 +4,7 @@
     python -m benchmarks.palu --models kvref-5m --samples 2 --seq-len 512
 
 Rows: 30/50/70% rank reduction (whitened SVD per KV head, Fisher ranks, 16-bit latents);
-whitened vs plain SVD and Fisher vs uniform ranks at 50%; 30% reduction with latents at 3 and
+whitened vs plain SVD and Fisher vs uniform vs gradient ranks at 50%; 30% reduction with latents at 3 and
 2 bits, with and without the Walsh-Hadamard transform. Perplexity through the runtime, delta
 against the uncompressed cache, bits per element held, body compression vs 16-bit, bytes per token.
 Writes benchmarks/results/palu.json. Needs ../shared.
@@ -32,6 +32,7 @@ def recipes(samples: int) -> list[Recipe]:
     rows += [
         palu("50%, plain SVD", 0.5, samples, whiten=False),
         palu("50%, uniform ranks", 0.5, samples, rank_allocation="uniform"),
+        palu("50%, gradient ranks", 0.5, samples, rank_allocation="gradient"),
     ]
     for bits in (3, 2):
         for hadamard in (False, True):

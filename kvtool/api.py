@@ -27,6 +27,7 @@ from kvtool.calibration import (
     fits_ranges,
     fits_reservoir,
     needs_fisher,
+    needs_gradients,
     needs_fit,
     range_parts,
     uses_palu,
@@ -287,7 +288,9 @@ def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: 
 
     # sink tokens stay in float in the cache: fitting on them (huge keys, huge gradients) would skew codebooks and ranks
     skip = recipe.cache.sink_tokens
-    reservoir = SampleReservoir(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip)
+    reservoir = SampleReservoir(
+        max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip, keep_gradients=needs_gradients(recipe)
+    )
     ranges = None
     if fits_ranges(recipe):
         ranges = RangeStats(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip, parts=range_parts(recipe))

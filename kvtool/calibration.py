@@ -118,9 +118,15 @@ class RangeStats:
 def needs_fisher(recipe: Recipe) -> bool:
     """True if fitting weights samples by Fisher sensitivity (nuq codebooks, Palu rank search)."""
     return any(
-        (spec.method == "nuq" and spec.codebook == "fisher-kmeans") or (spec.method == "palu" and spec.rank_allocation == "fisher")
+        (spec.method == "nuq" and spec.codebook == "fisher-kmeans")
+        or (spec.method == "palu" and spec.rank_allocation in ("fisher", "gradient"))
         for spec in (recipe.keys, recipe.values)
     )
+
+
+def needs_gradients(recipe: Recipe) -> bool:
+    """True if fitting reads the signed loss gradients of the samples (Palu's ``gradient`` rank search)."""
+    return any(spec.method == "palu" and spec.rank_allocation == "gradient" for spec in (recipe.keys, recipe.values))
 
 
 def uses_palu(recipe: Recipe) -> bool:
@@ -136,7 +142,7 @@ def fit_palu_layers(recipe: Recipe, adapter, reservoir, moments) -> list[dict[st
 
 
 def palu_entry(recipe: Recipe, adapter, layer: int, reservoir, moment, reservoir_layer: int | None = None) -> dict:
-    """One layer's input to `fit_palu`: per palu part, samples, Fisher weights, projection weight, bias, input moment.
+    """One layer's input to `fit_palu`: per palu part, samples, Fisher weights, gradients, projection weight, bias, input moment.
 
     moment: layer -> E[x x^T] of the projection input; reservoir_layer: the reservoir's index of
     the layer's samples (default ``layer``).
@@ -148,11 +154,13 @@ def palu_entry(recipe: Recipe, adapter, layer: int, reservoir, moment, reservoir
     for part, spec in (("keys", recipe.keys), ("values", recipe.values)):
         if spec.method != "palu":
             continue
-        samples, fisher = reservoir.samples(source, "keys_pre_rope" if part == "keys" else "values")
+        reservoir_part = "keys_pre_rope" if part == "keys" else "values"
+        samples, fisher = reservoir.samples(source, reservoir_part)
         linear = part == "values" or adapter.keys_linear_in_input
         entry[part] = {
             "samples": samples,
             "weights": fisher,
+            "gradients": reservoir.gradients(source, reservoir_part),
             "weight": weights[part].detach().float().cpu() if linear else None,
             "bias": None if biases[part] is None or not linear else biases[part].detach().float().cpu(),
             "input_second_moment": moment(layer) if linear else None,

@@ -13,7 +13,7 @@ Phases (each step saved to the store before the next starts, see `calibration_ch
 * ``forward``  layers 0..L-1: sample + fit (methods that learn), measure SQNR, next inputs.
   Static scales (fp8 / int_static, fitted from `RangeStats`) see the layer's K/V in the same
   pass as the sample; their rows are drawn per layer from Generator(seed) as in memory.
-* Fisher-weighted recipes (KVQuant's fisher-kmeans nuq, Palu's fisher ranks) need the loss
+* Fisher-weighted recipes (KVQuant's fisher-kmeans nuq, Palu's fisher and gradient ranks) need the loss
   gradient w.r.t. every layer's K/V through all later layers. The ``forward`` sweep then only
   stores each layer's inputs; ``head`` runs the model's head on the last outputs and takes
   d loss / d hidden; ``backward`` goes from layer L-1 down to 0, recomputing each layer with
@@ -46,6 +46,7 @@ from kvtool.calibration import (
     fits_ranges,
     fits_reservoir,
     needs_fisher,
+    needs_gradients,
     needs_fit,
     palu_entry,
     range_parts,
@@ -115,7 +116,7 @@ class _Samplers:
 class _StoredPart(Mapping):
     """One layer's palu input for one part, read from the store tensor by tensor (so little stays in memory)."""
 
-    KEYS = ("samples", "weights", "weight", "bias", "input_second_moment")
+    KEYS = ("samples", "weights", "gradients", "weight", "bias", "input_second_moment")
 
     def __init__(self, store, name: str, part: str) -> None:
         self.store, self.name, self.part = store, name, part
@@ -339,7 +340,9 @@ class _Run:
         sinks = recipe.cache.sink_tokens  # float in the cache: never fitted on (as in api._fit)
         reservoir = None
         if fisher or fits_reservoir(recipe):
-            reservoir = SampleReservoir(max_tokens=self.max_fit_tokens, seed=seed, skip_first=sinks)
+            reservoir = SampleReservoir(
+                max_tokens=self.max_fit_tokens, seed=seed, skip_first=sinks, keep_gradients=needs_gradients(recipe)
+            )
         ranges = None
         if fits_ranges(recipe):
             ranges = RangeStats(max_tokens=self.max_fit_tokens, seed=seed, skip_first=sinks, parts=range_parts(recipe))
@@ -361,8 +364,9 @@ class _Run:
                 keys_pre, values = cache.tracked[layer]
                 targets = [keys_pre, values] + ([x] if layer > 0 else [])
                 grads = torch.autograd.grad(out, targets, grad_outputs=g.to(device, out.dtype), allow_unused=True)
-            fisher = [torch.zeros_like(t) if d is None else d.float().square() for t, d in zip((keys_pre, values), grads)]
-            reservoir.observe_gradients(0, keys_pre.detach(), values.detach(), *fisher)
+            signed = [torch.zeros_like(t) if d is None else d.float() for t, d in zip((keys_pre, values), grads)]
+            fisher = [d.square() for d in signed]
+            reservoir.observe_gradients(0, keys_pre.detach(), values.detach(), *fisher, gradients=tuple(signed))
             if layer > 0:
                 outgoing.append(grads[2].detach().cpu())
         return torch.cat(outgoing) if outgoing else None

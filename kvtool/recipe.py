@@ -37,7 +37,7 @@ GRANULARITIES = {"fp8": ("block", "layer", "head"), "int_static": ("layer", "hea
 SCALE_FITS = ("amax", "mse")
 TURBOQUANT_FRACTIONS = (0.0, 0.5)
 TURBOQUANT_OUTLIER_FRACTIONS = (0.25, 0.5)  # of the channels, coded at bits + extra_bits / fraction
-RANK_ALLOCATIONS = ("fisher", "uniform")
+RANK_ALLOCATIONS = ("fisher", "gradient", "uniform")
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
 EVICTION_POLICIES = (
@@ -97,7 +97,9 @@ class QuantSpec:
     whiten: ``palu`` only: decompose the projection whitened by the calibration inputs'
         covariance (SVD-LLM) instead of plain SVD.
     rank_allocation: ``palu`` only: ``fisher`` (ranks across layers and K/V from Fisher
-        information) or ``uniform`` (the same fraction everywhere).
+        information, per element), ``gradient`` (ranks across layers and K/V from the
+        reconstruction error projected on the loss gradient, per token; see
+        `kvtool.methods.lowrank.rank_search`) or ``uniform`` (the same fraction everywhere).
     hadamard: ``palu`` only: Walsh-Hadamard transform of the latents before quantizing them.
     For ``palu``, ``bits`` is the latent code width (16 = float latents; otherwise uniform
     per-token quantization of the latents).

@@ -8,7 +8,7 @@ wanted, and returns `apply_rope(k_pre)` and the values, cast back to the model's
 so attention is computed from exactly those tensors. After the forward, the loss (summed
 next-token cross-entropy) is differentiated w.r.t. all of them at once with
 `torch.autograd.grad`, and every observer gets, per layer, the activations and their
-squared gradients (the diagonal Fisher information of KVQuant).
+squared gradients (the diagonal Fisher information of KVQuant) and the signed gradients.
 
 The gradients are total derivatives: a layer's K/V are NOT detached from the graph, so
 the gradient of layer i's keys includes the paths through the keys and values of the
@@ -38,7 +38,10 @@ PARTS = ("keys_pre_rope", "values")
 
 
 class GradientObserver(Protocol):
-    """Reduces activations and their Fisher weights (squared loss gradients) to statistics."""
+    """Reduces activations and their Fisher weights (squared loss gradients) to statistics.
+
+    gradients: the signed loss gradients (keys_pre_rope, values) the Fisher weights are the squares of.
+    """
 
     def observe_gradients(
         self,
@@ -47,6 +50,7 @@ class GradientObserver(Protocol):
         values: torch.Tensor,
         keys_pre_rope_fisher: torch.Tensor,
         values_fisher: torch.Tensor,
+        gradients: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None: ...
 
 
@@ -104,7 +108,8 @@ def stream_with_gradients(
     averaged, so a token's Fisher weight does not depend on the batch size), gradients of
     the loss w.r.t. every layer's pre-RoPE keys and values (total derivatives), then each
     observer's `observe_gradients(layer, keys_pre_rope, values, keys_pre_rope_fisher,
-    values_fisher)` for layers 0..L-1, all (B, H_kv, T, D) float32 detached, fisher = grad**2.
+    values_fisher, gradients=(keys_pre_rope_grad, values_grad))` for layers 0..L-1, all
+    (B, H_kv, T, D) float32 detached, fisher = grad**2.
 
     The model is run as it is (put it in eval mode: dropout would make the gradients noisy).
     Parameters get no .grad; their requires_grad flags are switched off for the pass and
@@ -141,10 +146,12 @@ def _gradient_batch(model, adapter: ModelAdapter, batch: torch.Tensor, observers
     for i, layer in enumerate(layers):
         keys_pre, values = (t.detach() for t in cache.tracked[layer])
         keys_grad, values_grad = grads[2 * i], grads[2 * i + 1]
-        keys_fisher = torch.zeros_like(keys_pre) if keys_grad is None else keys_grad.float().square()
-        values_fisher = torch.zeros_like(values) if values_grad is None else values_grad.float().square()
+        keys_grad = torch.zeros_like(keys_pre) if keys_grad is None else keys_grad.float()
+        values_grad = torch.zeros_like(values) if values_grad is None else values_grad.float()
         for observer in observers:
-            observer.observe_gradients(layer, keys_pre, values, keys_fisher, values_fisher)
+            observer.observe_gradients(
+                layer, keys_pre, values, keys_grad.square(), values_grad.square(), gradients=(keys_grad, values_grad)
+            )
     cache.tracked.clear()
 
 
@@ -161,9 +168,12 @@ class SampleReservoir:
     max_tokens tokens with the smallest tags (a uniform sample without replacement of
     all tokens seen, computed batch by batch). Rows are kept in stream order and stored on
     CPU as float32. Memory: at most max_tokens rows per layer and part, plus one batch.
+
+    keep_gradients: also keep the signed loss gradients of the sampled rows (`gradients`; Palu's
+    ``gradient`` rank search projects reconstruction errors on them). They must then be fed.
     """
 
-    def __init__(self, max_tokens: int = 4096, seed: int = 0, skip_first: int = 0):
+    def __init__(self, max_tokens: int = 4096, seed: int = 0, skip_first: int = 0, keep_gradients: bool = False):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         self.max_tokens, self.seed = max_tokens, seed
@@ -173,20 +183,30 @@ class SampleReservoir:
         self._tags: dict[int, torch.Tensor] = {}  # layer -> (n,) float64 tags of the kept rows
         self._rows: dict[tuple[int, str], torch.Tensor] = {}  # (layer, part) -> (n, H_kv, D)
         self._fisher: dict[tuple[int, str], torch.Tensor | None] = {}
+        self.keep_gradients = keep_gradients
+        self._gradients: dict[tuple[int, str], torch.Tensor] = {}
         self._seen: dict[int, int] = {}
         self._with_fisher: bool | None = None
 
     # ----- feeding -------------------------------------------------------------------
 
-    def observe_gradients(self, layer, keys_pre_rope, values, keys_pre_rope_fisher, values_fisher) -> None:
-        """Sample token rows of (B, H_kv, T, D) activations and their Fisher weights."""
-        self._add(layer, (keys_pre_rope, values), (keys_pre_rope_fisher, values_fisher))
+    def observe_gradients(self, layer, keys_pre_rope, values, keys_pre_rope_fisher, values_fisher, gradients=None) -> None:
+        """Sample token rows of (B, H_kv, T, D) activations, their Fisher weights and (``keep_gradients``) gradients."""
+        if self.keep_gradients and gradients is None:
+            raise ValueError("this SampleReservoir keeps signed gradients: pass gradients=(keys_pre_rope_grad, values_grad)")
+        self._add(layer, (keys_pre_rope, values), (keys_pre_rope_fisher, values_fisher), gradients if self.keep_gradients else None)
 
     def observe(self, layer, keys_pre_rope, keys, values) -> None:
         """Plain capture Observer: sample token rows without Fisher weights (post-RoPE keys are ignored)."""
         self._add(layer, (keys_pre_rope, values), None)
 
-    def _add(self, layer: int, parts: tuple[torch.Tensor, ...], fishers: tuple[torch.Tensor, ...] | None) -> None:
+    def _add(
+        self,
+        layer: int,
+        parts: tuple[torch.Tensor, ...],
+        fishers: tuple[torch.Tensor, ...] | None,
+        gradients: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
         with_fisher = fishers is not None
         if self._with_fisher is None:
             self._with_fisher = with_fisher
@@ -195,6 +215,7 @@ class SampleReservoir:
         skip = self.skip_first
         new_rows = [_token_rows(x[:, :, skip:]) for x in parts]  # (B*T', H_kv, D) each, on the data's device
         new_fisher = [_token_rows(f[:, :, skip:]) for f in fishers] if with_fisher else [None, None]
+        new_grads = [_token_rows(g[:, :, skip:]) for g in gradients] if gradients is not None else [None, None]
         count = new_rows[0].shape[0]
         generator = self._generators.setdefault(layer, torch.Generator().manual_seed(self.seed))
         new_tags = torch.rand(count, generator=generator, dtype=torch.float64)
@@ -208,10 +229,12 @@ class SampleReservoir:
         keep_old, keep_new = keep[keep < n_old], keep[keep >= n_old] - n_old
         self._tags[layer] = tags[keep]
         self._seen[layer] = self._seen.get(layer, 0) + count
-        for part, rows, fisher in zip(PARTS, new_rows, new_fisher):
+        for part, rows, fisher, grad in zip(PARTS, new_rows, new_fisher, new_grads):
             key = (layer, part)
             self._rows[key] = _merge(self._rows.get(key), keep_old, rows, keep_new)
             self._fisher[key] = _merge(self._fisher.get(key), keep_old, fisher, keep_new) if with_fisher else None
+            if grad is not None:
+                self._gradients[key] = _merge(self._gradients.get(key), keep_old, grad, keep_new)
 
     # ----- reading -------------------------------------------------------------------
 
@@ -222,6 +245,11 @@ class SampleReservoir:
         if (layer, part) not in self._rows:
             raise KeyError(f"no samples for layer {layer}; layers observed: {self.layers()}")
         return self._rows[(layer, part)], self._fisher[(layer, part)]
+
+    def gradients(self, layer: int, part: str) -> torch.Tensor | None:
+        """Signed loss gradients (n, H_kv, D) float32 of the rows `samples` returns; None unless ``keep_gradients``."""
+        self.samples(layer, part)  # the same checks
+        return self._gradients.get((layer, part))
 
     def layers(self) -> list[int]:
         """The layers observed so far, ascending."""

@@ -113,13 +113,14 @@ RECIPES = [  # (recipe, overrides, relative tolerance): Fisher-weighted fits dif
     ("kvquant-3bit-1pct", {}, 1e-4),
     ("palu-30", {}, 0.0),
     ("palu-30", {"rank_allocation": "fisher"}, 1e-3),
+    ("palu-30", {"rank_allocation": "gradient"}, 1e-3),
     ("fp8-e4m3-static", {}, 0.0),  # static scales: every token's range (amax)
     ("int4-static-channel", {}, 0.0),  # ... and the sampled rows the mse clip is searched on
     ("int8-static-tensor", {}, 0.0),
 ]
 
 
-@pytest.mark.parametrize("name,spec,rtol", RECIPES, ids=[f"{r[0]}{'-fisher' if r[1] else ''}" for r in RECIPES])
+@pytest.mark.parametrize("name,spec,rtol", RECIPES, ids=["-".join([r[0], *r[1].values()]) for r in RECIPES])
 def test_same_artifact_as_in_memory(kvref, monkeypatch, name, spec, rtol):
     model, tokenizer = kvref
     monkeypatch.setattr(api, "FIT_SAMPLE_TOKENS", 100)  # fewer than the windows hold: the fits see a random subsample

@@ -266,7 +266,7 @@ def test_allocate_ranks_fisher_favours_slowly_falling_curve():
     assert allocate_ranks(curves, 0.5, "fisher") == ranks  # deterministic
     tied = allocate_ranks({"a": _curve(0.5), "b": _curve(0.5)}, 0.5, "fisher")
     assert tied == {"a": 8, "b": 8}
-    with pytest.raises(ValueError, match="fisher' or 'uniform"):
+    with pytest.raises(ValueError, match="'fisher', 'gradient' or 'uniform'"):
         allocate_ranks(curves, 0.5, "greedy")
 
 

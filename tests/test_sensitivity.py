@@ -17,9 +17,11 @@ def _windows(n, t, seed=0):
 class GradRecorder:
     def __init__(self):
         self.seen = {}  # layer -> list of (keys_pre, values, keys_fisher, values_fisher) per batch
+        self.gradients = {}  # layer -> list of (keys_pre_grad, values_grad) per batch
 
-    def observe_gradients(self, layer, keys_pre_rope, values, keys_pre_rope_fisher, values_fisher):
+    def observe_gradients(self, layer, keys_pre_rope, values, keys_pre_rope_fisher, values_fisher, gradients=None):
         self.seen.setdefault(layer, []).append((keys_pre_rope, values, keys_pre_rope_fisher, values_fisher))
+        self.gradients.setdefault(layer, []).append(gradients)
 
 
 def _reference_gradients(model, adapter, batch):
@@ -92,6 +94,9 @@ def test_gradients_match_an_independent_reference(family, overrides):
             assert not fisher.requires_grad
             torch.testing.assert_close(fisher.sqrt(), ref.abs(), rtol=1e-4, atol=1e-4 * ref.abs().max().item())
         assert keys_fisher.max() > 0 and values_fisher.max() > 0
+        (keys_grad, values_grad), = recorder.gradients[layer]  # signed: the Fisher weights are their squares
+        for grad, ref in ((keys_grad, ref_keys), (values_grad, ref_values)):
+            torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     rotary = adapter.geometry.rotary_dim
     assert rotary == (16 if family == "phi3" else 32)
 
@@ -183,7 +188,7 @@ def test_flags_are_restored_when_an_observer_fails():
     adapter = adapter_for(model)
 
     class Boom:
-        def observe_gradients(self, *args):
+        def observe_gradients(self, *args, **kwargs):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):

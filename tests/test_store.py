@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from kvtool.capture import InputSecondMoments, stream_batches
-from kvtool.calibration import RangeStats, fit_layers, fit_palu_layers, needs_fit, uses_palu
+from kvtool.calibration import RangeStats, fit_layers, fit_palu_layers, needs_fit, needs_gradients, uses_palu
 from kvtool.models.adapter import adapter_for
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe, bundled_recipe_dir, load_recipe
 from kvtool.runtime import paged_attention
 from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.memory import walked_nbytes
 from kvtool.runtime.pool import BlockPool
-from kvtool.sensitivity import SampleReservoir
+from kvtool.sensitivity import SampleReservoir, stream_with_gradients
 from tests.tiny_models import tiny_model, tiny_tokenizer_free_inputs
 
 BUNDLED = sorted(p.stem for p in bundled_recipe_dir().glob("*.yaml"))
@@ -40,12 +40,15 @@ def fitted_tensors(model, recipe: Recipe) -> list[dict] | None:
     if not needs_fit(recipe):
         return None
     adapter = adapter_for(model)
-    reservoir = SampleReservoir(max_tokens=512, skip_first=recipe.cache.sink_tokens)
+    gradients = needs_gradients(recipe)  # palu's gradient rank search reads the signed loss gradients
+    reservoir = SampleReservoir(max_tokens=512, skip_first=recipe.cache.sink_tokens, keep_gradients=gradients)
     ranges = RangeStats(max_tokens=512, skip_first=recipe.cache.sink_tokens)
     windows = torch.randint(3, 128, (4, 96), generator=torch.Generator().manual_seed(0))
     moments = InputSecondMoments(adapter)
     with moments:
-        stream_batches(model, adapter, windows, [reservoir, ranges])
+        if gradients:
+            stream_with_gradients(model, adapter, windows, [reservoir])
+        stream_batches(model, adapter, windows, [ranges] if gradients else [reservoir, ranges])
     geometry = adapter.geometry
     tensors = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir, ranges)
     if uses_palu(recipe):

@@ -42,7 +42,7 @@ from kvtool.errors import ArtifactError, DataError, RecipeError, RuntimeConfigEr
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.lowrank.decompose import group_bases, group_count, reconstruction_error, to_groups
 from kvtool.methods.lowrank.hadamard import block_fwht
-from kvtool.methods.lowrank.rank_search import allocate_ranks, error_curve
+from kvtool.methods.lowrank.rank_search import allocate_ranks, error_curve, gradient_curve
 from kvtool.methods.quant.packing import pack_codes, packed_bytes, packed_rows, unpack_codes
 from kvtool.methods.registry import register
 from kvtool.recipe import Recipe
@@ -238,6 +238,18 @@ def _check_part(name: str, entry: dict, layer: int) -> tuple[torch.Tensor, ...]:
     return samples, weights, weight, bias
 
 
+def _gradients(entry, samples: torch.Tensor, layer: int, name: str) -> torch.Tensor:
+    """The signed loss gradients of a part's samples, which the ``gradient`` rank search needs."""
+    gradients = entry.get("gradients")
+    if gradients is None or gradients.shape != samples.shape:
+        got = None if gradients is None else tuple(gradients.shape)
+        raise DataError(
+            f"palu rank_allocation 'gradient' needs the loss gradients of layer {layer} {name}'s samples, "
+            f"shape {tuple(samples.shape)}; got {got} (calibrate with gradients: kvtool.calibration.needs_gradients)"
+        )
+    return gradients
+
+
 HADAMARD_RANK_MULTIPLE = 8  # Hadamard-mixed latents: ranks in multiples of 8 so every block mixes 8+ coordinates
 
 
@@ -252,13 +264,15 @@ def fit_palu(recipe: Recipe, layers: list[dict]) -> list[dict[str, torch.Tensor]
 
     layers[i]: ``{"keys": {...}, "values": {...}}`` with, for each part whose method is palu:
     ``samples`` (N, H_kv, D) float (pre-RoPE keys / values), ``weights`` (N, H_kv, D) Fisher
-    sensitivities or None, ``weight`` (H_kv*D, d_in) projection or None (None where the output is
+    sensitivities or None, ``gradients`` (N, H_kv, D) signed loss gradients or None (mode gradient needs them), ``weight`` (H_kv*D, d_in) projection or None (None where the output is
     not linear in the input, e.g. qwen3 keys after k_norm), ``bias`` (H_kv*D,) or None,
     ``input_second_moment`` (d_in, d_in) ``E[x x^T]`` of the projection input or None.
 
     Basis: whitened with weight + input moment when both are given, else from the sample second
     moment of (samples - bias); plain SVD needs weight. Ranks: every (layer, part) gets an
-    error curve (Fisher-weighted when weights are given and the mode is fisher); ranks are
+    error curve (Fisher-weighted when weights are given and the mode is fisher; with mode
+    gradient, the error projected on ``gradients`` (N, H_kv, D), the signed loss gradients of
+    the samples, `gradient_curve`); ranks are
     allocated jointly across layers and K/V (`allocate_ranks`) for a budget of
     ``sum rank_fraction_part * H*D`` kept numbers per token and layer (= the mean fraction when
     both parts are palu); mode from the specs (keys and values must agree).
@@ -303,6 +317,8 @@ def fit_palu(recipe: Recipe, layers: list[dict]) -> list[dict[str, torch.Tensor]
             fractions[key], costs[key] = spec.rank_fraction, groups
             if mode == "fisher":
                 curves[key] = error_curve(bases, samples, weights, grouped_bias)
+            elif mode == "gradient":
+                curves[key] = gradient_curve(bases, samples, _gradients(layer[name], samples, i, name), grouped_bias)
             else:
                 curves[key] = torch.zeros(width + 1)  # only its length matters
     ranks = allocate_ranks(curves, fractions, mode, costs)

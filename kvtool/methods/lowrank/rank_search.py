@@ -2,8 +2,25 @@
 
 `error_curve` measures, for one layer's K (or V), the (Fisher-weighted) squared
 reconstruction error when every head group keeps r = 0..g*D basis columns.
+`gradient_curve` measures the squared first-order loss change instead: each dropped basis
+coordinate's value times the loss gradient's projection on that basis vector.
 `allocate_ranks` spends a budget of kept dimensions across all (layer, part) keys,
-greedily where the curves drop most ("fisher") or the same fraction everywhere ("uniform").
+greedily where the curves drop most ("fisher", "gradient") or the same fraction everywhere ("uniform").
+
+Why ``gradient``: per-element Fisher weights ``g_i^2`` (KVQuant's diagonal) are blind to
+direction. The loss gradient of a pre-RoPE key lies in the span of the (rotated) queries
+that attend to it, the gradient of a value in the span of the output gradients, so error in
+a direction the gradient is orthogonal to costs nothing, yet the diagonal weights charge
+it the full ``sum_i g_i^2 e_i^2``. Projecting on the gradient (``(c_j a_j)^2`` per basis
+coordinate j, `gradient_curve`) keeps that direction; RoPE is handled exactly because the
+gradient is taken w.r.t. the pre-RoPE keys the cache stores. Measured at 50% kept
+(whitened, per KV head, 16-bit latents; benchmarks/RESULTS.md "Palu rank allocation"):
+perplexity delta uniform / fisher / gradient +17.4% / +23.1% / +14.3% on SmolLM2-135M,
++7.3% / +7.3% / +6.3% on Gemma-3-270M; the gradient search moves rank from keys to values.
+It is not a sure win: at 30% reduction on Gemma-3-270M it lost to uniform ranks on the
+test windows (+1.5% vs +0.9%) and won on held-out valid ones, and neither curve models the
+quantization error of low-bit latents (3-bit + Hadamard: the gradient search lost to
+uniform ranks on SmolLM2-135M).
 """
 
 from __future__ import annotations
@@ -84,6 +101,46 @@ def error_curve(
     return curve / n
 
 
+def gradient_curve(
+    bases: torch.Tensor,
+    samples: torch.Tensor,
+    gradients: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """First-order loss change of keeping r = 0..g*D columns of every group's basis: (g*D + 1,) float64.
+
+    bases: (G, g*D, g*D) orthonormal; samples, gradients (signed dL/dx of the same tokens): (N, H, D);
+    bias: (H*D,) / (G, g*D) / None. With coordinates ``c = (x - b) U`` and gradient projections
+    ``a = g U`` (both (N, G, gD)), dropping coordinate j of token n changes the loss by
+    ``-c_nj a_nj`` to first order, and
+
+        ``curve[r] = (1/N) sum_{n, groups} sum_{j >= r} (c_nj a_nj)^2``
+
+    - the per-token empirical Fisher block ``g g^T`` applied to the truncation error, keeping
+    its diagonal in the basis (the cross terms between coordinates, products of different
+    coordinates' loss changes, are left out so the curve is non-increasing). Unlike
+    `error_curve`'s per-element weights ``g_i^2``, it sees direction: error along a basis vector
+    the gradient is orthogonal to costs nothing (for pre-RoPE keys the gradient lies in the span
+    of the RoPE-rotated queries that attend to the key).
+    """
+    groups, width, cols = bases.shape
+    if cols != width:
+        raise ValueError(f"gradient_curve needs the full square bases (G, {width}, {width}); got {tuple(bases.shape)}")
+    if gradients.shape != samples.shape:
+        raise ValueError(f"gradients {tuple(gradients.shape)} do not match samples {tuple(samples.shape)}")
+    x = to_groups(samples.detach().float().cpu(), groups)  # (N, G, gD)
+    g = to_groups(gradients.detach().float().cpu(), groups)  # (N, G, gD)
+    if x.shape[2] != width:
+        raise ValueError(f"samples {tuple(samples.shape)} do not match bases {tuple(bases.shape)}")
+    u = bases.detach().float().cpu()
+    b = torch.zeros(groups, width) if bias is None else bias.detach().float().cpu().reshape(groups, width)
+    coords = torch.einsum("ngi,gij->ngj", x - b, u)  # (N, G, gD)
+    slopes = torch.einsum("ngi,gij->ngj", g, u)  # (N, G, gD)
+    per_coord = (coords.double() * slopes.double()).square().sum(dim=(0, 1))  # (gD,)
+    tail = torch.flip(torch.cumsum(torch.flip(per_coord, [0]), 0), [0])  # tail[r] = sum_{j >= r}
+    return torch.cat([tail, tail.new_zeros(1)]) / x.shape[0]
+
+
 def _half_up(x: float) -> int:
     return int(math.floor(x + 0.5))
 
@@ -101,14 +158,15 @@ def allocate_ranks(
     per token per unit of rank (the key's number of head groups G; default 1).
 
     * ``uniform``: rank = round(fraction * full) (half up), clamped to [1, full].
-    * ``fisher``: budget = round(sum_k fraction_k * cost_k * full_k) kept numbers per token;
+    * ``fisher`` or ``gradient`` (the same greedy search; the modes differ in the curves `fit_palu`
+      builds): budget = round(sum_k fraction_k * cost_k * full_k) kept numbers per token;
       every key starts at rank 1, then one rank at a time goes to the key whose curve drops
       most per unit cost for it (ties: the key earliest in ``curves``), until the budget is
       spent. With equal costs the budget is hit exactly (unless it is below one rank per key
       or above everything); with unequal costs it stops when no affordable step is left.
     """
-    if mode not in ("fisher", "uniform"):
-        raise ValueError(f"rank allocation mode must be 'fisher' or 'uniform', got {mode!r}")
+    if mode not in ("fisher", "gradient", "uniform"):
+        raise ValueError(f"rank allocation mode must be 'fisher', 'gradient' or 'uniform', got {mode!r}")
     keys = list(curves)
     full = {k: int(curves[k].numel()) - 1 for k in keys}
     for k in keys:
