@@ -139,7 +139,7 @@ class KvtoolLayer(CacheLayerMixin):
         self._quiet_steps = 0  # decode steps in which no stream can reach its eviction point
         self._trim_next = False  # the next decode step cuts down to the budget (a budget that may shrink, after a prompt)
         self.policy = None  # the recipe's eviction policy, or a sliding window's rule (set with the store)
-        self.window_rule = None  # a sliding-window layer's rule beside a budgeted policy (frees what no query sees)
+        self.window_rule = None  # a sliding-window layer's rule beside the recipe's policy (frees what no query sees)
         self.budget = None  # (layer, length (S,)) -> (S,) tokens a stream may keep: the policy's budget rule
         self.store: LayerStore | None = None
         self.stream_state: torch.Tensor | None = None  # (S,) int64 the policy keeps per stream (`StreamView.stream_state`)
@@ -157,9 +157,9 @@ class KvtoolLayer(CacheLayerMixin):
         block = recipe.cache.block_size if (recipe.quantizes or recipe.keys.pre_rope) else 0
         if policy is None and window:  # a sliding-window layer frees what no later query can see
             policy = self.budget = SlidingWindowRule(window, block)
-        elif window and policy.budgeted:  # ... and beside a budgeted policy, which keeps a share of the window
+        elif window:  # ... and beside the recipe's policy; a budgeted one keeps a share of the window
             self.window_rule = SlidingWindowRule(window, block)
-            if not policy.window_aware_budgets:
+            if policy.budgeted and not policy.window_aware_budgets:
                 self.budget = WindowedBudget(self.budget, window)
         self.policy = policy
         layout = StoreLayout(
@@ -591,13 +591,12 @@ class KvtoolLayer(CacheLayerMixin):
         fbs = store.fbs
         table = SlotTable(int(store.float_blocks().max()) * fbs, int(store.body_len.max()) if store.body_pool else 0, store.bs, t)
         view = self._view(table, data, counts, positions, received, length)
-        if rule is not None:  # the policy chooses among what the window still shows
+        if rule is not None and policy.budgeted:  # the policy chooses among what the window still shows
             view = dataclasses.replace(view, valid=rule.keep(view, budget))
         keep = choose(policy, view, budget)
         self.stream_state = view.stream_state
-        window = self.context.sliding_window(self.index)
-        if window and not policy.budgeted:  # FastGen's rules on a sliding-window layer: also free what no query can see
-            keep &= SlidingWindowRule(window, store.bs if store.body_pool is not None else 0).keep(view, budget)
+        if rule is not None and not policy.budgeted:  # FastGen's rules (sized on every token): then free what no query sees
+            keep &= rule.keep(view, budget)
         keep_float, keep_body, keep_new = table.split(keep)
         if store.body_pool is None:
             store.fill_holes(keep_float, data, keep_new)
