@@ -170,7 +170,8 @@ class SampleReservoir:
     CPU as float32. Memory: at most max_tokens rows per layer and part, plus one batch.
 
     keep_gradients: also keep the signed loss gradients of the sampled rows (`gradients`; Palu's
-    ``gradient`` rank search projects reconstruction errors on them). They must then be fed.
+    ``gradient`` rank search projects reconstruction errors on them). They must then be fed, and
+    the Fisher weights `samples` returns are their squares (not kept twice).
     """
 
     def __init__(self, max_tokens: int = 4096, seed: int = 0, skip_first: int = 0, keep_gradients: bool = False):
@@ -232,9 +233,11 @@ class SampleReservoir:
         for part, rows, fisher, grad in zip(PARTS, new_rows, new_fisher, new_grads):
             key = (layer, part)
             self._rows[key] = _merge(self._rows.get(key), keep_old, rows, keep_new)
-            self._fisher[key] = _merge(self._fisher.get(key), keep_old, fisher, keep_new) if with_fisher else None
-            if grad is not None:
+            if grad is not None:  # the Fisher weights are their squares: kept once, squared in `samples`
                 self._gradients[key] = _merge(self._gradients.get(key), keep_old, grad, keep_new)
+                self._fisher[key] = None
+            else:
+                self._fisher[key] = _merge(self._fisher.get(key), keep_old, fisher, keep_new) if with_fisher else None
 
     # ----- reading -------------------------------------------------------------------
 
@@ -244,7 +247,8 @@ class SampleReservoir:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
         if (layer, part) not in self._rows:
             raise KeyError(f"no samples for layer {layer}; layers observed: {self.layers()}")
-        return self._rows[(layer, part)], self._fisher[(layer, part)]
+        gradients = self._gradients.get((layer, part))
+        return self._rows[(layer, part)], gradients.square() if gradients is not None else self._fisher[(layer, part)]
 
     def gradients(self, layer: int, part: str) -> torch.Tensor | None:
         """Signed loss gradients (n, H_kv, D) float32 of the rows `samples` returns; None unless ``keep_gradients``."""

@@ -145,6 +145,12 @@ def test_reservoir_keeps_gradients_of_its_sampled_rows():
         assert grads.shape == rows.shape == (20, *rows.shape[1:])
         torch.testing.assert_close(grads.square(), fisher)
         assert (grads < 0).any() and (grads > 0).any()  # signed
+    fisher_only = SampleReservoir(max_tokens=20, seed=0, skip_first=1)  # keeps the Fisher weights it is fed
+    stream_with_gradients(model, adapter, windows, [fisher_only])
+    for layer in (0, 1):
+        for part in ("keys_pre_rope", "values"):
+            for ours, theirs in zip(reservoir.samples(layer, part), fisher_only.samples(layer, part)):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=0)  # same rows, Fisher = the kept gradients squared
     plain = SampleReservoir(max_tokens=20, seed=0)
     stream_with_gradients(model, adapter, windows, [plain])
     assert plain.gradients(0, "values") is None
