@@ -5,15 +5,13 @@ import pytest
 import torch
 
 from kvtool.methods.quant.packing import (
-    fold_pieces,
     fold_weights,
     pack_codes,
     packed_bytes,
     packed_rows,
-    raw_pieces,
     raw_slices,
     slice_widths,
-    telescope_pieces,
+    telescope,
     unpack_codes,
 )
 
@@ -99,24 +97,18 @@ def test_raw_values_give_exact_contractions(bits):
     q = torch.randn(3, 5, 16, dtype=torch.float64)
     w = torch.randn(3, 5, 32, dtype=torch.float64)
     scores = sum(
-        (1 << low) * telescope_pieces([q @ piece.double().transpose(-1, -2) for piece in pieces], width)
-        for width, low, pieces in raw_pieces(packed, bits, 32)
+        (1 << low) * telescope(q @ raw.double().transpose(-1, -2), width, 32) for width, low, raw in raw_slices(packed, bits, 32)
     )
     mixed = sum((1 << low) * (fold_weights(w, width, 32) @ raw.double()) for width, low, raw in raw_slices(packed, bits, 32))
-    mixed_pieces = sum(
-        (1 << low) * sum(wp @ piece.double() for wp, piece in zip(fold_pieces(w, width, len(pieces)), pieces))
-        for width, low, pieces in raw_pieces(packed, bits, 32)
-    )
     torch.testing.assert_close(scores, q @ codes.double().transpose(-1, -2))
     torch.testing.assert_close(mixed, w @ codes.double())
-    torch.testing.assert_close(mixed_pieces, w @ codes.double())
 
 
 def test_raw_identities_hold_per_block_of_a_longer_axis():
     """Several blocks side by side on the last axis: each block is corrected on its own."""
     codes = random_codes(2, (4, 32, 8))  # 4 blocks
     packed = pack_codes(codes, 2)
-    (width, _, pieces), = raw_pieces(packed, 2, 32)
+    (width, _, raw), = raw_slices(packed, 2, 32)  # (4, 32, 8): raw values in token order
     q = torch.randn(8, dtype=torch.float64)
-    raw_scores = [piece.double() @ q for piece in pieces]  # k x (4 blocks, 32 / k tokens)
-    torch.testing.assert_close(telescope_pieces(raw_scores, width), codes.double() @ q)
+    raw_scores = (raw.double() @ q).reshape(-1)  # (4 blocks x 32 tokens)
+    torch.testing.assert_close(telescope(raw_scores, width, 32), (codes.double() @ q).reshape(-1))

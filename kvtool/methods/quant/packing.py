@@ -15,12 +15,13 @@ slice are contiguous, and a block's bytes can be read as int32 words (S >= 32).
 Why token-split: shifting a slice's bytes right by ``i * w`` gives, for the tokens of
 sub-row i, the *raw* value ``P_t = c_t + 2**w * P_{t + S/k}`` (the bits above are not
 masked). Attention can contract raw values and correct afterwards, on the small
-result, instead of masking every element (`raw_slices` / `raw_pieces`, `telescope_pieces`,
-`fold_weights`): ``q . c_t = q . P_t - 2**w * q . P_{t+S/k}`` and
+result, instead of masking every element (`raw_slices`, `telescope`, `fold_weights`): ``q . c_t = q . P_t - 2**w * q . P_{t+S/k}`` and
 ``sum_t w_t c_t = sum_t (w_t - 2**w * w_{t-S/k}) P_t``. Triton kernels mask in registers.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -71,49 +72,38 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat(rows, dim=-2)
 
 
+@functools.lru_cache(maxsize=None)
+def _shifts(width: int, device: torch.device) -> torch.Tensor:
+    """(k, 1, 1) uint8: the shift of each sub-row of a ``width``-bit slice, 0, w, 2w, ..."""
+    return torch.arange(0, 8, width, device=device, dtype=torch.uint8).view(8 // width, 1, 1)
+
+
 def raw_slices(packed: torch.Tensor, bits: int, tokens: int) -> list[tuple[int, int, torch.Tensor]]:
     """Per slice: (width, lowest bit, raw values P (..., S, C) uint8), P_t = c_t + 2**w * P_{t+S/k} (unmasked).
 
-    Cheap on CPU: k scalar shifts and one concatenation per slice.
-    """
+    Cheap on CPU: one broadcast shift per slice, whatever k (sub-row i shifted by ``i * w``)."""
     out, row, low = [], 0, 0
     for width in slice_widths(bits):
         k = 8 // width
         part = packed[..., row : row + tokens // k, :]  # (..., S/k, C)
-        pieces = [part] + [part >> (i * width) for i in range(1, k)]
-        out.append((width, low, torch.cat(pieces, dim=-2) if k > 1 else part))
+        if k > 1:
+            part = (part.unsqueeze(-3) >> _shifts(width, packed.device)).reshape(*part.shape[:-2], tokens, part.shape[-1])  # (..., S, C)
+        out.append((width, low, part))
         row += tokens // k
         low += width
     return out
 
 
-def raw_pieces(packed: torch.Tensor, bits: int, tokens: int) -> list[tuple[int, int, list[torch.Tensor]]]:
-    """`raw_slices` without the concatenation: per slice (width, lowest bit, [P_0, ..., P_{k-1}]), piece i the
-    raw values (..., S/k, C) uint8 of tokens [i S/k, (i + 1) S/k) of each block (k = 8 / width). Contract
-    each piece on its own and combine the small results with `telescope_pieces`."""
-    out, row, low = [], 0, 0
-    for width in slice_widths(bits):
-        k = 8 // width
-        part = packed[..., row : row + tokens // k, :]  # (..., S/k, C)
-        out.append((width, low, [part] + [part >> (i * width) for i in range(1, k)]))
-        row += tokens // k
-        low += width
-    return out
-
-
-def telescope_pieces(raw_scores: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Scores against the pieces of `raw_pieces`, each (..., S/k) -> scores against the codes (..., S):
-    piece i holds ``c + 2**w P_{i+1}``, so ``x . c = x . P_i - 2**w x . P_{i+1}`` (the last piece is exact)."""
-    codes = [raw_scores[i] - (1 << width) * raw_scores[i + 1] for i in range(len(raw_scores) - 1)]
-    return torch.cat(codes + [raw_scores[-1]], dim=-1)
-
-
-def fold_pieces(weights: torch.Tensor, width: int, k: int) -> list[torch.Tensor]:
-    """Token weights (..., N, S) for a contraction with the k pieces of `raw_pieces`, each (..., N, S/k): piece i
-    takes ``w_i - 2**w w_{i-1}`` (`fold_weights`, piece by piece)."""
-    sub = weights.shape[-1] // k
-    pieces = [weights[..., i * sub : (i + 1) * sub] for i in range(k)]
-    return [pieces[0]] + [pieces[i] - (1 << width) * pieces[i - 1] for i in range(1, k)]
+def telescope(raw_scores: torch.Tensor, width: int, tokens: int) -> torch.Tensor:
+    """Scores against the raw values of `raw_slices` (..., N * S) -> scores against the codes, per block of S tokens:
+    token t of sub-row i < k - 1 holds ``c_t + 2**w P_{t+S/k}``, so ``x . c_t = x . P_t - 2**w x . P_{t+S/k}``."""
+    if width == 8:
+        return raw_scores
+    k = 8 // width
+    blocks = raw_scores.reshape(*raw_scores.shape[:-1], -1, k, tokens // k)  # (..., N, k, S/k)
+    out = blocks.clone()
+    out[..., :-1, :] -= (1 << width) * blocks[..., 1:, :]
+    return out.reshape(raw_scores.shape)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, tokens: int) -> torch.Tensor:

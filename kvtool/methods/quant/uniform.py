@@ -13,12 +13,11 @@ Storage per block of one (sequence, KV head) stream (leading block dim omitted):
 Dequantization: ``x = code * scale + zero``.
 
 Attention never dequantizes (`chunk_scores`, `chunk_values`): zero points fold into the query,
-``q . (s * c + z) = q . (s * c) + q . z``, and per-channel key scales multiply the chunk's raw
-packed bytes (one pass into a chunk-bounded float32 temporary; the GPU kernel folds them into
-the query instead, which on CPU would be one tiny matmul per block); per-token value scales
+``q . (s * c + z) = q . (s * c) + q . z``, and per-channel key scales fold into the query once per
+block (``(q * s) . c``: one batched matmul over the chunk's blocks); per-token value scales
 fold into the probabilities, ``sum_t p_t (s_t * c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t``;
-the packed bytes are contracted raw, piece by piece, and corrected on the small result
-(`packing.py`: `raw_pieces`, `telescope_pieces`).
+the packed bytes are contracted raw, one matmul per bit slice over every block of the chunk, and
+corrected on the small result (`packing.py`: `raw_slices`, `telescope`, `fold_weights`).
 """
 
 from __future__ import annotations
@@ -26,16 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvtool.methods.base import BlockQuantizer
-from kvtool.methods.quant.packing import (
-    fold_pieces,
-    fold_weights,
-    pack_codes,
-    packed_rows,
-    raw_pieces,
-    raw_slices,
-    telescope_pieces,
-    unpack_codes,
-)
+from kvtool.methods.quant.packing import fold_weights, pack_codes, packed_rows, raw_slices, telescope, unpack_codes
 from kvtool.methods.registry import register
 
 _FP16_MAX = 65504.0
@@ -110,18 +100,17 @@ class UniformQuantizer(BlockQuantizer):
             return torch.matmul(query, self._dequantized(blocks).transpose(-1, -2))  # (Sc, 1, R, T)
         q = query[:, 0]  # (Sc, R, D)
         sc, nb = blocks["codes"].shape[:2]
-        r, d = q.shape[1:]
-        scale = blocks["scale"].float()[:, :, None, :]  # (Sc, nb, 1, D): per-block channel scales
+        r, s = q.shape[1], self.block_size
+        # the per-channel scales fold into the query, once per block: one batched matmul over every block of the chunk
+        # (it parallelizes over blocks; scaling the raw bytes instead writes and reads a float32 copy of every key)
+        q_blocks = q[:, None] * blocks["scale"].float()[:, :, None, :]  # (Sc, nb, R, D)
         scores = None
-        for width, low, pieces in raw_pieces(blocks["codes"], self.spec.bits, self.block_size):  # each (Sc, nb, S/k, D)
-            # the scales multiply the chunk's raw bytes (one pass, into float32) so that every piece is one
-            # matmul over all its blocks; scaling the query per block instead makes nb tiny matmuls (slow on CPU)
-            raw = [torch.matmul(q, torch.mul(piece, scale).reshape(sc, -1, d).transpose(-1, -2)) for piece in pieces]
-            raw = [x.reshape(sc, r, nb, -1) for x in raw]  # (Sc, R, nb, S/k): tokens i S/k.. of each block
-            part = telescope_pieces(raw, width) * float(1 << low)  # (Sc, R, nb, S)
+        for width, low, raw in raw_slices(blocks["codes"], self.spec.bits, s):  # raw (Sc, nb, S, D) uint8
+            part = telescope(torch.matmul(q_blocks, raw.float().transpose(-1, -2)), width, s)  # (Sc, nb, R, S) vs codes
+            part = part if low == 0 else part * float(1 << low)
             scores = part if scores is None else scores + part
         zeros = torch.matmul(q, blocks["zero"].float().transpose(-1, -2))  # (Sc, R, nb): q . z per block
-        return (scores + zeros[..., None]).reshape(sc, 1, r, nb * self.block_size)  # (Sc, 1, R, nb*S)
+        return (scores.transpose(1, 2) + zeros[..., None]).reshape(sc, 1, r, nb * s)  # (Sc, 1, R, nb*S)
 
     def chunk_values(self, probs, blocks, group):
         if probs.shape[2] > self.head_dim:  # many rows (prefill): scaling the values once costs less than every row's weights
@@ -132,20 +121,19 @@ class UniformQuantizer(BlockQuantizer):
         scale, zero = blocks["scale"].float(), blocks["zero"].float()
         if self.spec.axis == "channel":
             return self._channel_values(p, blocks["codes"], scale, zero)[:, None]
-        groups, r = d // self.group, p.shape[1]
-        scale_t = scale.reshape(sc, nb * s, groups).transpose(1, 2)  # (Sc, groups, T)
-        weights = (p[:, :, None, :] * scale_t[:, None]).reshape(sc, r * groups, nb, s)  # p_t * s_t per channel group
+        groups, r, t = d // self.group, p.shape[1], nb * s
+        scale_t = scale.reshape(sc, t, groups).transpose(1, 2).contiguous()  # (Sc, G, T): small, read contiguously below
+        weights = p[:, None] * scale_t[:, :, None]  # (Sc, G, R, T): p_t * s_t for each channel group
         out = None
-        for width, low, pieces in raw_pieces(blocks["codes"], self.spec.bits, s):  # each (Sc, nb, S/k, D)
-            sub = s // len(pieces)
-            for w, piece in zip(fold_pieces(weights, width, len(pieces)), pieces):  # w (Sc, R*groups, nb, S/k)
-                part = torch.matmul(w.reshape(sc, r * groups, nb * sub), piece.reshape(sc, nb * sub, d).float())
-                part = part * float(1 << low)  # (Sc, R*groups, D)
-                out = part if out is None else out + part
-        out = out.reshape(sc, p.shape[1], groups, groups, self.group).diagonal(dim1=2, dim2=3)  # (Sc, R, g_size, groups)
-        out = out.transpose(-1, -2).reshape(sc, p.shape[1], d)  # channel d took the weights of its own group
-        zeros = torch.matmul(p, zero.reshape(sc, nb * s, groups))  # (Sc, R, groups)
-        return (out + zeros.repeat_interleave(self.group, dim=-1))[:, None]
+        for width, low, raw in raw_slices(blocks["codes"], self.spec.bits, s):  # raw (Sc, nb, S, D) uint8
+            codes = raw.reshape(sc, t, groups, self.group).transpose(1, 2)  # (Sc, G, T, g) view
+            codes = codes.to(torch.float32, memory_format=torch.contiguous_format)  # one pass into float32
+            part = torch.matmul(fold_weights(weights, width, s), codes)  # (Sc, G, R, g): each group its own weights
+            part = part if low == 0 else part * float(1 << low)
+            out = part if out is None else out + part
+        out = out.transpose(1, 2).reshape(sc, r, d)  # (Sc, R, D)
+        zeros = torch.matmul(p, zero.reshape(sc, t, groups))  # (Sc, R, G): sum_t p_t z_t per group
+        return (out.reshape(sc, r, groups, self.group) + zeros[..., None]).reshape(sc, r, d)[:, None]
 
     def chunk_floats(self, blocks, group):
         return self._dequantized(blocks)  # unrounded, as chunk_scores / chunk_values read them: (Sc, 1, nb*S, D)
