@@ -15,8 +15,9 @@ slice are contiguous, and a block's bytes can be read as int32 words (S >= 32).
 Why token-split: shifting a slice's bytes right by ``i * w`` gives, for the tokens of
 sub-row i, the *raw* value ``P_t = c_t + 2**w * P_{t + S/k}`` (the bits above are not
 masked). Attention can contract raw values and correct afterwards, on the small
-result, instead of masking every element (`raw_slices`, `telescope`, `fold_weights`): ``q . c_t = q . P_t - 2**w * q . P_{t+S/k}`` and
-``sum_t w_t c_t = sum_t (w_t - 2**w * w_{t-S/k}) P_t``. Triton kernels mask in registers.
+result, instead of masking every element (`raw_slices`, `telescope`, `fold_weights`):
+``q . c_t = q . P_t - 2**w * q . P_{t+S/k}`` and ``sum_t w_t c_t = sum_t (w_t - 2**w * w_{t-S/k}) P_t``.
+Triton kernels mask in registers.
 """
 
 from __future__ import annotations
