@@ -138,7 +138,6 @@ class StoredKeyScores:
         s, _, n, d = keys.shape
         bs = fmt.block_size
         stored = keys
-        to_attention = None
         if pre_rope:  # stored before RoPE (as `KvtoolLayer._encode`), rotated back at the true positions for scoring
             cos, sin = self.rope.cos_sin(layer, positions)  # (S, T_body, R)
             stored = self.rope.rotate(layer, keys, cos, sin, inverse=True)
