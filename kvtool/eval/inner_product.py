@@ -79,6 +79,10 @@ class InnerProductError:
             "rel_mse": ee / n / var_s,
         }
 
+    def by_layer(self) -> dict[str, list[float]]:
+        """{stat: per layer, the mean over its query heads}."""
+        return {name: value.mean(dim=1).tolist() for name, value in self.per_head().items()}
+
     def summary(self) -> dict[str, float]:
         """Means over layers and query heads, plus ``abs_bias`` and ``pairs`` (per layer and head)."""
         heads = self.per_head()
