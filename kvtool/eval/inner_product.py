@@ -10,7 +10,9 @@ tensors of the runtime) and scored with that format's own ``chunk_scores``: the 
 runtime's attention uses for q . k (TurboQuant: the query rotated into the codes' domain, plus
 the QJL estimator with ``qjl: true``; pre-RoPE formats: RoPE at the true positions; uniform:
 scales folded into the query). The queries are scaled by the layer's ``scaling`` as the runtime
-scales them. The reference is the same matmul over the exact keys.
+scales them. The reference is the same matmul over the exact keys. Keys are encoded from the
+model's float keys, as a prefill encodes them (keys that pass through the fp16 recent window
+while decoding are rounded to fp16 first: an error far below any code's).
 
 Pairs: query at position i, body key at position j < i (the current token and the recent
 window stay in float in the runtime, so only older tokens reach the quantized body; every
