@@ -37,6 +37,7 @@ import dataclasses
 import platform
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from rich.console import Console
@@ -99,15 +100,18 @@ METHOD_RECIPES = [
 ]
 
 
-def method_recipes(calib_samples: int, extra: list[str] | None = None) -> list[Recipe]:
-    """The suite's recipes, then any other bundled recipe named in ``extra`` (e.g. kvquant-2bit-1pct)."""
+def method_recipes(calib_samples: int, extra: list[str] | None = None, calib_seq_len: int | None = None) -> Iterator[Recipe]:
+    """The suite's recipes, then any other bundled recipe named in ``extra`` (e.g. kvquant-2bit-1pct).
+
+    calib_seq_len: tokens per calibration window (default: each recipe's own, 512 for the bundled ones)."""
     out = []
-    for name in METHOD_RECIPES + [n for n in extra or [] if n not in METHOD_RECIPES and n != "turboquant-3bit qjl-keys"]:
-        recipe = load_recipe(name)
-        out.append(dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=calib_samples)))
     tq = load_recipe("turboquant-3bit")  # the QJL variant: 2-bit codes + 1-bit residual sketch for keys
-    out.append(dataclasses.replace(tq, name="turboquant-3bit qjl-keys", keys=dataclasses.replace(tq.keys, qjl=True)))
-    return out
+    qjl = dataclasses.replace(tq, name="turboquant-3bit qjl-keys", keys=dataclasses.replace(tq.keys, qjl=True))
+    for name in METHOD_RECIPES + [n for n in extra or [] if n not in METHOD_RECIPES and n != "turboquant-3bit qjl-keys"]:
+        out.append(load_recipe(name))
+    for recipe in out + [qjl]:
+        seq_len = calib_seq_len or recipe.calibration.seq_len
+        yield dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=calib_samples, seq_len=seq_len))
 
 
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -182,13 +186,13 @@ class MethodsBench(Bench):
 
 def bench_methods(names: list[str], samples: int, seq_len: int, decode: int, calib_samples: int, out: Path, console: Console,
                   only: list[str] | None = None, chunk: int = 1, passkey: RetrievalGrid | None = None,
-                  score_perplexity: bool = True) -> None:
+                  score_perplexity: bool = True, calib_seq_len: int | None = None) -> None:
     rows = []
     for name in names:
         bench = MethodsBench(name, samples, seq_len, decode, chunk, passkey, score_perplexity)
         rows.append(bench.baseline_row())
         console.log(f"{name} uncompressed: {_columns_line(rows[-1])}")
-        for recipe in method_recipes(calib_samples, only):
+        for recipe in method_recipes(calib_samples, only, calib_seq_len):
             if only and recipe.name not in only:
                 continue
             rows.append(bench.score(recipe))
@@ -236,6 +240,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=("bits", "methods"), default="bits")
     parser.add_argument("--calib-samples", type=int, default=8, help="methods suite: calibration windows of 512 tokens")
+    parser.add_argument("--calib-seq-len", type=int, default=None,
+                        help="methods suite: tokens per calibration window (default 512; at most --seq-len)")
     parser.add_argument("--chunk", type=int, default=1,
                         help="methods suite: tokens per decoding forward (>1 is faster but approximate: a chunk's tokens see each other uncompressed)")
     parser.add_argument("--recipes", nargs="+", default=None,
@@ -254,7 +260,8 @@ def main() -> None:
     if args.suite == "methods":
         out = args.out if args.out != parser.get_default("out") else Path("benchmarks/results/quant_methods.json")
         bench_methods(args.models or ["smollm2-135m"], args.samples, args.seq_len, args.decode, args.calib_samples, out, console,
-                      args.recipes, args.chunk, passkey_grid(args.passkey_cases, args.passkey_length), not args.no_perplexity)
+                      args.recipes, args.chunk, passkey_grid(args.passkey_cases, args.passkey_length), not args.no_perplexity,
+                      args.calib_seq_len)
         return
     args.models = args.models or list(MODELS)
     rows = [row for name in args.models for row in bench_model(name, args.samples, args.seq_len, console)]
