@@ -18,7 +18,9 @@ the grid of the eviction tables (`kvtool.eval.retrieval.evaluate_grid`, `Passkey
 WikiText-2 test, plain text, depths 0 / 0.25 / 0.5 / 0.75 / 1 x N / 5 seeds, greedy decoding through
 the runtime: the prompt prefilled, every answer token after the first attends to the compressed
 cache) for the uncompressed baseline and every recipe. ``--no-perplexity`` skips the perplexity
-scoring (the other columns only). Writes benchmarks/results/quant_methods.json.
+scoring (the other columns only); ``--calib-seq-len`` sets the calibration windows' length (static
+per-channel scales fitted on 512 tokens clip keys at later positions: calibrate as long as the
+contexts served). Writes benchmarks/results/quant_methods.json.
 
     python -m benchmarks.quant_bits --suite methods --models smollm2-135m --samples 2 --seq-len 512 \
         --calib-samples 2 --passkey-cases 10 --passkey-length 1024
@@ -208,7 +210,8 @@ def bench_methods(names: list[str], samples: int, seq_len: int, decode: int, cal
         console.print(table)
     _save(rows, out, passkey)
     console.print(_metrics_table(rows))
-    console.print(f"wrote {out}")
+    if not score_perplexity:  # print_and_save said it already
+        console.print(f"wrote {out}")
 
 
 def _columns_line(row: dict) -> str:
