@@ -1,0 +1,41 @@
+"""benchmarks/quant_bits.py --suite methods: the inner-product and pass-key columns (issue 12), on kvref-5m.
+
+kvref-5m cannot retrieve a pass key (see its README): only the mechanics are checked here, that
+every row carries the columns, that the uncompressed baseline reads exactly 0 error, and that the
+pass-key grid is the one asked for. The figures are in benchmarks/RESULTS.md ("Quantization
+methods: inner-product bias and pass-key").
+"""
+
+import json
+
+import pytest
+from rich.console import Console
+
+from benchmarks.quant_bits import bench_methods, passkey_grid
+from tests.conftest import shared_path
+
+
+def test_methods_suite_reports_inner_product_and_passkey(tmp_path):
+    shared_path("models/kvref-5m")  # skips (or fails in CI) without ../shared
+    out = tmp_path / "quant_methods.json"
+    grid = passkey_grid(5, 128)
+    bench_methods(["kvref-5m"], samples=1, seq_len=256, decode=0, calib_samples=1, out=out, console=Console(quiet=True),
+                  only=["int4-static-channel", "turboquant-3bit qjl-keys"], passkey=grid, score_perplexity=False)
+    saved = json.loads(out.read_text())
+    rows = saved["rows"]
+    assert [r["recipe"] for r in rows] == ["uncompressed", "int4-static-channel", "turboquant-3bit qjl-keys"]
+    assert saved["passkey_grid"] == {"lengths": [128], "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "seeds": 1}
+    base = rows[0]
+    assert base["ip_bias"] == base["ip_shrink"] == base["ip_error_var"] == base["ip_rel_mse"] == 0.0
+    for row in rows[1:]:
+        assert row["ip_rel_mse"] > 0 and row["ip_error_var"] > 0 and row["keys_sqnr_db"] is not None
+        assert row["ip_rel_mse"] >= row["ip_error_var"]  # rel MSE = error variance + bias^2, per head
+    for row in rows:
+        assert 0.0 <= row["passkey_accuracy"] <= 1.0 and len(row["passkey_by_depth"]) == 5
+
+
+def test_passkey_cases_are_whole_seeds_over_the_five_depths():
+    assert passkey_grid(0, 1024) is None
+    assert passkey_grid(10, 1024).seeds == 2
+    with pytest.raises(SystemExit, match="multiple of 5"):
+        passkey_grid(7, 1024)
