@@ -312,7 +312,19 @@ class EvictionSpec:
         every step, as the papers describe). Prefill always evicts down to the budget.
     sink_tokens: first tokens of a sequence always kept (attention sinks; FastGen's
         special tokens include them).
-    window: most recent tokens always kept (SnapKV's observation window).
+    window: most recent tokens always kept (SnapKV's observation window: its queries score the
+        older tokens; see ``window_share`` for small budgets).
+    window_share: for the policies whose window's queries score the other tokens (snapkv, rocketkv,
+        chunkkv), the largest fraction of a stream's budget the window may take (null = always
+        ``window``): the window is min(window, max(1, floor(window_share x budget))), budget = the
+        recipe's ``budget`` x the tokens the layer can see, or ``budget_tokens``. SnapKV's 32-token
+        window was made for budgets of 1024+ tokens (3% of them); at a 64-token budget it would take
+        half, filled by the filler before the question, and its queries (mostly that filler) would
+        score the older tokens. 0.125: an 8-token window at a 64-token budget, as KVCache-Factory
+        runs SnapKV / PyramidKV / H2O / AdaKV at budgets of 64-2048 tokens; unchanged (32) from
+        budgets of 256 tokens up. Only multi-token forwards (prefill) use the smaller window: a decode step
+        scores by attention summed over every query, which favours old tokens, and keeps the whole
+        ``window`` (H2O's recency guard).
     pooling: SnapKV's 1-D max-pooling kernel over token scores (odd; 1 = none).
     chunk_size, reuse_layers: ChunkKV's chunk of consecutive positions kept whole, and the
         number of adjacent layers sharing one chunk selection (1 = every layer its own;
@@ -345,6 +357,7 @@ class EvictionSpec:
     interval: int = 16
     sink_tokens: int = 4
     window: int = 32
+    window_share: float | None = 0.125
     pooling: int = 7
     chunk_size: int = 10
     reuse_layers: int = 1
@@ -374,6 +387,8 @@ class EvictionSpec:
                  f"{self.interval} must be an integer >= 1 (1 = evict at every decode step; 16 = once per float block)")
         _require(_is_int(self.sink_tokens) and self.sink_tokens >= 0, f"{p}.sink_tokens", "must be an integer >= 0")
         _require(_is_int(self.window) and self.window >= 1, f"{p}.window", "must be an integer >= 1")
+        _require(self.window_share is None or _is_fraction(self.window_share), f"{p}.window_share",
+                 f"{self.window_share} must be a fraction in (0, 1] of a stream's budget (or null: always eviction.window)")
         _require(_is_int(self.pooling) and self.pooling >= 1 and self.pooling % 2 == 1, f"{p}.pooling",
                  f"{self.pooling} must be an odd integer >= 1 (SnapKV uses 5-7)")
         _require(_is_int(self.chunk_size) and self.chunk_size >= 1, f"{p}.chunk_size",

@@ -62,6 +62,10 @@ def eviction_summary(recipe: Recipe) -> str:
         return f"fastgen T={spec.threshold:g}, r_l={spec.local_ratio:g}, r_f={spec.frequent_ratio:g} ({source})"
     budget = f"{spec.budget_tokens} tokens" if spec.budget_tokens is not None else f"{spec.budget:.0%}"
     parts = [f"{spec.policy}: keep {budget}", f"{spec.sink_tokens} sink + {spec.window} recent"]
+    from kvtool.methods.evict.base import policy_class
+
+    if spec.window_share is not None and policy_class(spec.policy).observes_window:
+        parts[-1] += f" (at prefill at most {spec.window_share:.1%} of the budget)"
     if spec.policy in ("snapkv", "rocketkv"):
         parts.append(f"pooling {spec.pooling}")
     if spec.policy == "rocketkv":

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvtool.methods.evict.base import StreamView
+from kvtool.methods.evict.base import EvictionPolicy, StreamView
 from kvtool.methods.sparse.rocketkv import select_groups
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
@@ -271,8 +271,10 @@ class KvtoolLayer(CacheLayerMixin):
             sink_logits = self._sink_logits(options.sinks, b, t)
             if scoring:
                 reads_window = t > 1 and "window" in policy.attention_from  # else the last queries' sums go unread
-                window_rows = (torch.arange(r, device=q.device) % t >= t - policy.spec.window) if reads_window else None
-                observer = policy.window_observer(t) if t > 1 else None  # CAKE, PyramidInfer: more window statistics
+                window = self._observation_window(t, options.sliding_window, real) if t > 1 else None  # (S,) or int
+                token = torch.arange(r, device=q.device) % t  # (R,) the query token of each row
+                window_rows = (token >= t - (window if isinstance(window, int) else window[:, None])) if reads_window else None
+                observer = policy.window_observer(t, window) if t > 1 else None  # CAKE, PyramidInfer: more window statistics
             if prefill_attention.covers(q, t, options):  # many rows: each chunk decoded once, fused attention
                 new_mask = None if _plain_causal(mask) else mask
                 chunks = lambda rows: self._chunks(s, rows, options)  # noqa: E731  chunks sized for `rows` query rows
@@ -294,6 +296,19 @@ class KvtoolLayer(CacheLayerMixin):
             out = out.reshape(b, groups, g, G, t, d).reshape(b, hq, t, d).transpose(1, 2).to(query.dtype)
         self._store_new(nk, nv, real, positions, received, t)
         return out
+
+    def _observation_window(self, t: int, sliding_window: int | None, real: torch.Tensor | None) -> torch.Tensor | int:
+        """Query tokens of this forward of ``t`` whose attention scores the others, per stream (S,) int64, or one int
+        when every stream has the same: the policy's recent window (`EvictionPolicy.recent_window`) at its sequence's
+        length after the forward (real tokens only, so a padded batch observes what each sequence would alone)."""
+        counts = torch.full_like(self.lengths, t) if real is None else real.sum(dim=1).to(self.lengths.dtype)  # (B,)
+        visible = self.lengths + counts
+        if sliding_window:
+            visible = visible.clamp(max=sliding_window)
+        window = self.policy.recent_window(visible)  # (B,)
+        if bool((window == window[0]).all()):
+            return int(window[0])
+        return window.repeat_interleave(self.groups)  # (S,)
 
     def _kernel_covers(self, t: int, scoring: bool, options: LayerOptions, real) -> bool:
         """The Triton decode kernel runs this step (see `backend.py` for what it covers)."""
@@ -591,6 +606,11 @@ class KvtoolLayer(CacheLayerMixin):
         fbs = store.fbs
         table = SlotTable(int(store.float_blocks().max()) * fbs, int(store.body_len.max()) if store.body_pool else 0, store.bs, t)
         view = self._view(table, data, counts, positions, received, length)
+        if isinstance(policy, EvictionPolicy) and policy.budgeted and not decoding:
+            # a multi-token forward protects the queries that scored the rest (`recent_window`); a decode step the
+            # recipe's whole window: its scores are attention summed over every query, which favours old tokens
+            visible = length if rule is None else length.clamp(max=rule.window)
+            view = dataclasses.replace(view, window=policy.recent_window(visible))
         if rule is not None and policy.budgeted:  # the policy chooses among what the window still shows
             view = dataclasses.replace(view, valid=rule.keep(view, budget))
         keep = choose(policy, view, budget)

@@ -216,6 +216,11 @@ def attend_stored(
     return out, received
 
 
+def any_stream(rows: torch.Tensor) -> torch.Tensor:
+    """(R,) bool: the rows in the window of any stream, from window rows (R,) or per stream (S, R)."""
+    return rows.any(dim=0) if rows.dim() == 2 else rows
+
+
 def row_runs(rows: torch.Tensor) -> list[tuple[int, int]]:
     """(lo, hi) of every run of consecutive True entries of ``rows`` (R,) bool: the window rows of each query head."""
     edges = torch.diff(rows.to(torch.int8), prepend=rows.new_zeros(1, dtype=torch.int8), append=rows.new_zeros(1, dtype=torch.int8))
@@ -236,7 +241,9 @@ class ReceivedTally:
         self.new = torch.zeros(s, t, device=device)
         self.new_window = torch.zeros_like(self.new)
         self.window_rows, self.observe, self.all_rows = window_rows, observe, all_rows
-        self.window_runs = None if window_rows is None else row_runs(window_rows)  # [(lo, hi)] one per query head
+        # window_rows (R,) bool, or (S, R) bool: each stream its own window (rows past it count 0 there)
+        self.stream_rows = window_rows.float() if window_rows is not None and window_rows.dim() == 2 else None  # (S, R)
+        self.window_runs = None if window_rows is None else row_runs(any_stream(window_rows))  # [(lo, hi)] one per query head
 
     def _window_sum(self, p: torch.Tensor, lo: int, hi: int) -> torch.Tensor | None:
         """(S, C) sum of p (S, g, hi - lo, C) over its rows that are window rows, or None when it has none."""
@@ -244,7 +251,10 @@ class ReceivedTally:
         for run_lo, run_hi in self.window_runs or ():
             a, b = max(lo, run_lo), min(hi, run_hi)
             if a < b:
-                part = p[:, :, a - lo : b - lo].sum(dim=(1, 2))
+                rows = p[:, :, a - lo : b - lo]  # (S, g, b - a, C)
+                if self.stream_rows is not None:
+                    rows = rows * self.stream_rows[:, None, a:b, None]
+                part = rows.sum(dim=(1, 2))
                 total = part if total is None else total + part
         return total
 
@@ -286,7 +296,7 @@ def attend_scored(
     new_mask: torch.Tensor,
     chunks: Callable[[], Iterator[Chunk]],
     options: LayerOptions,
-    window_rows: torch.Tensor | None = None,  # (R,) bool: rows of the last ``window`` query tokens
+    window_rows: torch.Tensor | None = None,  # (R,) or (S, R) bool: rows of the last ``window`` query tokens (per stream)
     query_pos: torch.Tensor | None = None,
     sink_logits: torch.Tensor | None = None,
     observe=None,  # policy hook: observe(region, start, p (S, g, rows lo:hi, C), lo, hi) for stored chunks and "new"

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 
 from kvtool.runtime.paged_attention import (
-    Chunk, LayerOptions, OnlineSoftmax, Received, ReceivedTally, chunk_visibility, row_runs,
+    Chunk, LayerOptions, OnlineSoftmax, Received, ReceivedTally, any_stream, chunk_visibility, row_runs,
 )
 
 PROBABILITY_ELEMENTS = 1 << 18  # float32 elements of one block of probabilities (1 MiB: formed and summed in cache)
@@ -153,7 +153,7 @@ def attend_many_scored(
     stream_mask: torch.Tensor,  # (S, R, t) bool: row may see new token (new_mask per stream row)
     chunks: Callable[[int], Iterator[Chunk]],
     options: LayerOptions,
-    window_rows: torch.Tensor | None = None,  # (R,) bool: rows of the last ``window`` query tokens
+    window_rows: torch.Tensor | None = None,  # (R,) or (S, R) bool: rows of the last ``window`` query tokens (per stream)
     query_pos: torch.Tensor | None = None,
     sink_logits: torch.Tensor | None = None,
     observe=None,  # the policy's observer, as for `paged_attention.attend_scored`
@@ -171,7 +171,7 @@ def attend_many_scored(
     lse = merged.m + torch.log(merged.l)  # (S, g, R, 1), -inf for a row that saw nothing (its logits are all -inf)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     tally = ReceivedTally(s, new_k.shape[2], q.device, window_rows, observe, all_rows)
-    spans = [(0, r)] if all_rows else row_runs(window_rows)  # the rows whose probabilities are formed
+    spans = [(0, r)] if all_rows else row_runs(any_stream(window_rows))  # the rows whose probabilities are formed
     _tally_received(tally, q, lse, spans, new_k, new_mask, stream_mask, chunks(_fused_rows(q, options)), options, query_pos)
     return merged.result(), tally.received()
 

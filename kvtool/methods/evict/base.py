@@ -44,7 +44,9 @@ class StreamView:
     policy's `window_observer` statistics per slot (name -> (S, N)), else None; stream_state
     (S,) int64 or None: a per-stream value the policy keeps between forwards (FastGen's
     per-prompt mode: each stream's chosen policy); the policy may replace it in `keep` and the
-    layer stores it, selects it with its sequences (beam search) and counts its bytes.
+    layer stores it, selects it with its sequences (beam search) and counts its bytes; window
+    (S,) int64 or None: each stream's recent window (`EvictionPolicy.recent_window`; None: the
+    recipe's ``window``).
     """
 
     positions: torch.Tensor
@@ -62,6 +64,7 @@ class StreamView:
     current_attention: torch.Tensor | None = None
     window_stats: dict[str, torch.Tensor] | None = None
     stream_state: torch.Tensor | None = None
+    window: torch.Tensor | None = None
 
     @property
     def single_token_units(self) -> bool:
@@ -87,6 +90,11 @@ class EvictionPolicy:
     uses_token_classes = False  # True: the runtime records special/punctuation classes per token
     budgeted = True  # False: the kept set follows rules (FastGen), so it is re-selected every step
     evicts_while_decoding = True  # False: only multi-token forwards (prefill, a new chat turn) evict (RocketKV)
+    # True (SnapKV and its variants, ChunkKV): at prefill the recent window is SnapKV's observation window (its queries
+    # score the older tokens), at most ``window_share`` of the budget; decode steps keep the whole window. False: kept
+    # whole: a recency guard against scores that favour old tokens (H2O's attention summed over every query: a smaller
+    # one costs the question its first tokens), or a window the policy's budgets and weights count (CAKE, PyramidInfer)
+    observes_window = False
     window_aware_budgets = False  # True: `budget_rule` counts sliding-window layers' visible tokens itself (CAKE)
     # the sums of the attention received in a forward of several tokens the policy reads (one token: always its own):
     # "all" (from every query: `StreamView.attention`, which later steps keep adding to) and/or "window" (from the
@@ -105,9 +113,26 @@ class EvictionPolicy:
         """(S, t) a fixed score part of new tokens from their keys/values (S, t, D) float32 (keys after RoPE)."""
         raise NotImplementedError
 
-    def window_observer(self, t: int):
-        """A `WindowStats` fed the window queries' attention of a forward of ``t`` > 1 tokens, or None."""
+    def window_observer(self, t: int, window: int):
+        """A `WindowStats` fed the attention of the last ``window`` queries of a forward of ``t`` > 1 tokens, or None."""
         return None
+
+    def recent_window(self, visible: torch.Tensor) -> torch.Tensor:
+        """(S,) int64 recent window of streams whose layer sees ``visible`` (S,) tokens: ``window`` tokens; for a policy
+        that ``observes_window``, at most ``window_share`` of the recipe's budget there (at least one token; see
+        `EvictionSpec.window_share`).
+
+        At a multi-token forward the observation window (the queries that score the older tokens) and the
+        protected recent tokens are this one window; decode steps protect the recipe's whole ``window``. The
+        recipe's budget, not a layer's own share (pyramids, CAKE, AdaKV), sizes it: the question it observes is
+        the same in every layer."""
+        spec = self.spec
+        full = torch.full_like(visible, spec.window)
+        if spec.window_share is None or not self.observes_window or not self.budgeted:
+            return full
+        budget = torch.full_like(visible, spec.budget_tokens) if spec.budget_tokens is not None else ratio_budget(spec.budget, visible)
+        share = torch.floor(spec.window_share * budget.double() + 1e-9).long()  # (S,)
+        return torch.minimum(full, share.clamp(min=1))
 
     def layer_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """(L,) per-layer budget weights (mean 1) the runtime's budget rule uses; default: the recipe's."""
@@ -122,7 +147,8 @@ class EvictionPolicy:
 
     def protected(self, view: StreamView) -> torch.Tensor:
         """(S, N) bool: sinks (first positions) and the recent window (last positions) are always kept."""
-        recent = view.positions > (view.latest() - self.spec.window)[:, None]
+        window = view.window if view.window is not None else self.spec.window  # (S,) or the recipe's
+        recent = view.positions > (view.latest() - window)[:, None]
         return view.valid & ((view.positions < self.spec.sink_tokens) | recent)
 
     def head_scores(self, view: StreamView) -> torch.Tensor:

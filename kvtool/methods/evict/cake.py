@@ -109,8 +109,8 @@ class CAKE(EvictionPolicy):
         self._scores: torch.Tensor | None = None  # (S, N) while `keep` runs
 
     # --- runtime hooks --------------------------------------------------------------------------
-    def window_observer(self, t: int) -> WindowStats:
-        return WindowStats(t, self.spec.window, {"square": squared, "entropy": entropy})
+    def window_observer(self, t: int, window: int | torch.Tensor) -> WindowStats:
+        return WindowStats(t, window, {"square": squared, "entropy": entropy})
 
     window_aware_budgets = True  # its shares count what each sliding-window layer can see (module docstring)
 

@@ -41,6 +41,8 @@ def lexicographic_scores(primary: torch.Tensor, secondary: torch.Tensor) -> torc
 
 @register_policy("chunkkv")
 class ChunkKV(EvictionPolicy):
+    observes_window = True  # its window's queries score the rest: sized by the budget
+
     def __init__(self, spec, profile=None) -> None:
         super().__init__(spec, profile)
         self._anchor: LayerKept | None = None  # what the last anchor layer kept

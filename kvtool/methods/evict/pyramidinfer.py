@@ -21,6 +21,7 @@ generation stage compresses each layer's new tokens on its own; layers are not n
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,13 +39,16 @@ class PyramidInfer(EvictionPolicy):
         self._below: LayerKept | None = None  # what the last layer prefilled kept
         self._allowed: torch.Tensor | None = None  # (S, N) bool while `keep` runs: what the layer below kept
 
-    def window_observer(self, t: int) -> WindowStats:
-        return WindowStats(t, self.spec.window, {"recent": self._recency_weighted})
+    def window_observer(self, t: int, window: int | torch.Tensor) -> WindowStats:
+        return WindowStats(t, window, {"recent": functools.partial(self._recency_weighted, window=window)})
 
-    def _recency_weighted(self, p: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
-        """p (S, g, W, C) x the weight of each window row: distance_weight for the newest query, 1 for the oldest."""
-        slope = (self.spec.distance_weight - 1) / max(self.spec.window - 1, 1)
-        return p * (self.spec.distance_weight - slope * age)[:, None]  # (W, 1) broadcast over tokens
+    def _recency_weighted(self, p: torch.Tensor, age: torch.Tensor, window: int | torch.Tensor) -> torch.Tensor:
+        """p (S, g, W, C) x the weight of each row of a stream's ``window`` (int or (S,)): distance_weight for the newest
+        query, 1 for the oldest."""
+        span = torch.as_tensor(window, dtype=p.dtype, device=p.device).reshape(-1, 1)  # (S or 1, 1)
+        slope = (self.spec.distance_weight - 1) / (span - 1).clamp(min=1)  # (S or 1, 1)
+        weight = self.spec.distance_weight - slope * age[None, :]  # (S or 1, W)
+        return p * weight[:, None, :, None]  # broadcast over heads and tokens
 
     def layer_weights(self, weights: torch.Tensor) -> torch.Tensor:
         return pyramidinfer_weights(len(weights), self.spec.retention_decay)

@@ -32,6 +32,8 @@ def pool_by_position(scores: torch.Tensor, positions: torch.Tensor, valid: torch
 
 @register_policy("snapkv")
 class SnapKV(EvictionPolicy):
+    observes_window = True  # its window's queries score the rest: sized by the budget
+
     def token_scores(self, view: StreamView):
         scores = view.window_attention if view.window_attention is not None else view.attention  # (S, N)
         if self.spec.pooling == 1:

@@ -24,20 +24,26 @@ class WindowStats:
 
     t: query tokens of the forward; rows of a stream are (query head, token) pairs with the
     token at ``row % t`` (the runtime's layout); a row is in the window when its token is one
-    of the last ``window``. age (W,) float: 0 for the newest query token, 1 for the one before...
+    of the last ``window`` (an int, or (S,) int64: each stream its own; rows outside a stream's
+    window count 0 there). age (W,) float: 0 for the newest query token, 1 for the one before...
     """
 
-    def __init__(self, t: int, window: int, stats: dict[str, Stat]) -> None:
+    def __init__(self, t: int, window: int | torch.Tensor, stats: dict[str, Stat]) -> None:
         self.t, self.window, self.stats = t, window, stats
         self.sums: dict[tuple[str, str, int], torch.Tensor] = {}  # (name, region, start) -> (S, C)
 
     def __call__(self, region: str, start: int, p: torch.Tensor, lo: int, hi: int) -> None:
         """Absorb probabilities p (S, g, hi - lo, C) of rows lo..hi against one chunk (region "new": the new tokens)."""
         token = torch.arange(lo, hi, device=p.device) % self.t  # (R_blk,) query token of each row
-        rows = (token >= self.t - self.window).nonzero().flatten()
+        per_stream = isinstance(self.window, torch.Tensor)
+        widest = int(self.window.max()) if per_stream else self.window
+        rows = (token >= self.t - widest).nonzero().flatten()
         if rows.numel() == 0:
             return
         window_p = p.index_select(2, rows)  # (S, g, W, C)
+        if per_stream:  # rows past a stream's own window count 0 there
+            inside = token[rows][None, :] >= (self.t - self.window.to(p.device))[:, None]  # (S, W)
+            window_p = window_p * inside[:, None, :, None].to(p.dtype)
         age = (self.t - 1 - token[rows]).to(p.dtype)  # (W,)
         for name, stat in self.stats.items():
             value = stat(window_p, age).sum(dim=(1, 2))  # (S, C)
