@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvtool.models.cache_argument import with_cache
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MODELS = {
@@ -116,11 +118,11 @@ def measure_row(model_name: str, label: str, context: int, batch: int, steps: in
     times = []
     with torch.no_grad():
         for start in range(0, context, 1024):
-            model(ids[:, start:min(context, start + 1024)], past_key_values=cache, use_cache=True)
+            model(ids[:, start:min(context, start + 1024)], **with_cache(cache), use_cache=True)
         for step in range(steps):
             token = ids[:, context + step:context + step + 1]
             begin = time.perf_counter()
-            model(token, past_key_values=cache, use_cache=True)
+            model(token, **with_cache(cache), use_cache=True)
             times.append(time.perf_counter() - begin)
     timed = sorted(times[2:])
     median = timed[len(timed) // 2]
@@ -155,12 +157,12 @@ def measure_interleaved(model_name: str, labels: list[str], context: int, batch:
         for label in labels:
             caches[label], _ = make_cache(label, model, tokenizer)
             for start in range(0, context, 1024):
-                model(ids[:, start:min(context, start + 1024)], past_key_values=caches[label], use_cache=True)
+                model(ids[:, start:min(context, start + 1024)], **with_cache(caches[label]), use_cache=True)
         for step in range(steps):
             token = ids[:, context + step:context + step + 1]
             for label in labels if step % 2 == 0 else labels[::-1]:
                 begin = time.perf_counter()
-                model(token, past_key_values=caches[label], use_cache=True)
+                model(token, **with_cache(caches[label]), use_cache=True)
                 times[label].append(time.perf_counter() - begin)
     rows = []
     for label in labels:

@@ -33,6 +33,7 @@ from kvtool.eval.retrieval import evaluate_grid
 from kvtool.eval.retrieval_request import RetrievalGrid
 from kvtool.fileio import write_json_atomic
 from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, fastgen_token_classes
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import load_recipe
 from kvtool.runtime.attach import CompressedRuntime
 
@@ -51,7 +52,7 @@ def chosen_policies(model, runtime, task, length: int, depths) -> dict[str, floa
     for depth in depths:
         prompts, _ = task.cases(length, depth, 1)
         cache = runtime.new_cache()
-        model(input_ids=prompts, past_key_values=cache, logits_to_keep=1)
+        model(input_ids=prompts, **with_cache(cache), logits_to_keep=1)
         for layer in cache.layers:
             counts += torch.bincount(layer.stream_state.cpu(), minlength=len(FASTGEN_POLICIES)).float()
     return {name: round(float(c / counts.sum()), 3) for name, c in zip(FASTGEN_POLICIES, counts)}
@@ -89,7 +90,7 @@ def explain(model, tokenizer, task, runtime, length: int, window: int, depths, s
             needle = needle_positions(tokenizer, prompt[0], keys[seed], question)
             copies = [c.tolist() for c in torch.tensor(needle).split(len(needle) // 2)] if needle else []
             cache = runtime.new_cache()
-            model(input_ids=prompt, past_key_values=cache, logits_to_keep=1)
+            model(input_ids=prompt, **with_cache(cache), logits_to_keep=1)
             attentions = eager(input_ids=prompt, output_attentions=True).attentions  # per layer (1, H_q, T, T)
             dropped, kept, dropped_layers = {}, [], []
             for index, layer in enumerate(cache.layers):

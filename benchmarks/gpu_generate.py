@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kvtool.models.cache_argument import with_cache
+
 SMOLLM2_CONFIG = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct's config.json (architecture only)
     model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -79,14 +81,14 @@ def measure(model, label: str, backend: str, batch: int, context: int, steps: in
     times = []
     with torch.no_grad():
         for start in range(0, context, 1024):
-            model(ids[:, start:min(context, start + 1024)], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids[:, start:min(context, start + 1024)], **with_cache(cache), use_cache=True, logits_to_keep=1)
         torch.cuda.synchronize()
         grown = torch.cuda.memory_allocated() - before
         for step in range(steps):
             token = ids[:, context + step:context + step + 1]
             start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start_event.record()
-            model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(token, **with_cache(cache), use_cache=True, logits_to_keep=1)
             end_event.record()
             torch.cuda.synchronize()
             times.append(start_event.elapsed_time(end_event))

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from benchmarks.common import PRETRAINED, SHARED
 from kvtool.data import DataSpec, token_windows
 from kvtool.fileio import write_json_atomic
+from kvtool.models.cache_argument import with_cache
 from kvtool.quiet import quiet_progress_bars
 from kvtool.runtime.memory import reachable_tensors
 
@@ -122,11 +123,11 @@ def decode_nll(model, windows: torch.Tensor, cache, prefill: int) -> tuple[float
     otherwise number the next token by the cache's (shorter) length. Returns (sum NLL, scored tokens, decode seconds)."""
     batch, seq_len = windows.shape
     positions = torch.arange(seq_len).expand(batch, seq_len)  # (B, T)
-    model(input_ids=windows[:, :prefill], position_ids=positions[:, :prefill], past_key_values=cache, use_cache=True)
+    model(input_ids=windows[:, :prefill], position_ids=positions[:, :prefill], **with_cache(cache), use_cache=True)
     nll, seconds = 0.0, 0.0
     for t in range(prefill, seq_len - 1):
         start = time.perf_counter()
-        logits = model(input_ids=windows[:, t:t + 1], position_ids=positions[:, t:t + 1], past_key_values=cache,
+        logits = model(input_ids=windows[:, t:t + 1], position_ids=positions[:, t:t + 1], **with_cache(cache),
                        use_cache=True).logits  # (B, 1, V)
         nll += F.cross_entropy(logits[:, 0].float(), windows[:, t + 1], reduction="sum").item()
         seconds += time.perf_counter() - start

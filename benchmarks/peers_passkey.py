@@ -47,6 +47,7 @@ from kvtool.data import DataSpec
 from kvtool.eval.retrieval_request import RetrievalGrid
 from kvtool.eval.retrieval_tasks import PasskeyTask, text_filler
 from kvtool.fileio import write_json_atomic
+from kvtool.models.cache_argument import with_cache
 from kvtool.quiet import quiet_progress_bars
 
 GRID = RetrievalGrid((512,), (0.0, 0.25, 0.5, 0.75, 1.0), 2)
@@ -80,16 +81,16 @@ def press_accuracy(model, task, press, grid: RetrievalGrid = GRID, question_agno
             cut = n - task.question_tokens(n, grid.seeds) if question_agnostic else n  # prefilled under the press
             with context:
                 logits = model(input_ids=prompts[:, :cut], attention_mask=torch.ones_like(prompts[:, :cut]),
-                               past_key_values=cache, logits_to_keep=1).logits  # (S, 1, V): the last position only
+                               **with_cache(cache), logits_to_keep=1).logits  # (S, 1, V): the last position only
             kept.append(sum(layer.keys.shape[-2] for layer in cache.layers) / (len(cache.layers) * cut))
             if cut < n:  # the question, after compression, at its true positions
-                logits = model(input_ids=prompts[:, cut:], past_key_values=cache,
+                logits = model(input_ids=prompts[:, cut:], **with_cache(cache),
                                position_ids=torch.arange(cut, n).expand(prompts.shape[0], n - cut), logits_to_keep=1).logits
             token = logits[:, -1:].argmax(-1)
             generated = [token]
             position = torch.full((prompts.shape[0], 1), n)
             for _ in range(task.new_tokens - 1):
-                logits = model(input_ids=token, past_key_values=cache, position_ids=position).logits
+                logits = model(input_ids=token, **with_cache(cache), position_ids=position).logits
                 token = logits[:, -1:].argmax(-1)
                 generated.append(token)
                 position = position + 1

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.decode_speed import MODELS, REPO, make_cache, model_path
+from kvtool.models.cache_argument import with_cache
 
 
 def measure(model_name: str, labels: list[str], context: int, chunk: int, batch: int, repeats: int, threads: int) -> dict:
@@ -39,7 +40,7 @@ def measure(model_name: str, labels: list[str], context: int, chunk: int, batch:
             for index, start in enumerate(starts):
                 for label in labels if (repeat + index) % 2 == 0 else labels[::-1]:
                     begin = time.perf_counter()
-                    model(ids[:, start : start + chunk], past_key_values=caches[label], use_cache=True)
+                    model(ids[:, start : start + chunk], **with_cache(caches[label]), use_cache=True)
                     times[label][index].append(time.perf_counter() - begin)
     return {label: [statistics.median(t) for t in per_chunk] for label, per_chunk in times.items()}
 

@@ -40,6 +40,7 @@ from kvtool.eval.speed import DecodeClock
 from kvtool.fileio import check_output_path
 from kvtool.methods.evict.fastgen import FASTGEN_POLICIES, fastgen_token_classes, token_classes
 from kvtool.models.adapter import adapter_for
+from kvtool.models.cache_argument import with_cache
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from kvtool.recipe import EvictionSpec, Recipe, load_recipe
 from kvtool.runtime.backend import resolve_backend
@@ -501,7 +502,7 @@ def generate(
     start = time.perf_counter()
     with torch.no_grad():
         out = hf_model.generate(
-            **enc, past_key_values=cache, max_new_tokens=max_new_tokens, streamer=streamer,
+            **enc, **with_cache(cache), max_new_tokens=max_new_tokens, streamer=streamer,
             pad_token_id=tokenizer.pad_token_id, **sampling,
         )
     seconds = time.perf_counter() - start

@@ -6,7 +6,8 @@
     model = AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M")
     tokenizer = AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M")
     kv = kvtool.load(model, "kivi-4bit")          # a recipe name / YAML, a Recipe, or a deployable artifact
-    out = model.generate(**tokenizer("Hello", return_tensors="pt"), past_key_values=kv.new_cache(), max_new_tokens=20)
+    # transformers >= 5.24 takes the cache as `cache=`; earlier 5.x versions as `past_key_values=`
+    out = model.generate(**tokenizer("Hello", return_tensors="pt"), cache=kv.new_cache(), max_new_tokens=20)
 
     pipe = kvtool.text_generation_pipeline(model, tokenizer, "model.kvt.safetensors")
     pipe("Once upon a time", max_new_tokens=20)   # [{"generated_text": ...}]
@@ -28,6 +29,7 @@ from transformers import Pipeline, PreTrainedModel
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from kvtool.errors import RuntimeConfigError
+from kvtool.models.cache_argument import CACHE_ARGUMENTS, with_cache
 from kvtool.recipe import Recipe
 
 TASK = "kvtool-text-generation"
@@ -48,15 +50,16 @@ class Compression:
         return self.runtime.recipe
 
     def new_cache(self):
-        """A fresh `KvtoolCache` to pass as ``past_key_values`` (switches the model to kvtool attention)."""
+        """A fresh `KvtoolCache` to pass as ``cache`` (``past_key_values`` before transformers 5.24); it switches the model to kvtool attention."""
         return self.runtime.new_cache()
 
     def generate(self, **kwargs) -> torch.Tensor:
         """``model.generate(**kwargs)`` with a fresh compressed cache."""
-        if "past_key_values" in kwargs:
-            raise RuntimeConfigError("Compression.generate makes its own cache: leave out past_key_values")
+        given = [name for name in CACHE_ARGUMENTS if name in kwargs]
+        if given:
+            raise RuntimeConfigError(f"Compression.generate makes its own cache: leave out {given[0]}")
         with torch.no_grad():
-            return self.model.generate(**kwargs, past_key_values=self.new_cache())
+            return self.model.generate(**kwargs, **with_cache(self.new_cache()))
 
 
 def load(model, artifact_or_recipe: str | Path | Recipe | None = None, *, profile: str | Path | None = None,
@@ -134,7 +137,7 @@ class KvtoolTextGenerationPipeline(Pipeline):
         cache = compression.new_cache()
         generate_kwargs.setdefault("do_sample", False)
         generate_kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
-        out = self.model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
+        out = self.model.generate(**inputs, **with_cache(cache), max_new_tokens=max_new_tokens, **generate_kwargs)
         return {"new_ids": out[0, inputs["input_ids"].shape[1] :], "memory": cache.memory_report()}
 
     def postprocess(self, outputs, return_memory=False):

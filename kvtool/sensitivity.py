@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache
 
 from kvtool.capture import Progress, WindowRope, _CaptureLayer, no_progress, window_rope
 from kvtool.models.adapter import ModelAdapter
+from kvtool.models.cache_argument import with_cache
 
 PARTS = ("keys_pre_rope", "values")
 
@@ -136,7 +137,7 @@ def _gradient_batch(model, adapter: ModelAdapter, batch: torch.Tensor, observers
     """One batch (b, T): forward, backward, hand activations and Fisher weights to the observers."""
     cache = GradientCaptureCache(adapter, window_rope(adapter, batch))
     with torch.enable_grad():
-        logits = model(input_ids=batch, past_key_values=cache, use_cache=True).logits  # (b, T, V)
+        logits = model(input_ids=batch, **with_cache(cache), use_cache=True).logits  # (b, T, V)
         loss = next_token_loss(logits, batch)
         del logits
         layers = sorted(cache.tracked)

@@ -16,6 +16,7 @@ import torch
 
 from kvtool.errors import RecipeError
 from kvtool.methods.budget.pyramid import pyramidinfer_weights
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec
 from kvtool.runtime.eviction import layer_fractions
 from kvtool.runtime.memory import walked_nbytes
@@ -102,9 +103,9 @@ def test_cake_budgets_scores_and_cascade_follow_the_models_attention(interval):
     ids = torch.randint(3, 128, (2, T + 1), generator=torch.Generator().manual_seed(21))
     cache = runtime(model, cake_recipe(interval=interval)).new_cache()
     with torch.no_grad():
-        model(ids[:, :T], past_key_values=cache)
+        model(ids[:, :T], **with_cache(cache))
         after_prefill = held_sets(cache)
-        model(ids[:, T:], past_key_values=cache)
+        model(ids[:, T:], **with_cache(cache))
     after_decode = held_sets(cache)
     refs = [cake_reference(a) for a in eager_attention(model, ids[:, :T])]
     for seq in range(2):
@@ -175,7 +176,7 @@ def test_pyramidinfer_keeps_nested_shrinking_sets_by_recent_attention():
     recipe = evicting("pyramidinfer", budget=0.5, sink_tokens=SINKS, window=WINDOW, retention_decay=0.5, distance_weight=1.5)
     cache = runtime(model, recipe).new_cache()
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
     kept = held_sets(cache)
     budgets = pyramid_budgets(T, 0.5)
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1] + 10  # deeper layers keep fewer

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kvtool.runtime.layer as layer_module
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import Recipe, load_recipe
 from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.layer import KvtoolLayer
@@ -35,7 +36,7 @@ def _generate(model, recipe, new_tokens=40, batch=2):
     cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids=input_ids, attention_mask=attention_mask, **with_cache(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, pad_token_id=0, do_sample=False, output_scores=True, return_dict_in_generate=True,
         )
     return out.sequences, torch.stack(out.scores)  # (B, T), (steps, B, vocab)

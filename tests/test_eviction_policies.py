@@ -14,6 +14,7 @@ import torch
 
 from kvtool.errors import RecipeError
 from kvtool.methods.evict.base import StreamView, policy_class
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec
 from tests.test_eviction_runtime import decode_batch_like_alone, evicting, held, run_tokens, runtime
 from tests.tiny_models import tiny_model
@@ -80,7 +81,7 @@ def test_chunkkv_keeps_whole_chunks():
     ids = torch.randint(3, 128, (2, 96), generator=torch.Generator().manual_seed(12))
     cache = runtime(model, evicting("chunkkv", budget=0.5, sink_tokens=0, window=1, chunk_size=8)).new_cache()
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
     for layer in cache.layers:
         for kept in held(layer):
             assert len(kept) == 48

@@ -16,6 +16,7 @@ from kvtool.data import DataSpec, token_windows
 from kvtool.eval.perplexity import perplexity
 from kvtool.methods.evict.fastgen import token_classes
 from kvtool.models.adapter import adapter_for
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from tests.conftest import shared_path
@@ -85,6 +86,6 @@ def test_the_runtime_keeps_what_the_profile_expects(kvref):
     recipe = dataclasses.replace(uncompressed_recipe("float16"), name="fastgen", eviction=spec)
     cache = CompressedRuntime.from_recipe(model, recipe, profile=profile.tensors).new_cache()
     with torch.no_grad():
-        model(windows, past_key_values=cache)
+        model(windows, **with_cache(cache))
     assert profile.expected_cache_fraction < 0.9
     assert abs(cache.kept_fraction() - profile.expected_cache_fraction) < 0.03

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from kvtool.errors import RecipeError
 from kvtool.methods.evict.base import registered_policies
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from kvtool.runtime.store import FLOAT_BLOCK
@@ -66,9 +67,9 @@ def runtime(model, recipe):
 def run_tokens(model, cache, ids, prefill):
     """Prefill, then feed the rest one token at a time; logits (B, T, V) of every position."""
     with torch.no_grad():
-        out = [model(ids[:, :prefill], past_key_values=cache).logits]
+        out = [model(ids[:, :prefill], **with_cache(cache)).logits]
         for i in range(prefill, ids.shape[1]):
-            out.append(model(ids[:, i : i + 1], past_key_values=cache).logits)
+            out.append(model(ids[:, i : i + 1], **with_cache(cache)).logits)
     return torch.cat(out, dim=1)
 
 
@@ -88,7 +89,7 @@ def test_keeping_everything_reproduces_the_model(family, policy):
 def _generate(model, cache, ids, mask, new_tokens=30):
     with torch.no_grad():
         return model.generate(
-            input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids=ids, attention_mask=mask, **with_cache(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
         )
 
@@ -145,20 +146,20 @@ def test_an_eviction_interval_evicts_once_per_interval_and_keeps_batches_exact(p
     cache = rt.new_cache()
     held = []
     with torch.no_grad():
-        model(long, past_key_values=cache)
+        model(long, **with_cache(cache))
         assert set(cache.layers[0].store.tokens().tolist()) == {20}  # prefill: down to the budget
         token = long[:, -1:]
         for _ in range(24):
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(token, **with_cache(cache)).logits[:, -1:].argmax(-1)
             held.append(int(cache.layers[0].store.tokens().max()))
             assert cache.nbytes() == cache.expected_nbytes()
     assert max(held) == 27 and min(held) == 20, held  # at most budget + interval - 1, then back to the budget
     assert held[:8] == list(range(21, 28)) + [20]
     with torch.no_grad():  # a multi-token forward between decode steps (a new chat turn): down to the budget again
-        model(short[:, :5], past_key_values=cache)
+        model(short[:, :5], **with_cache(cache))
         assert set(cache.layers[0].store.tokens().tolist()) == {20}
         for step in range(10):
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(token, **with_cache(cache)).logits[:, -1:].argmax(-1)
             assert int(cache.layers[0].store.tokens().max()) == (21 + step if step < 7 else 20 + step - 7)
 
 
@@ -184,11 +185,11 @@ def test_a_kept_fraction_is_checked_once_per_cut_and_cuts_exactly_when_due(monke
     cache = rt.new_cache()
     held, expected = [], []
     with torch.no_grad():
-        token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(ids, **with_cache(cache)).logits[:, -1:].argmax(-1)
         length, tokens = 40, int(cache.layers[0].store.tokens().max())
         asked["layer 0"] = 0
         for _ in range(96):
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(token, **with_cache(cache)).logits[:, -1:].argmax(-1)
             length, tokens = length + 1, tokens + 1
             budget = int(ratio_budget(0.5, torch.tensor(length)))
             tokens = budget if tokens > budget + 7 else tokens
@@ -249,10 +250,10 @@ def test_decoding_past_an_absolute_budget_keeps_memory_flat(policy):
     cache = runtime(model, evicting(policy, budget_tokens=16)).new_cache()
     held = []
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
         token = ids[:, -1:]
         for _ in range(40):
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(token, **with_cache(cache)).logits[:, -1:].argmax(-1)
             held.append(cache.nbytes())
     assert len(set(held)) == 1, "memory grew while decoding past the budget"
     assert all(layer.store.tokens().tolist() == [16, 16] for layer in cache.layers)
@@ -265,10 +266,10 @@ def test_attention_after_eviction_equals_masked_full_attention_at_original_posit
     ids = torch.randint(3, 128, (1, 41), generator=torch.Generator().manual_seed(4))
     cache = runtime(model, evicting("streamingllm", budget_tokens=12, sink_tokens=3)).new_cache()
     with torch.no_grad():
-        model(ids[:, :40], past_key_values=cache)
+        model(ids[:, :40], **with_cache(cache))
         kept = held(cache.layers[0])[0]
         assert kept == [0, 1, 2] + list(range(31, 40))
-        logits = model(ids[:, 40:], past_key_values=cache).logits[:, -1]
+        logits = model(ids[:, 40:], **with_cache(cache)).logits[:, -1]
         visible = torch.ones(41, 41, dtype=torch.bool).tril()
         visible[40] = False
         visible[40, kept + [40]] = True
@@ -299,7 +300,7 @@ def test_pre_rope_quantized_keys_compose_with_eviction():
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits[:, -1]
         cache = CompressedRuntime.from_recipe(model, dataclasses.replace(recipe, eviction=EvictionSpec(budget=1.0))).new_cache()
-        kept_all = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        kept_all = model(ids, attention_mask=mask, **with_cache(cache)).logits[:, -1]
     torch.testing.assert_close(kept_all, full, atol=1e-4, rtol=1e-3)
     out = _generate(model, runtime(model, recipe).new_cache(), ids, mask, new_tokens=10)
     assert out.shape == (2, 80)
@@ -326,7 +327,7 @@ def test_beam_search_runs_with_eviction():
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=20)
     cache = runtime(model, evicting("h2o", budget=0.5)).new_cache()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+        out = model.generate(input_ids=ids, attention_mask=mask, **with_cache(cache), max_new_tokens=8,
                              num_beams=2, do_sample=False, pad_token_id=0)
     assert out.shape[0] == 2
     assert cache.kept_fraction() < 0.7
@@ -338,7 +339,7 @@ def test_fastgen_heads_keep_what_their_policy_says():
     ids[0, 0], ids[0, 10], ids[0, 20] = 1, 5, 6  # BOS and two punctuation tokens
     cache = runtime(model, evicting("fastgen", sink_tokens=1)).new_cache()
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
     special, local = held(cache.layers[0])
     assert special == [0]  # special only: BOS
     assert local == [0, 10, 20] + list(range(35, 50))  # + punctuation + last ceil(0.3*50)
@@ -359,9 +360,9 @@ def test_an_evicting_cache_on_a_model_without_kvtool_attention_fails_clearly_and
     cache = runtime(model, evicting("h2o", budget=0.5)).new_cache()
     other.set_attn_implementation("sdpa")
     with torch.no_grad(), pytest.raises(RuntimeError, match="did not run kvtool attention"):
-        other(ids, past_key_values=cache)  # built for `model`, used with a model that never calls it back
+        other(ids, **with_cache(cache))  # built for `model`, used with a model that never calls it back
     with torch.no_grad():
-        model(ids, past_key_values=runtime(model, evicting("h2o", budget=0.5)).new_cache())  # a stale claim does not linger
+        model(ids, **with_cache(runtime(model, evicting("h2o", budget=0.5)).new_cache()))  # a stale claim does not linger
 
 
 def test_layer_fractions_keep_the_uniform_mean_when_a_layer_is_capped():

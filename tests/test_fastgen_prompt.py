@@ -23,6 +23,7 @@ from kvtool.methods.evict.base import StreamView
 from kvtool.methods.evict.fastgen import (
     FASTGEN_POLICIES, FULL, LOCAL, PUNCTUATION, FastGen, choose_from_prompt, fastgen_keep, kept_sets,
 )
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec, load_recipe, recipe_from_dict
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from kvtool.runtime.store import FLOAT_BLOCK
@@ -45,7 +46,7 @@ def runtime(model, threshold: float, **kwargs):
 
 def greedy(model, cache, ids: torch.Tensor, new_tokens: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+        return model.generate(input_ids=ids, attention_mask=mask, **with_cache(cache), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
 
@@ -106,7 +107,7 @@ def test_the_runtime_chooses_what_the_models_own_attention_says():
     threshold, window = 0.5, 8
     cache = runtime(model, threshold).new_cache()
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
         attentions = eager(ids, output_attentions=True).attentions  # per layer (B, H_q, T, T)
     is_special, is_punct = ids == 1, ids == 5
     is_special[:, 0] = True  # the sink
@@ -137,7 +138,7 @@ def test_each_sequence_of_a_batch_gets_its_own_policies():
     ids = torch.cat([mostly_punctuation(60, 4), plain])  # (2, 60)
     cache = runtime(model, 0.8).new_cache()
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
     for layer in cache.layers:
         punct_seq, plain_seq = layer.stream_state.reshape(2, -1).tolist()  # (B, H_kv)
         assert max(punct_seq) <= PUNCTUATION and min(plain_seq) >= LOCAL, (punct_seq, plain_seq)
@@ -204,10 +205,10 @@ def test_a_second_prompt_chunk_rechooses_and_never_readmits_evicted_tokens():
     second = mostly_punctuation(200, seed=7)
     cache = runtime(model, 0.65).new_cache()
     with torch.no_grad():
-        model(first, past_key_values=cache)
+        model(first, **with_cache(cache))
         before = [layer.stream_state.clone() for layer in cache.layers]
         held_before = [held(layer) for layer in cache.layers]
-        model(second, past_key_values=cache)
+        model(second, **with_cache(cache))
     for layer, chosen, kept in zip(cache.layers, before, held_before):
         assert chosen.min() >= LOCAL and layer.stream_state.max() <= PUNCTUATION  # re-chosen from the new chunk
         for stream, positions in enumerate(held(layer)):
@@ -240,7 +241,7 @@ def test_beam_search_carries_each_streams_choice():
     ids = torch.cat([mostly_punctuation(40, 8), torch.randint(8, 128, (1, 40), generator=torch.Generator().manual_seed(8))])
     cache = runtime(model, 0.8).new_cache()
     with torch.no_grad():
-        model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0)
+        model.generate(input_ids=ids, **with_cache(cache), max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0)
     for layer in cache.layers:  # (B x beams x H_kv,): each beam keeps its sequence's choice
         punct_beams, plain_beams = layer.stream_state.reshape(2, 2, -1)
         assert punct_beams.max() <= PUNCTUATION < LOCAL <= plain_beams.min()
@@ -264,7 +265,7 @@ def test_kvtool_load_takes_the_token_classes_from_the_models_tokenizer(smollm2):
     cache = kvtool.load(model, "fastgen-prompt-t95").new_cache()
     ids = tokenizer("The pass key is 41235. Remember it, and then, later, say it back. " * 12, return_tensors="pt").input_ids
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
     assert set(cache.context.punct_ids.tolist()) >= set(tokenizer.convert_tokens_to_ids([".", ","]))
     assert cache.kept_fraction() < 0.9
 

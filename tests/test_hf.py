@@ -6,6 +6,9 @@ the cache handed to ``generate`` really is kvtool's compressed one (fewer bytes 
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -13,6 +16,7 @@ import transformers
 import kvtool
 from kvtool import api
 from kvtool.errors import ArtifactError, RuntimeConfigError
+from kvtool.models.cache_argument import CACHE_ARGUMENT, with_cache
 from kvtool.recipe import load_recipe
 from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.cache import KvtoolCache
@@ -25,7 +29,7 @@ def direct_tokens(model, tokenizer, recipe, new=12):
     cache = CompressedRuntime.from_recipe(model, load_recipe(recipe)).new_cache()
     enc = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
-        out = model.generate(**enc, past_key_values=cache, max_new_tokens=new, do_sample=False)
+        out = model.generate(**enc, **with_cache(cache), max_new_tokens=new, do_sample=False)
     return out[0, enc.input_ids.shape[1]:]
 
 
@@ -36,11 +40,28 @@ def test_load_gives_generate_a_compressed_cache(kvref):
     assert isinstance(cache, KvtoolCache) and kv.recipe.name == "kivi-2bit"
     enc = tokenizer(PROMPT * 100, return_tensors="pt")  # past the float window (sinks + 128 recent)
     with torch.no_grad():
-        out = model.generate(**enc, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        out = model.generate(**enc, **with_cache(cache), max_new_tokens=12, do_sample=False)
     assert out.shape[1] == enc.input_ids.shape[1] + 12
     assert cache.memory_report()["bits_per_element"] < 8
     assert torch.equal(kv.generate(**tokenizer(PROMPT, return_tensors="pt"), max_new_tokens=12, do_sample=False)[0, -12:],
                        direct_tokens(model, tokenizer, "kivi-2bit"))
+
+
+def test_the_cache_goes_under_the_name_the_installed_transformers_declares(kvref):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``; a decoder layer given both takes ``cache``, so
+    kvtool must never pass the old name beside the new one, nor rely on a name a later 5.x drops."""
+    model, tokenizer = kvref
+    assert CACHE_ARGUMENT in inspect.signature(type(model).forward).parameters
+    kv = kvtool.load(model, "kivi-2bit")
+    enc = tokenizer(PROMPT, return_tensors="pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = kv.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == enc.input_ids.shape[1] + 4
+    assert not [w for w in caught if "past_key_values" in str(w.message)], "kvtool passed a deprecated cache argument"
+    for name in ("cache", "past_key_values"):
+        with pytest.raises(RuntimeConfigError, match=f"leave out {name}"):
+            kv.generate(**enc, **{name: kv.new_cache()}, max_new_tokens=2)
 
 
 def test_load_a_deployable_artifact(kvref, tmp_path):
@@ -54,7 +75,7 @@ def test_load_a_deployable_artifact(kvref, tmp_path):
     _, _, runtime = api.load_runtime(source, tmp_path / "m.kvt.safetensors")
     enc = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
-        expected = runtime.model.generate(**enc, past_key_values=runtime.new_cache(), max_new_tokens=10, do_sample=False)
+        expected = runtime.model.generate(**enc, **with_cache(runtime.new_cache()), max_new_tokens=10, do_sample=False)
     assert torch.equal(kv.generate(**enc, max_new_tokens=10, do_sample=False), expected)
     with pytest.raises(ArtifactError, match="calibration artifact; this command needs a deployable"):
         kvtool.load(model, tmp_path / "c.safetensors")
@@ -88,7 +109,7 @@ def test_threads_generating_on_one_attached_model_match_serial_calls(kvref):
     def run(prompt):
         enc = tokenizer(prompt, return_tensors="pt")
         with torch.no_grad():
-            return model.generate(**enc, past_key_values=kv.new_cache(), max_new_tokens=16, do_sample=False)[0, -16:]
+            return model.generate(**enc, **with_cache(kv.new_cache()), max_new_tokens=16, do_sample=False)[0, -16:]
 
     serial = [run(p) for p in prompts]
     threaded = [None] * len(prompts)

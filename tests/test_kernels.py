@@ -19,6 +19,7 @@ import torch
 from kvtool.calibration import build_quantizers, needs_fit
 from kvtool.errors import RuntimeConfigError
 from kvtool.methods.quant.fp8 import fp8_max
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime
 from tests.tiny_models import featured_model, tiny_model, tiny_tokenizer_free_inputs
@@ -410,7 +411,7 @@ def _generate(model, recipe, backend, ids, mask, tokens=6, layer_tensors=None):
     cache = runtime.new_cache()
     device = next(model.parameters()).device
     with torch.no_grad():
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), past_key_values=cache, max_new_tokens=tokens, do_sample=False,
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), **with_cache(cache), max_new_tokens=tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     return out, cache
 

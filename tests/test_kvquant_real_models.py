@@ -15,6 +15,7 @@ from kvtool.api import calibrate_loaded
 from kvtool.artifact import Artifact, load_artifact, save_artifact
 from kvtool.data import DataSpec, token_windows
 from kvtool.eval.perplexity import perplexity
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from tests.conftest import shared_path
@@ -90,8 +91,8 @@ def test_nuq_artifact_round_trip_gives_identical_logits(kvref, tmp_path):
     for source in (artifact, loaded):
         cache = CompressedRuntime.from_artifact(model, source).new_cache()
         with torch.no_grad():
-            model(input_ids=ids[:, :99], past_key_values=cache, use_cache=True)
-            logits.append(model(input_ids=ids[:, 99:], past_key_values=cache, use_cache=True).logits)
+            model(input_ids=ids[:, :99], **with_cache(cache), use_cache=True)
+            logits.append(model(input_ids=ids[:, 99:], **with_cache(cache), use_cache=True).logits)
     assert torch.equal(logits[0], logits[1])
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvtool.errors import RecipeError
+from kvtool.models.cache_argument import with_cache
 from kvtool.plan_bytes import predict_cache_bytes
 from kvtool.recipe import CalibrationSpec, dump_recipe, load_recipe, recipe_from_dict
 from kvtool.runtime.attach import CompressedRuntime
@@ -89,7 +90,7 @@ def test_layers_beyond_the_model_are_refused_at_attach():
 def prefill(runtime, ids):
     cache = runtime.new_cache()
     with torch.no_grad():
-        logits = runtime.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        logits = runtime.model(input_ids=ids, **with_cache(cache), use_cache=True).logits
     return cache, logits
 
 
@@ -124,7 +125,7 @@ def test_decoding_with_overrides_differs_from_both_widths_and_all_layers_overrid
     def next_logits(raw):
         cache, _ = prefill(CompressedRuntime.from_recipe(model, recipe_from_dict(raw)), ids[:, :-1])
         with torch.no_grad():
-            return model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits
+            return model(input_ids=ids[:, -1:], **with_cache(cache), use_cache=True).logits
 
     four, two = next_logits(kivi(4)), next_logits(kivi(2))
     mixed = next_logits(kivi(4, [{"layers": [0], "keys": {"bits": 2}, "values": {"bits": 2}}]))

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvtool.models import adapter_for
+from kvtool.models.cache_argument import with_cache
 from kvtool.models.verify import check_adapter
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
@@ -205,7 +206,7 @@ def _generate(model, cache, batch: int, new_tokens: int = 40):
     input_ids, attention_mask = tiny_tokenizer_free_inputs(batch=batch, seq=12)
     with torch.no_grad():
         return model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids=input_ids, attention_mask=attention_mask, **with_cache(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
         )
 
@@ -247,8 +248,8 @@ def test_kvtool_attention_keeping_every_token_reproduces_the_model(family, model
 def _next_token_logits(model, cache, ids):
     """Prefill ids[:, :-1], then one decode step; (B, V) float32 logits of that step."""
     with torch.no_grad():
-        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
-        return model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1].float()
+        model(input_ids=ids[:, :-1], **with_cache(cache), use_cache=True)
+        return model(input_ids=ids[:, -1:], **with_cache(cache), use_cache=True).logits[:, -1].float()
 
 
 @pytest.mark.parametrize("family", _matrix("4bit"))

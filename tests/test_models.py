@@ -20,6 +20,7 @@ from kvtool.models import (
     rotate_half,
     unapply_rope,
 )
+from kvtool.models.cache_argument import with_cache
 from kvtool.models.verify import verify_adapter
 from tests.tiny_models import ALL_FAMILIES, FAMILIES, featured_model, tiny_model, tiny_tokenizer_free_inputs
 
@@ -115,7 +116,7 @@ def _check_cache_matches(model):
     ]
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **with_cache(cache), use_cache=True)
     for hook in hooks:
         hook.remove()
     for layer in range(adapter.geometry.num_layers):

@@ -14,6 +14,7 @@ from kvtool.api import calibrate_loaded
 from kvtool.data import DataSpec, token_windows
 from kvtool.eval.perplexity import perplexity
 from kvtool.methods.lowrank.palu import fit_palu
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from tests.conftest import shared_path
@@ -57,11 +58,11 @@ def test_full_rank_keys_rotated_at_gapped_positions_equal_direct_keys():
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(0, 20), torch.arange(50, 94)])[None]  # a gap of 30 positions
     with torch.no_grad():
-        ours = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
-        ref = model(input_ids=ids, position_ids=positions, past_key_values=plain, use_cache=True).logits
+        ours = model(input_ids=ids, position_ids=positions, **with_cache(cache), use_cache=True).logits
+        ref = model(input_ids=ids, position_ids=positions, **with_cache(plain), use_cache=True).logits
         step = torch.tensor([[200]])
-        ours_next = model(input_ids=ids[:, :1], position_ids=step, past_key_values=cache, use_cache=True).logits
-        ref_next = model(input_ids=ids[:, :1], position_ids=step, past_key_values=plain, use_cache=True).logits
+        ours_next = model(input_ids=ids[:, :1], position_ids=step, **with_cache(cache), use_cache=True).logits
+        ref_next = model(input_ids=ids[:, :1], position_ids=step, **with_cache(plain), use_cache=True).logits
     recorded = cache.context.sequence_positions
     assert recorded.table[0, : int(recorded.count[0])].tolist() == positions[0].tolist() + [200]
     keys, values, held_positions, valid = cache.layers[1].decoded()
@@ -80,7 +81,7 @@ def test_latent_cache_holds_r_numbers_per_token_per_group():
     cache = runtime.new_cache()
     ids = torch.randint(3, 128, (2, 96), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **with_cache(cache), use_cache=True)
     latent_bytes = 0
     for layer, fitted in zip(cache.layers, runtime.layer_tensors):
         r_k, r_v = fitted["keys.basis"].shape[-1], fitted["values.basis"].shape[-1]

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from benchmarks.eviction import eviction_recipe
 from benchmarks.peers import cache_bytes, markdown_table, prefill_only
+from kvtool.models.cache_argument import with_cache
 from kvtool.runtime.attach import CompressedRuntime
 from tests.tiny_models import tiny_model
 
@@ -22,7 +23,7 @@ def test_cache_bytes_of_a_dynamic_cache_are_its_keys_and_values():
     cache = DynamicCache(config=model.config)
     ids = torch.randint(3, 100, (2, 10))  # (B, T)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **with_cache(cache), use_cache=True)
     config = model.config
     elements = config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * 10 * config.head_dim  # layers x K/V x (B, H_kv, T, D)
     assert cache_bytes(cache, float_as_16bit=True) == (4 * elements, 2 * elements)
@@ -39,9 +40,9 @@ def test_kvtool_rows_evict_at_prefill_only():
         recipe = prefill_only(recipe, seq_len) if interval == seq_len else prefill_only(recipe, 1)
         cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
         with torch.no_grad():
-            model(ids[:, :prefill], past_key_values=cache, use_cache=True)
+            model(ids[:, :prefill], **with_cache(cache), use_cache=True)
             for t in range(prefill, seq_len):
-                model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                model(ids[:, t:t + 1], **with_cache(cache), use_cache=True)
         kept[interval] = cache.kept_fraction()
     assert kept[seq_len] == pytest.approx((prefill // 2 + seq_len - prefill) / seq_len)  # half the prompt + every decoded token
     assert kept[1] == pytest.approx(0.5, abs=0.01)  # per-step eviction (kvtool eval ppl) stays at the budget

@@ -17,6 +17,7 @@ import torch
 
 from kvtool.calibration import needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
+from kvtool.models.cache_argument import with_cache
 from kvtool.plan import Candidate, default_candidates, pareto_front, plan, predict_cache_bytes
 from kvtool.plan_bytes import predict_layer_bytes
 from kvtool.recipe import load_recipe
@@ -33,7 +34,7 @@ def held_bytes(runtime, context: int, batch: int) -> int:
     cache = runtime.new_cache()
     ids = torch.randint(3, 100, (batch, context), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        runtime.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        runtime.model(input_ids=ids, **with_cache(cache), use_cache=True)
     return cache.nbytes()
 
 
@@ -44,7 +45,7 @@ def layer_bytes_while_decoding(runtime, context: int, batch: int, prefill: int) 
     steps = []
     with torch.no_grad():
         for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, context)]:
-            runtime.model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True)
+            runtime.model(input_ids=ids[:, start:end], **with_cache(cache), use_cache=True)
             steps.append([layer.store.used_nbytes() + 8 * (layer.lengths.numel() + layer.group_of_stream.numel())
                           for layer in cache.layers])
     return steps

@@ -23,6 +23,7 @@ import torch
 from kvtool.methods.evict.base import policy_class, registered_policies
 from kvtool.methods.evict.cake import squared
 from kvtool.methods.evict.window_stats import WindowStats
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe, load_recipe
 from kvtool.runtime import prefill_attention
 from kvtool.runtime.attach import CompressedRuntime
@@ -94,7 +95,7 @@ def _prefill(model, cache, ids, mask, positions) -> torch.Tensor:
             end = start + length
             out = model(
                 input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
-                past_key_values=cache, use_cache=True,
+                **with_cache(cache), use_cache=True,
             )
             logits.append(out.logits)
             start = end
@@ -166,7 +167,7 @@ def _generate(model, runtime, new_tokens: int) -> tuple[torch.Tensor, torch.Tens
     with torch.no_grad():
         for _ in range(new_tokens):  # decode steps over what the prefill chose to keep
             step_mask, step_pos = torch.cat([step_mask, torch.ones_like(token)], dim=1), step_pos + 1
-            out = model(input_ids=token, attention_mask=step_mask, position_ids=step_pos, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, attention_mask=step_mask, position_ids=step_pos, **with_cache(cache), use_cache=True)
             logits.append(out.logits)
             token = out.logits[:, -1:].argmax(dim=-1)
     real = torch.cat([mask, torch.ones(mask.shape[0], new_tokens, dtype=mask.dtype)], dim=1).bool()

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from kvtool.models import adapter_for
+from kvtool.models.cache_argument import with_cache
 from kvtool.models.verify import check_adapter
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from tests.test_model_families import quant_recipe
@@ -45,8 +46,8 @@ def test_noop_recipe_generates_transformers_tokens(name, request):
     batch = tokenizer(["The capital of France is", "Once upon a time, in a small village,"], return_tensors="pt", padding=True)
     kwargs = dict(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
-        reference = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
-        ours = model.generate(past_key_values=CompressedRuntime.from_recipe(model, uncompressed_recipe("model")).new_cache(), **kwargs)
+        reference = model.generate(**with_cache(DynamicCache(config=model.config)), **kwargs)
+        ours = model.generate(**with_cache(CompressedRuntime.from_recipe(model, uncompressed_recipe("model")).new_cache()), **kwargs)
     assert torch.equal(ours, reference)
 
 
@@ -59,8 +60,8 @@ def test_gemma3_4bit_beyond_the_sliding_window(gemma3):
 
     def next_token_probs(cache):
         with torch.no_grad():
-            model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
-            return model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1].float().softmax(-1)
+            model(input_ids=ids[:, :-1], **with_cache(cache), use_cache=True)
+            return model(input_ids=ids[:, -1:], **with_cache(cache), use_cache=True).logits[0, -1].float().softmax(-1)
 
     exact = next_token_probs(DynamicCache(config=model.config))
     cache = CompressedRuntime.from_recipe(model, quant_recipe(4)).new_cache()

@@ -17,6 +17,7 @@ import torch
 
 from kvtool.errors import RecipeError
 from kvtool.methods.sparse.rocketkv import approximate_group_logits, groups_to_read, select_groups
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec, QuantSpec, SparseAttentionSpec, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from kvtool.runtime.backend import resolve_backend
@@ -100,7 +101,7 @@ def test_summaries_are_exact_after_prefill_decoding_and_eviction(n):
     run_tokens(model, cache, ids[:, :45], prefill=40)  # prefill evicts (holes refilled), 5 decode steps in place
     check_summaries(cache, n)
     with torch.no_grad():
-        model(ids[:, 45:60], past_key_values=cache)  # a second chat turn evicts again
+        model(ids[:, 45:60], **with_cache(cache))  # a second chat turn evicts again
     check_summaries(cache, n)
     run_tokens(model, cache, ids[:, 60:70], prefill=1)
     check_summaries(cache, n)
@@ -161,7 +162,7 @@ def test_stage_one_keeps_what_snapkv_keeps_at_prefill_and_every_generated_token(
     for policy in ("rocketkv", "snapkv"):
         cache = CompressedRuntime.from_recipe(model, evicting(policy, budget=0.5)).new_cache()
         with torch.no_grad():
-            model(ids[:, :48], past_key_values=cache)
+            model(ids[:, :48], **with_cache(cache))
         kept[policy] = [sorted(h) for layer in cache.layers for h in held(layer)]
         if policy == "rocketkv":
             run_tokens(model, cache, ids[:, 48:], prefill=1)

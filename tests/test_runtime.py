@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from kvtool.runtime.store import FLOAT_BLOCK
@@ -33,7 +34,7 @@ def generate(model, cache, new_tokens=40, **kwargs):
     input_ids, attention_mask = tiny_tokenizer_free_inputs(batch=2, seq=12)
     with torch.no_grad():
         return model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids=input_ids, attention_mask=attention_mask, **with_cache(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, pad_token_id=0, **kwargs,
         )
 
@@ -72,8 +73,8 @@ def test_uncompressed_recipe_matches_plain_cache_with_sampling(family):
 def _next_token_logits(model, cache, ids):
     """Prefill ids[:, :-1] into the cache, then one decode step; returns (B, V) logits of the last step."""
     with torch.no_grad():
-        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
-        return model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1].float()
+        model(input_ids=ids[:, :-1], **with_cache(cache), use_cache=True)
+        return model(input_ids=ids[:, -1:], **with_cache(cache), use_cache=True).logits[:, -1].float()
 
 
 def _relative_error(a, b):
@@ -192,7 +193,7 @@ def test_beam_search_reorders_the_cache(bits):
     cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
     with torch.no_grad():
         reference = model.generate(**kwargs)
-        ours = model.generate(**kwargs, past_key_values=cache)
+        ours = model.generate(**kwargs, **with_cache(cache))
     if bits == 16:
         assert torch.equal(ours, reference)
     assert cache.nbytes() == cache.expected_nbytes()
@@ -231,8 +232,8 @@ def test_pre_rope_quantization_is_really_applied_before_rope():
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(0))
     plain = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        model(input_ids=ids, past_key_values=plain, use_cache=True)
+        model(input_ids=ids, **with_cache(cache), use_cache=True)
+        model(input_ids=ids, **with_cache(plain), use_cache=True)
     layer = cache.layers[1]
     cos, sin = runtime.adapter.rope_cos_sin(torch.arange(64)[None], torch.float32)
     pre_rope = unapply_rope(plain.layers[1].keys.float(), cos, sin)  # (1, H, 64, D)
@@ -257,7 +258,7 @@ def test_positions_probe_is_not_overwritten_by_the_cache_and_pins_nothing():
     ids = torch.randint(3, 128, (1, 70), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(100, 170)[None]
     with torch.no_grad():
-        model(input_ids=ids, position_ids=positions, past_key_values=cache)
+        model(input_ids=ids, position_ids=positions, **with_cache(cache))
     recorded = cache.context.sequence_positions
     assert recorded.table[0, :70].tolist() == list(range(100, 170))
     assert runtime.probes.positions is None and runtime.probes.input_ids is None

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvtool.models.cache_argument import with_cache
 from kvtool.plan_bytes import predict_layer_bytes
 from kvtool.recipe import load_recipe
 from kvtool.runtime.attach import CompressedRuntime
@@ -42,8 +43,8 @@ def decode(runtime, ids: torch.Tensor, prefill: int, each_step):
     cache, reference = runtime.new_cache(), DynamicCache(config=runtime.model.config)
     with torch.no_grad():
         for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
-            runtime.model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True)
-            runtime.model(input_ids=ids[:, start:end], past_key_values=reference, use_cache=True)
+            runtime.model(input_ids=ids[:, start:end], **with_cache(cache), use_cache=True)
+            runtime.model(input_ids=ids[:, start:end], **with_cache(reference), use_cache=True)
             each_step(cache, reference)
     return cache
 
@@ -96,7 +97,7 @@ def test_a_sliding_layer_keeps_its_share_of_the_window_and_a_global_layer_its_sh
     ids = torch.randint(3, 100, (1, 120), generator=torch.Generator().manual_seed(1))
     cache = runtime.new_cache()
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **with_cache(cache), use_cache=True)
     windows = runtime.adapter.geometry.sliding_windows
     chose_older = False
     for layer, window in zip(cache.layers, windows):
@@ -170,8 +171,8 @@ def test_cake_splits_the_layers_visible_tokens():
     ids = torch.randint(3, 100, (1, 121), generator=torch.Generator().manual_seed(4))
     cache = runtime.new_cache()
     with torch.no_grad():
-        model(input_ids=ids[:, :120], past_key_values=cache, use_cache=True)
-        model(input_ids=ids[:, 120:], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :120], **with_cache(cache), use_cache=True)
+        model(input_ids=ids[:, 120:], **with_cache(cache), use_cache=True)
     held = [int(layer.store.tokens()[0]) for layer in cache.layers]
     assert sum(held) == 31 + 12, held
     for layer, window, n in zip(cache.layers, windows, held):

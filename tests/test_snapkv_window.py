@@ -10,6 +10,7 @@ kept set after prefill is recomputed from its attention in plain code.
 import torch
 
 from kvtool.methods.evict.base import policy_class
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec
 from tests.test_cake_pyramidinfer import GROUP, KV_HEADS, T, eager_attention, shaped_model, top_kept
 from tests.test_eviction_runtime import decode_batch_like_alone, evicting, held, runtime
@@ -29,7 +30,7 @@ def test_a_small_budget_observes_and_keeps_an_eighth_of_it():
     ids = torch.randint(3, 100, (2, T), generator=torch.Generator().manual_seed(5))
     cache = runtime(model, recipe).new_cache()
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
     window, budget = 2, 16
     must = set(range(SINKS)) | set(range(T - window, T))
     for layer, attention in enumerate(eager_attention(model, ids)):  # (B, H_q, T, T)
@@ -74,10 +75,10 @@ def test_decode_steps_protect_the_recipes_whole_window():
     ids = torch.randint(3, 100, (2, T + 4), generator=torch.Generator().manual_seed(6))
     cache = runtime(model, recipe).new_cache()
     with torch.no_grad():
-        model(ids[:, :T], past_key_values=cache)  # budget 32: a 4-token window observes and is kept
+        model(ids[:, :T], **with_cache(cache))  # budget 32: a 4-token window observes and is kept
         prefill = [[set(stream) for stream in held(layer)] for layer in cache.layers]
         for i in range(T, T + 4):  # every step cut back to the budget
-            model(ids[:, i : i + 1], past_key_values=cache)
+            model(ids[:, i : i + 1], **with_cache(cache))
     recent = set(range(T + 4 - 16, T + 4))  # the whole window at the end
     assert any(not set(range(T - 16, T)) <= stream for layer in prefill for stream in layer)  # prefill: only 4 sure
     for layer, before in zip(cache.layers, prefill):

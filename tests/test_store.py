@@ -18,6 +18,7 @@ import torch
 from kvtool.capture import InputSecondMoments, stream_batches
 from kvtool.calibration import RangeStats, fit_layers, fit_palu_layers, needs_fit, needs_gradients, uses_palu
 from kvtool.models.adapter import adapter_for
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe, bundled_recipe_dir, load_recipe
 from kvtool.runtime import paged_attention
 from kvtool.runtime.attach import CompressedRuntime
@@ -79,7 +80,7 @@ def test_walked_bytes_equal_the_cache_report_for_every_bundled_recipe(name, dtyp
     cache = bundled_runtime(model, name).new_cache()
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=90)
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40,
+        model.generate(input_ids=ids, attention_mask=mask, **with_cache(cache), max_new_tokens=40,
                        min_new_tokens=40, do_sample=False, pad_token_id=0)
     walked = walked_nbytes(cache)
     assert walked == cache.reserved_nbytes() + cache.constant_nbytes(), "memory the cache does not report"
@@ -99,13 +100,13 @@ def test_cuda_allocator_sees_what_the_cache_reports(name):
     ids, mask = (x.cuda() for x in tiny_tokenizer_free_inputs(batch=2, seq=90))
     warm = runtime.new_cache()  # builds the runtime's shared formats once
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=warm)
+        model(ids, attention_mask=mask, **with_cache(warm))
     del warm
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     cache = runtime.new_cache()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20,
+        out = model.generate(input_ids=ids, attention_mask=mask, **with_cache(cache), max_new_tokens=20,
                              min_new_tokens=20, do_sample=False, pad_token_id=0)
     del out
     torch.cuda.synchronize()
@@ -122,7 +123,7 @@ def test_a_cache_does_not_keep_the_prefill_tensors_alive():
     cache = CompressedRuntime.from_recipe(model, uncompressed_recipe("model")).new_cache()
     ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
     assert walked_nbytes(cache) == cache.reserved_nbytes() + cache.constant_nbytes()
     assert cache.reserved_nbytes() < 1.3 * cache.nbytes() + 4 * 16 * 32 * 4 * 2 * 2
 
@@ -158,10 +159,10 @@ def test_beam_duplicates_get_their_own_blocks_and_nothing_leaks():
     cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
     ids = torch.randint(3, 128, (2, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **with_cache(cache))
         before = cache.nbytes()
         cache.reorder_cache(torch.tensor([1, 1]))  # both rows become copies of sequence 1
-        logits = model(ids[1:, -1:].expand(2, 1), past_key_values=cache).logits  # the same next token for both
+        logits = model(ids[1:, -1:].expand(2, 1), **with_cache(cache)).logits  # the same next token for both
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
     assert cache.nbytes() == cache.expected_nbytes() and abs(cache.nbytes() - before) < 0.05 * before
     assert reservation_within_bound(cache)
@@ -212,9 +213,9 @@ def test_attention_over_the_store_equals_attention_over_the_decoded_tokens(name,
         return out
 
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **with_cache(cache))
         layer.attend = spy
-        model(ids[:, -1:], attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), past_key_values=cache)
+        model(ids[:, -1:], attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), **with_cache(cache))
     c = captured
     if layer.store.layout.quantized:
         assert int(layer.store.body_len.min()) >= 2  # the body (in its format) really took part
@@ -248,7 +249,7 @@ def test_a_fixed_budget_holds_flat_bytes_over_20k_generated_tokens(interval, ste
     held, reserved, kept = [], [], []
     with torch.no_grad():
         for step in range(steps):
-            token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            token = model(token, **with_cache(cache)).logits[:, -1:].argmax(-1)
             if step >= 256 + interval:
                 held.append(cache.nbytes())
                 reserved.append(cache.reserved_nbytes())

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvtool.capture import Progress, no_progress
 from kvtool.errors import RuntimeConfigError
+from kvtool.models.cache_argument import with_cache
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def _score_batch(model, ids: torch.Tensor, caches: list, prefill: int, chunk: in
     then cache 1, ..., before step s + 1: the caches' timed steps meet the same machine load.
     """
     for cache in caches:
-        model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :prefill], **with_cache(cache), use_cache=True)
     totals = [[0.0, 0, 0.0] for _ in caches]  # NLL, tokens, seconds
     last = ids.shape[1] - 1
     for start in range(prefill, last, chunk):
@@ -77,7 +78,7 @@ def _score_batch(model, ids: torch.Tensor, caches: list, prefill: int, chunk: in
         targets = ids[:, start + 1 : end + 1]  # (b, c)
         for row, cache in enumerate(caches):
             step_start = time.perf_counter()
-            logits = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits  # (b, c, V)
+            logits = model(input_ids=ids[:, start:end], **with_cache(cache), use_cache=True).logits  # (b, c, V)
             nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
             seconds = time.perf_counter() - step_start
             totals[row][0] += nll

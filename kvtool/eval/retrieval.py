@@ -19,6 +19,7 @@ import torch
 
 from kvtool.capture import Progress, no_progress
 from kvtool.eval.retrieval_request import RetrievalGrid
+from kvtool.models.cache_argument import with_cache
 
 
 @torch.no_grad()
@@ -35,9 +36,9 @@ def _generate(model, runtime, prompts: torch.Tensor, new_tokens: int, pad_id: in
     ids = prompts.to(device)
     if question_tokens:
         context = ids[:, :-question_tokens]
-        model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache)
+        model(input_ids=context, attention_mask=torch.ones_like(context), **with_cache(cache))
     out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache),
         max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
     )
     return out[:, prompts.shape[1] :].cpu(), cache.memory_report()

@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from kvtool.models.cache_argument import with_cache, without_cache
+
 
 class _StopForward(Exception):
     """Raised by the last recorder: everything after the decoder layers is skipped."""
@@ -31,7 +33,7 @@ class LayerCall:
     """The first layer's input hidden states of one batch and the keyword arguments of every layer."""
 
     hidden: torch.Tensor  # (B, T, d_model), on the device the model produced it
-    kwargs: list[dict]  # per layer; "past_key_values" is replaced by the caller's cache at run time
+    kwargs: list[dict]  # per layer; the cache in them is replaced by the caller's at run time
 
 
 class _Recorder(nn.Module):
@@ -77,7 +79,7 @@ def _swapped(layers: nn.ModuleList, replacements: list[nn.Module]) -> Iterator[N
 def record_layer_calls(model, layers: nn.ModuleList, input_ids: torch.Tensor, cache) -> LayerCall:
     """The embeddings of ``input_ids`` (B, T) and each decoder layer's keyword arguments, running no layer.
 
-    ``cache`` is passed as ``past_key_values`` so the masks are built for it (use the same kind
+    ``cache`` is passed to the model so the masks are built for it (use the same kind
     of cache as the layer runs).
     """
     call = LayerCall(hidden=torch.empty(0), kwargs=[])
@@ -85,7 +87,7 @@ def record_layer_calls(model, layers: nn.ModuleList, input_ids: torch.Tensor, ca
     recorders = [_Recorder(i, i == count - 1, call) for i in range(count)]
     with _swapped(layers, recorders):
         try:
-            model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            model(input_ids=input_ids, **with_cache(cache), use_cache=True)
         except _StopForward:
             pass
     if len(call.kwargs) != count:
@@ -95,7 +97,7 @@ def record_layer_calls(model, layers: nn.ModuleList, input_ids: torch.Tensor, ca
 
 def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, cache) -> torch.Tensor:
     """One decoder layer on hidden (B, T, d_model) with its recorded arguments and ``cache``: (B, T, d_model)."""
-    out = layer(hidden, **{**kwargs, "past_key_values": cache})
+    out = layer(hidden, **without_cache(kwargs), **with_cache(cache))
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -116,7 +118,7 @@ def head_loss_gradient(
     count = len(layers)
     replays = [_Replay(leaf if i == count - 1 else None) for i in range(count)]
     with _swapped(layers, replays), torch.enable_grad():
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits  # (B, T, V)
+        logits = model(input_ids=input_ids, **with_cache(cache), use_cache=True).logits  # (B, T, V)
         loss = loss_fn(logits, input_ids)
         del logits
         (grad,) = torch.autograd.grad(loss, [leaf])

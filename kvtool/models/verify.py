@@ -23,6 +23,7 @@ from kvtool.capture import _CaptureLayer
 from kvtool.errors import ModelError
 from kvtool.models.adapter import ModelAdapter, adapter_for
 from kvtool.models.attention_hook import eager_attention
+from kvtool.models.cache_argument import with_cache
 
 VERIFY_NAME = "kvtool_verify"
 _records: dict[int, dict] = {}  # id(attention module) -> what its last attention call was asked
@@ -56,7 +57,7 @@ def check_adapter(model, adapter: ModelAdapter, tokens: int = 8) -> list[str]:
     _records.clear()
     try:
         with _recording_attention(model):
-            model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            model(input_ids=input_ids, **with_cache(cache), use_cache=True)
     finally:
         for hook in hooks:
             hook.remove()
