@@ -11,7 +11,9 @@ import json
 import pytest
 from rich.console import Console
 
-from benchmarks.quant_bits import bench_methods, passkey_grid
+from benchmarks.quant_bits import bench_methods, passkey_grid, with_key_rope
+from kvtool.errors import RecipeError
+from kvtool.recipe import load_recipe
 from tests.conftest import shared_path
 
 
@@ -39,3 +41,13 @@ def test_passkey_cases_are_whole_seeds_over_the_five_depths():
     assert passkey_grid(10, 1024).seeds == 2
     with pytest.raises(SystemExit, match="multiple of 5"):
         passkey_grid(7, 1024)
+
+
+def test_key_rope_variants_override_the_recipe_and_say_so_in_their_name():
+    recipe = load_recipe("int8-static-channel")
+    pre, post = with_key_rope(recipe, "pre"), with_key_rope(recipe, "post")
+    assert (pre.keys.pre_rope, post.keys.pre_rope) == (True, False)
+    assert (pre.name, post.name) == ("int8-static-channel pre-rope keys", "int8-static-channel post-rope keys")
+    assert pre.values == post.values == recipe.values and pre.keys.bits == recipe.keys.bits
+    with pytest.raises(RecipeError, match="turboquant rotates keys after RoPE"):
+        with_key_rope(load_recipe("turboquant-3bit"), "pre")  # not every method can store keys before RoPE
