@@ -84,9 +84,10 @@ def main() -> None:
         raise SystemExit(f"--calib-seq-len {args.calib_seq_len} must be below --seq-len {args.seq_len}: the far span is what lies past it")
     console, rows = Console(), []
     for name in args.models:
-        model, tokenizer = load_model(str(SHARED / {**MODELS, **PRETRAINED}[name][0]))
-        windows = token_windows(tokenizer, DataSpec.parse(str(SHARED / {**MODELS, **PRETRAINED}[name][2])),
-                                samples=args.samples, seq_len=args.seq_len, mode="sequential")
+        model_dir, _, eval_text = {**MODELS, **PRETRAINED}[name]
+        model, tokenizer = load_model(str(SHARED / model_dir))
+        windows = token_windows(tokenizer, DataSpec.parse(str(SHARED / eval_text)), samples=args.samples, seq_len=args.seq_len,
+                                mode="sequential")
         for recipe_name in args.recipes:
             recipe = load_recipe(recipe_name)
             recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=args.calib_samples))
