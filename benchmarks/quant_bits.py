@@ -19,8 +19,9 @@ WikiText-2 test, plain text, depths 0 / 0.25 / 0.5 / 0.75 / 1 x N / 5 seeds, gre
 the runtime: the prompt prefilled, every answer token after the first attends to the compressed
 cache) for the uncompressed baseline and every recipe. ``--no-perplexity`` skips the perplexity
 scoring (the other columns only); ``--calib-seq-len`` sets the calibration windows' length (static
-per-channel scales fitted on 512 tokens clip keys at later positions: calibrate as long as the
-contexts served). Writes benchmarks/results/quant_methods.json.
+per-channel scales fitted on 512 tokens clip post-RoPE keys at later positions); ``--key-rope pre post``
+scores every recipe twice, its keys stored before and after RoPE (overriding ``keys.pre_rope``; rows
+named ``<recipe> pre-rope keys`` / ``post-rope keys``). Writes benchmarks/results/quant_methods.json.
 
     python -m benchmarks.quant_bits --suite methods --models smollm2-135m --samples 2 --seq-len 512 \
         --calib-samples 2 --passkey-cases 10 --passkey-length 1024
@@ -116,6 +117,15 @@ def method_recipes(calib_samples: int, extra: list[str] | None = None, calib_seq
         yield dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=calib_samples, seq_len=seq_len))
 
 
+KEY_ROPE_CHOICES = ("pre", "post")
+
+
+def with_key_rope(recipe: Recipe, key_rope: str) -> Recipe:
+    """The recipe with its keys stored before (``pre``) or after (``post``) RoPE, named ``<recipe> <pre|post>-rope keys``."""
+    keys = dataclasses.replace(recipe.keys, pre_rope=key_rope == "pre")
+    return dataclasses.replace(recipe, name=f"{recipe.name} {key_rope}-rope keys", keys=keys)
+
+
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -188,7 +198,8 @@ class MethodsBench(Bench):
 
 def bench_methods(names: list[str], samples: int, seq_len: int, decode: int, calib_samples: int, out: Path, console: Console,
                   only: list[str] | None = None, chunk: int = 1, passkey: RetrievalGrid | None = None,
-                  score_perplexity: bool = True, calib_seq_len: int | None = None) -> None:
+                  score_perplexity: bool = True, calib_seq_len: int | None = None, key_ropes: list[str] | None = None) -> None:
+    """key_ropes: score every recipe once per entry, its keys stored before / after RoPE (None: as the recipe says)."""
     rows = []
     for name in names:
         bench = MethodsBench(name, samples, seq_len, decode, chunk, passkey, score_perplexity)
@@ -197,9 +208,10 @@ def bench_methods(names: list[str], samples: int, seq_len: int, decode: int, cal
         for recipe in method_recipes(calib_samples, only, calib_seq_len):
             if only and recipe.name not in only:
                 continue
-            rows.append(bench.score(recipe))
-            console.log(f"{name} {recipe.name}: {_columns_line(rows[-1])} ({rows[-1]['seconds']:.0f} s)")
-            _save(rows, out, passkey)  # after every row: a stopped run keeps what it measured
+            for variant in [with_key_rope(recipe, rope) for rope in key_ropes] if key_ropes else [recipe]:
+                rows.append(bench.score(variant))
+                console.log(f"{name} {variant.name}: {_columns_line(rows[-1])} ({rows[-1]['seconds']:.0f} s)")
+                _save(rows, out, passkey)  # after every row: a stopped run keeps what it measured
     if score_perplexity:
         print_and_save(rows, "Every quantization method through the runtime (decode 1 token per step)", out, console)
         table = Table(title="decode speed")
@@ -253,6 +265,9 @@ def main() -> None:
     parser.add_argument("--passkey-cases", type=int, default=0,
                         help="methods suite: pass-key prompts per recipe (a multiple of 5: depths 0-1 x seeds; 0 = no pass-key column)")
     parser.add_argument("--passkey-length", type=int, default=1024, help="methods suite: tokens per pass-key prompt")
+    parser.add_argument("--key-rope", nargs="+", default=None, choices=KEY_ROPE_CHOICES,
+                        help="methods suite: score each recipe with its keys stored before (pre) and/or after (post) RoPE, "
+                             "overriding keys.pre_rope (default: as the recipe says)")
     parser.add_argument("--no-perplexity", action="store_true", help="methods suite: skip perplexity and decode speed (the other columns only)")
     parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS) + list(PRETRAINED))
     parser.add_argument("--samples", type=int, default=4, help="evaluation windows per model")
@@ -264,7 +279,7 @@ def main() -> None:
         out = args.out if args.out != parser.get_default("out") else Path("benchmarks/results/quant_methods.json")
         bench_methods(args.models or ["smollm2-135m"], args.samples, args.seq_len, args.decode, args.calib_samples, out, console,
                       args.recipes, args.chunk, passkey_grid(args.passkey_cases, args.passkey_length), not args.no_perplexity,
-                      args.calib_seq_len)
+                      args.calib_seq_len, args.key_rope)
         return
     args.models = args.models or list(MODELS)
     rows = [row for name in args.models for row in bench_model(name, args.samples, args.seq_len, console)]

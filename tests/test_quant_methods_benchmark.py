@@ -6,12 +6,16 @@ pass-key grid is the one asked for. The figures are in benchmarks/RESULTS.md ("Q
 methods: inner-product bias and pass-key").
 """
 
+import dataclasses
 import json
+import math
 
 import pytest
 from rich.console import Console
 
-from benchmarks.quant_bits import bench_methods, passkey_grid
+from benchmarks.quant_bits import bench_methods, passkey_grid, with_key_rope
+from kvtool.errors import RecipeError
+from kvtool.recipe import load_recipe
 from tests.conftest import shared_path
 
 
@@ -39,3 +43,32 @@ def test_passkey_cases_are_whole_seeds_over_the_five_depths():
     assert passkey_grid(10, 1024).seeds == 2
     with pytest.raises(SystemExit, match="multiple of 5"):
         passkey_grid(7, 1024)
+
+
+def test_key_rope_variants_override_the_recipe_and_say_so_in_their_name():
+    recipe = load_recipe("int8-static-channel")
+    pre, post = with_key_rope(recipe, "pre"), with_key_rope(recipe, "post")
+    assert (pre.keys.pre_rope, post.keys.pre_rope) == (True, False)
+    assert (pre.name, post.name) == ("int8-static-channel pre-rope keys", "int8-static-channel post-rope keys")
+    assert pre.values == post.values == recipe.values and pre.keys.bits == recipe.keys.bits
+    with pytest.raises(RecipeError, match="turboquant rotates keys after RoPE"):
+        with_key_rope(load_recipe("turboquant-3bit"), "pre")  # not every method can store keys before RoPE
+
+
+def test_sqnr_by_position_measures_both_spans_and_leaves_values_alone():
+    """benchmarks/key_sqnr_by_position on kvref-5m: mechanics (figures in benchmarks/RESULTS.md)."""
+    from benchmarks.common import SHARED
+    from benchmarks.key_sqnr_by_position import sqnr_by_span
+    from kvtool.data import DataSpec, token_windows
+    from kvtool.models.loading import load_model
+
+    model, tokenizer = load_model(str(shared_path("models/kvref-5m")))
+    windows = token_windows(tokenizer, DataSpec.parse(str(SHARED / "data/text/wikitext2_test.txt")), samples=1, seq_len=192,
+                            mode="sequential")
+    recipe = load_recipe("int8-static-channel")
+    recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=1))
+    pre, post = (sqnr_by_span(model, tokenizer, "kvref-5m", with_key_rope(recipe, rope), windows, 64) for rope in ("pre", "post"))
+    for row in (pre, post):
+        assert all(math.isfinite(row[f"{span}_{part}_sqnr_db"]) for span in ("near", "far") for part in ("keys", "values"))
+    assert pre["near_keys_sqnr_db"] != post["near_keys_sqnr_db"]  # the keys really were stored differently
+    assert pre["far_values_sqnr_db"] == post["far_values_sqnr_db"]  # where keys are stored does not touch values

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
-from kvtool.calibration import RangeStats
+from kvtool.calibration import RangeStats, fit_layers, range_parts
 from kvtool.capture import ChannelStats, stream_batches
 from kvtool.errors import ArtifactError, RecipeError
 from kvtool.methods.quant.fp8 import Fp8Quantizer
@@ -146,3 +148,70 @@ def test_range_stats_see_every_token_past_the_sinks_of_post_rope_keys():
         lo, hi, sample = ranges.ranges(layer, "keys")
         assert sample.shape == (16, adapter.geometry.num_kv_heads, adapter.geometry.head_dim)  # bounded sample
         torch.testing.assert_close(torch.maximum(lo.abs(), hi.abs()), stats[f"layers.{layer}.keys.absmax"])
+
+
+# --- pre-RoPE ranges do not depend on the positions calibration saw ------------------------------
+
+CALIB_TOKENS, SERVED_TOKENS = 32, 512  # calibration windows, served context: 16x further than calibrated
+
+
+def model_with_key_means() -> torch.nn.Module:
+    """A tiny llama whose keys have per-channel means about twice their spread over tokens, as real keys
+    have (KVQuant's outlier channels; a random model's keys are centred): a k_proj bias of std 0.3
+    against a key spread of ~0.16."""
+    model = tiny_model("llama", max_position_embeddings=1024, attention_bias=True)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = layer.self_attn.k_proj.bias  # (H_kv * D,)
+            bias.copy_(0.3 * torch.randn(bias.shape, generator=generator))
+    return model
+
+
+def key_sqnr_near_and_far(recipe) -> tuple[float, float]:
+    """Key SQNR (dB) of `model_with_key_means`' cache body at positions calibration saw (< CALIB_TOKENS) and far past them.
+
+    The recipe's ranges are fitted as `kvtool calibrate` fits them (`RangeStats` over the parts the recipe
+    reads, `fit_layers`) on windows of CALIB_TOKENS; a SERVED_TOKENS prompt is then prefilled into the
+    runtime and its keys read back (re-rotated at their true positions when stored before RoPE).
+    """
+    model = model_with_key_means()
+    adapter = adapter_for(model)
+    sinks = recipe.cache.sink_tokens
+    ranges = RangeStats(max_tokens=4096, skip_first=sinks, parts=range_parts(recipe))
+    windows = torch.randint(3, 128, (32, CALIB_TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stream_batches(model, adapter, windows, [ranges], batch_size=8)
+    geometry = adapter.geometry
+    fitted = fit_layers(recipe, geometry.head_dim, geometry.num_layers, ranges=ranges)
+    cache = CompressedRuntime.from_recipe(model, recipe, fitted).new_cache()
+    plain = DynamicCache(config=model.config)
+    ids = torch.randint(3, 128, (1, SERVED_TOKENS), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, past_key_values=plain, use_cache=True)
+    body_end = sinks + int(cache.layers[0].store.body_len.min()) * recipe.cache.block_size  # quantized positions: [sinks, body_end)
+    near, far = slice(sinks, CALIB_TOKENS), slice(body_end - 4 * CALIB_TOKENS, body_end)
+    signal = {"near": 0.0, "far": 0.0}
+    error = {"near": 0.0, "far": 0.0}
+    for layer, reference in zip(cache.layers, plain.layers):
+        keys, _, positions, valid = layer.decoded()  # (1, H, T, D), positions (1, H, T)
+        assert bool(valid.all()) and positions[0, 0].tolist() == list(range(SERVED_TOKENS))
+        for name, span in (("near", near), ("far", far)):
+            signal[name] += float(reference.keys[:, :, span].float().square().sum())
+            error[name] += float((keys[:, :, span] - reference.keys[:, :, span].float()).square().sum())
+    return tuple(10 * math.log10(signal[name] / error[name]) for name in ("near", "far"))
+
+
+@pytest.mark.parametrize("name", ["int8-static-channel", "int4-static-channel"])
+def test_static_channel_recipes_keep_their_key_error_far_beyond_the_calibrated_positions(name):
+    """Bundled per-channel static keys are stored before RoPE, so ranges fitted on short windows hold at 16x
+    the length; stored after RoPE, the slow rotary pairs leave the angles calibration saw and are clipped."""
+    recipe = load_recipe(name)
+    assert recipe.keys.pre_rope, f"{name}: per-channel static key ranges must be calibrated before RoPE"
+    near, far = key_sqnr_near_and_far(recipe)
+    assert far > near - 2.0, (near, far)
+    post_rope = dataclasses.replace(recipe, keys=dataclasses.replace(recipe.keys, pre_rope=False))
+    post_near, post_far = key_sqnr_near_and_far(post_rope)
+    assert post_far < post_near - 10.0, (post_near, post_far)  # the setup really reaches positions where post-RoPE ranges fail
+    assert far > post_far + 10.0, (far, post_far)

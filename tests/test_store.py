@@ -189,6 +189,8 @@ FORMATS = {
                        values=QuantSpec(method="fp8", bits=8, granularity="layer", scale_fit="mse", axis="token", path="values")),
     "int-static": dict(keys=QuantSpec(method="int_static", bits=4, granularity="channel", path="keys"),
                        values=QuantSpec(method="int_static", bits=3, granularity="head", scale_fit="mse", axis="token", path="values")),
+    "int-static-pre-rope": dict(keys=QuantSpec(method="int_static", bits=8, granularity="channel", pre_rope=True, path="keys"),
+                                values=QuantSpec(method="int_static", bits=4, granularity="channel", scale_fit="mse", axis="token", path="values")),
     "turboquant-qjl": dict(keys=QuantSpec(method="turboquant", bits=3, qjl=True, path="keys"),
                            values=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, axis="token", path="values")),
 }

@@ -9,6 +9,9 @@ else (exactly ``bits`` bits per element). Asymmetric: with the calibrated ``lo``
 
 values outside the calibrated range saturate. ``granularity``: ``layer`` (one range per
 layer, "per tensor"), ``head`` (per KV head) or ``channel`` (per KV head and channel).
+Per-channel key ranges want ``keys.pre_rope`` (the bundled ``int*-static-channel`` recipes set
+it): after RoPE a slow rotary pair only reaches the angles of the positions calibration saw, so
+later positions leave the range and saturate; before RoPE the range does not depend on the position.
 
 Storage per block of one (sequence, KV head) stream: ``codes`` (S * bits / 8, D) uint8,
 bit-sliced and token-split (`packing.py`).
