@@ -15,6 +15,7 @@ from kvtool.errors import ArtifactError, RecipeError
 from kvtool.methods.quant.fp8 import Fp8Quantizer
 from kvtool.methods.quant.int_static import IntStaticQuantizer
 from kvtool.models.adapter import adapter_for
+from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import QuantSpec, load_recipe
 from kvtool.runtime.attach import CompressedRuntime
 from tests.tiny_models import tiny_model
@@ -188,8 +189,8 @@ def key_sqnr_near_and_far(recipe) -> tuple[float, float]:
     plain = DynamicCache(config=model.config)
     ids = torch.randint(3, 128, (1, SERVED_TOKENS), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        model(input_ids=ids, past_key_values=plain, use_cache=True)
+        model(input_ids=ids, **with_cache(cache), use_cache=True)
+        model(input_ids=ids, **with_cache(plain), use_cache=True)
     body_end = sinks + int(cache.layers[0].store.body_len.min()) * recipe.cache.block_size  # quantized positions: [sinks, body_end)
     near, far = slice(sinks, CALIB_TOKENS), slice(body_end - 4 * CALIB_TOKENS, body_end)
     signal = {"near": 0.0, "far": 0.0}
