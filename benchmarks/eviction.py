@@ -61,6 +61,7 @@ VARIANTS = {  # benchmark name -> (policy, extra EvictionSpec fields)
     "ada-snapkv": ("snapkv", {"head_budgets": "adaptive"}),
     "ada-tova": ("tova", {"window": 1, "head_budgets": "adaptive"}),
     "cake": ("cake", {"pooling": 5}),  # recipe `cake`: tau1 = tau2 = 1, gamma 200, average pooling over 5 positions
+    "cake-w8": ("cake", {"pooling": 5, "window": 8}),  # the same with an 8-token window (KVCache-Factory's)
     "pyramidinfer": ("pyramidinfer", {}),  # recipe `pyramidinfer`: retention_decay 0.9, distance_weight 1.2
     "pyramidinfer-flat": ("pyramidinfer", {"retention_decay": 1.0}),  # nested head-shared sets, no pyramid
     "pyramidinfer-steep": ("pyramidinfer", {"retention_decay": 0.74}),  # 30 layers: the paper's schedule at 50% (layer 0 keeps all)
