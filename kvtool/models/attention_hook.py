@@ -2,7 +2,7 @@
 
 transformers 5.x attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
 with ``(module, query, key, value, attention_mask, scaling=...)`` right after
-``past_key_values.update``. `install` registers ``"kvtool"`` there (and the
+the cache's ``update``. `install` registers ``"kvtool"`` there (and the
 padding-aware boolean mask builder for it) and switches a model to it. The function
 dispatches, in this order, to:
 

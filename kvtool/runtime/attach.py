@@ -4,7 +4,8 @@
 it validates the artifact against the model before anything runs, builds the
 per-layer plans, resolves the backend once, and makes a fresh `KvtoolCache` per
 generation. The model's weights are not changed: the cache is passed as
-``past_key_values`` to ``forward`` or ``generate``; the model is switched to kvtool's
+``cache`` (``past_key_values`` before transformers 5.24, `kvtool.models.cache_argument`) to
+``forward`` or ``generate``; the model is switched to kvtool's
 attention function (plain SDPA for any other cache), through which the cache computes
 attention over its compressed storage.
 """
