@@ -49,6 +49,7 @@ from rich.table import Table
 from benchmarks.common import MODELS, PRETRAINED, SHARED, Bench, print_and_save
 from kvtool.api import calibrate_loaded
 from kvtool.data import DataSpec, token_windows
+from kvtool.errors import RuntimeConfigError
 from kvtool.eval.inner_product import inner_product_error
 from kvtool.eval.perplexity import perplexity
 from kvtool.eval.retrieval import evaluate_grid
@@ -184,9 +185,14 @@ class MethodsBench(Bench):
     def extra_columns(self, runtime: CompressedRuntime) -> dict:
         """Inner-product error of the stored keys on the held-out windows and, with a grid, pass-key accuracy."""
         start = time.perf_counter()
-        error = inner_product_error(runtime, self.windows)
-        out = {f"ip_{name}": value for name, value in error.summary().items()}
-        out["ip_by_layer"] = error.by_layer()
+        try:
+            error = inner_product_error(runtime, self.windows)
+        except RuntimeConfigError as err:  # a format it does not measure (Palu latents of grouped heads): the row stays
+            out = {f"ip_{name}": None for name in IP_COLUMNS}
+            out["ip_unmeasured"] = str(err)
+        else:
+            out = {f"ip_{name}": value for name, value in error.summary().items()}
+            out["ip_by_layer"] = error.by_layer()
         out["ip_seconds"] = time.perf_counter() - start
         if self.passkey is not None:
             start = time.perf_counter()
@@ -226,9 +232,18 @@ def bench_methods(names: list[str], samples: int, seq_len: int, decode: int, cal
         console.print(f"wrote {out}")
 
 
+IP_COLUMNS = ("bias", "shrink", "error_var", "rel_mse", "abs_bias", "pairs")  # `InnerProductError.summary()`
+
+
+def _number(value, spec: str) -> str:
+    """``value`` formatted, or "n/a" where it was not measured."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def _columns_line(row: dict) -> str:
     parts = [f"{row['delta_pct']:+.2f}%"] if row.get("ppl") is not None else []
-    parts.append(f"q.k bias {row['ip_bias']:+.3f} shrink {row['ip_shrink']:+.3f} error var {row['ip_error_var']:.4f}")
+    parts.append(f"q.k bias {_number(row['ip_bias'], '+.3f')} shrink {_number(row['ip_shrink'], '+.3f')} "
+                 f"error var {_number(row['ip_error_var'], '.4f')}")
     if "passkey_accuracy" in row:
         parts.append(f"pass-key {row['passkey_accuracy']:.2f}")
     return ", ".join(parts)
@@ -240,8 +255,8 @@ def _metrics_table(rows: list[dict]) -> Table:
         table.add_column(column, justify="right")
     for r in rows:
         passkey = "" if r.get("passkey_accuracy") is None else f"{r['passkey_accuracy']:.2f}"
-        table.add_row(r["model"], r["recipe"], f"{r['ip_bias']:+.4f}", f"{r['ip_abs_bias']:.4f}", f"{r['ip_shrink']:+.4f}",
-                      f"{r['ip_error_var']:.4f}", f"{r['ip_rel_mse']:.4f}", passkey)
+        table.add_row(r["model"], r["recipe"], _number(r["ip_bias"], "+.4f"), _number(r["ip_abs_bias"], ".4f"),
+                      _number(r["ip_shrink"], "+.4f"), _number(r["ip_error_var"], ".4f"), _number(r["ip_rel_mse"], ".4f"), passkey)
     return table
 
 

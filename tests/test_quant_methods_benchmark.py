@@ -72,3 +72,16 @@ def test_sqnr_by_position_measures_both_spans_and_leaves_values_alone():
         assert all(math.isfinite(row[f"{span}_{part}_sqnr_db"]) for span in ("near", "far") for part in ("keys", "values"))
     assert pre["near_keys_sqnr_db"] != post["near_keys_sqnr_db"]  # the keys really were stored differently
     assert pre["far_values_sqnr_db"] == post["far_values_sqnr_db"]  # where keys are stored does not touch values
+
+
+def test_a_recipe_the_inner_product_cannot_measure_keeps_its_row_and_says_why(tmp_path):
+    """Palu latents of grouped heads have no per-head key to score: the row says so (n/a) and the suite goes on."""
+    shared_path("models/kvref-5m")
+    out = tmp_path / "quant_methods.json"
+    bench_methods(["kvref-5m"], samples=1, seq_len=256, decode=0, calib_samples=1, out=out, console=Console(quiet=True),
+                  only=["palu-30-3bit", "int4-static-channel"], score_perplexity=False)
+    rows = {r["recipe"]: r for r in json.loads(out.read_text())["rows"]}
+    palu = rows["palu-30-3bit"]
+    assert palu["ip_bias"] is None and palu["ip_rel_mse"] is None and "group" in palu["ip_unmeasured"]
+    assert palu["keys_sqnr_db"] is not None  # the rest of the row is measured
+    assert rows["int4-static-channel"]["ip_rel_mse"] > 0 and "ip_unmeasured" not in rows["int4-static-channel"]
