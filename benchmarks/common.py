@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kvtool.api import calibrate_loaded
 from kvtool.data import DataSpec, token_windows
+from kvtool.eval.paired_delta import paired_delta
 from kvtool.eval.perplexity import perplexity
 from kvtool.fileio import write_json_atomic
 from kvtool.models.loading import load_model
@@ -59,12 +60,18 @@ class Bench:
         result = self._perplexity(runtime)
         return {
             "model": self.name, "recipe": label or recipe.name, "ppl": result.ppl, "baseline_ppl": self.baseline.ppl,
-            "delta_pct": 100 * (result.ppl / self.baseline.ppl - 1), "bits_per_element": result.bits_per_element,
+            **paired_delta(self.baseline.token_nll, result.token_nll).to_dict(), "bits_per_element": result.bits_per_element,
             "body_bits": body_bits, "compression_pct": 100 * (1 - body_bits["body"] / 16) if body_bits else None,
             "bytes_per_token": result.bytes_per_token, "keys_sqnr_db": quality.get("keys_sqnr_db"),
             "values_sqnr_db": quality.get("values_sqnr_db"), "decode_tokens_per_s": result.decode_tokens_per_s,
             "seconds": time.perf_counter() - start, "windows": result.windows, "seq_len": self.seq_len,
         }
+
+
+def delta_text(row: dict) -> str:
+    """"+0.43% (-0.10 .. +0.97)": the perplexity delta and its paired 95% interval where the row has one."""
+    interval = row.get("delta_ci95_pct")
+    return f"{row['delta_pct']:+.2f}%" + (f" ({interval[0]:+.2f} .. {interval[1]:+.2f})" if interval else "")
 
 
 def print_and_save(rows: list[dict], title: str, out: Path, console: Console) -> None:
@@ -75,7 +82,7 @@ def print_and_save(rows: list[dict], title: str, out: Path, console: Console) ->
         table.add_column(column, justify="right")
     fmt = lambda x, spec=".1f": "" if x is None else format(x, spec)  # noqa: E731
     for r in rows:
-        table.add_row(r["model"], r["recipe"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%", f"{r['bits_per_element']:.2f}",
+        table.add_row(r["model"], r["recipe"], f"{r['ppl']:.3f}", delta_text(r), f"{r['bits_per_element']:.2f}",
                       fmt(r.get("compression_pct")) + ("%" if r.get("compression_pct") is not None else ""),
                       f"{r['bytes_per_token']:.0f}", fmt(r.get("keys_sqnr_db")), fmt(r.get("values_sqnr_db")))
     console.print(table)

@@ -33,9 +33,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import MODELS, SHARED
+from benchmarks.common import MODELS, SHARED, delta_text
 from kvtool.attention_profile import profile_attention
 from kvtool.data import DataSpec, token_windows
+from kvtool.eval.paired_delta import paired_delta
 from kvtool.eval.perplexity import perplexity
 from kvtool.fileio import write_json_atomic
 from kvtool.methods.evict.fastgen import choose_policies, token_classes
@@ -142,6 +143,8 @@ def perplexity_rows(args, console: Console, rows: list[dict], save) -> list[dict
     needs_profile = bool(args.thresholds) or "fitted-snapkv" in args.policies
     profile = attention_profile(model, tokenizer, args.profile_samples, 1024, args.model) if needs_profile else None
 
+    baseline = []  # the full cache's per-token NLLs: every row's paired delta is against them
+
     def score(recipe, label: str, prof: dict | None = None) -> dict:
         start = time.perf_counter()
         runtime = CompressedRuntime.from_recipe(model, recipe, profile=prof)
@@ -149,8 +152,10 @@ def perplexity_rows(args, console: Console, rows: list[dict], save) -> list[dict
         row = {"recipe": label, "policy": recipe.eviction.policy, "budget": recipe.eviction.budget, **result.to_dict(),
                "seconds": time.perf_counter() - start}
         if rows:
-            row["delta_pct"] = 100 * (result.ppl / rows[0]["ppl"] - 1)
+            row.update(paired_delta(baseline[0], result.token_nll).to_dict())
             row["speed_vs_full"] = result.decode_tokens_per_s / rows[0]["decode_tokens_per_s"]
+        if not rows:
+            baseline.append(result.token_nll)
         rows.append(row)
         save()
         console.log(f"{label}: ppl {result.ppl:.3f} ({row.get('delta_pct', 0):+.2f}%), kept {result.kept_fraction:.3f}, "
@@ -221,7 +226,7 @@ def print_table(rows: list[dict], console: Console, model: str = "kvref-5m") -> 
         table.add_column(column, justify="right")
     full_bytes = rows[0]["cache_bytes"]
     for r in rows:
-        table.add_row(r["recipe"], f"{r['ppl']:.3f}", f"{r.get('delta_pct', 0):+.2f}%", f"{100 * r['kept_fraction']:.1f}%",
+        table.add_row(r["recipe"], f"{r['ppl']:.3f}", delta_text(r) if "delta_pct" in r else "+0.00%", f"{100 * r['kept_fraction']:.1f}%",
                       f"{r['cache_bytes']:,}", f"{r['cache_bytes'] / full_bytes:.3f}", f"{r['decode_tokens_per_s']:.1f}",
                       f"{r.get('speed_vs_full', 1.0):.2f}x")
     console.print(table)

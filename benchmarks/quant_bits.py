@@ -46,11 +46,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.common import MODELS, PRETRAINED, SHARED, Bench, print_and_save
+from benchmarks.common import MODELS, PRETRAINED, SHARED, Bench, delta_text, print_and_save
 from kvtool.api import calibrate_loaded
 from kvtool.data import DataSpec, token_windows
 from kvtool.errors import RuntimeConfigError
 from kvtool.eval.inner_product import inner_product_error
+from kvtool.eval.paired_delta import paired_delta
 from kvtool.eval.perplexity import perplexity
 from kvtool.eval.retrieval import evaluate_grid
 from kvtool.eval.retrieval_request import RetrievalGrid
@@ -88,7 +89,7 @@ def bench_model(name: str, samples: int, seq_len: int, console: Console) -> list
         result = perplexity(model, windows, runtime.new_cache, prefill=prefill)
         base = base or result
         rows.append({
-            "model": name, "recipe": recipe.name, "ppl": result.ppl, "delta_pct": 100 * (result.ppl / base.ppl - 1),
+            "model": name, "recipe": recipe.name, "ppl": result.ppl, **paired_delta(base.token_nll, result.token_nll).to_dict(),
             "bits_per_element": result.bits_per_element, "bytes_per_token": result.bytes_per_token,
             "cache_bytes": result.cache_bytes, "fp16_cache_bytes": result.fp16_cache_bytes,
             "decode_tokens_per_s": result.decode_tokens_per_s, "seconds": time.perf_counter() - start,
@@ -241,7 +242,7 @@ def _number(value, spec: str) -> str:
 
 
 def _columns_line(row: dict) -> str:
-    parts = [f"{row['delta_pct']:+.2f}%"] if row.get("ppl") is not None else []
+    parts = [delta_text(row)] if row.get("ppl") is not None else []
     parts.append(f"q.k bias {_number(row['ip_bias'], '+.3f')} shrink {_number(row['ip_shrink'], '+.3f')} "
                  f"error var {_number(row['ip_error_var'], '.4f')}")
     if "passkey_accuracy" in row:
@@ -302,7 +303,7 @@ def main() -> None:
     for column in ("model", "recipe", "ppl", "delta", "bits/elem", "bytes/token", "decode tok/s"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(r["model"], r["recipe"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%", f"{r['bits_per_element']:.2f}",
+        table.add_row(r["model"], r["recipe"], f"{r['ppl']:.3f}", delta_text(r), f"{r['bits_per_element']:.2f}",
                       f"{r['bytes_per_token']:.0f}", f"{r['decode_tokens_per_s']:.1f}")
     console.print(table)
     machine = {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),

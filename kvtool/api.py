@@ -541,7 +541,8 @@ def evaluate_perplexity(
     Returns a JSON-able dict (`kvtool.eval.ppl_report`): ppl, bits_per_element, cache_bytes,
     fp16_cache_bytes, bytes_per_token, compression_ratio, decode tokens/s (mean, median, best);
     with ``baseline`` the same as ``baseline_*`` for the 16-bit cache (``baseline``: its name)
-    and delta_pct, and ``model_dtype_*`` for the model-dtype cache where that is not 16-bit;
+    and delta_pct with its paired 95% interval delta_ci95_pct (`kvtool.eval.paired_delta`), and
+    ``model_dtype_*`` for the model-dtype cache where that is not 16-bit;
     notes where a figure cannot mean much; the settings.
     """
     from kvtool.eval.ppl_report import perplexity_report

@@ -90,6 +90,12 @@ def render_notes(console: Console, report: dict) -> None:
             console.print(f"[yellow]note:[/] {escape(report[key])}", highlight=False)
 
 
+def _interval(report: dict) -> str:
+    """The paired 95% interval of ``delta_pct`` (`kvtool.eval.paired_delta`) as text."""
+    low, high = report["delta_ci95_pct"]
+    return f"{low:+.2f} .. {high:+.2f}%"
+
+
 def render_perplexity(console: Console, report: dict) -> None:
     """One column per cache: the 16-bit baseline, the model-dtype cache where it differs, the runtime's cache."""
     baseline = report.get("baseline", "16-bit cache")
@@ -110,6 +116,8 @@ def render_perplexity(console: Console, report: dict) -> None:
     rows = [
         ("perplexity", [f"{report[p + 'ppl']:.3f}" for _, p, _ in caches]),
         (f"delta vs {short}", ["" if d is None else f"{d:+.2f}%" for _, _, d in caches]),
+        *((("delta 95% interval", ["" if p else _interval(report) for _, p, _ in caches]),)
+          if report.get("delta_ci95_pct") else ()),
         *((("kept", [f"{100 * report.get(p + 'kept_fraction', 1.0):.1f}%" for _, p, _ in caches]),)
           if report.get("kept_fraction", 1.0) < 1.0 else ()),
         *((("tokens read per step", [f"{100 * report.get(p + 'sparse_read_fraction', 1.0):.1f}%" for _, p, _ in caches]),)
@@ -268,7 +276,8 @@ def render_summary(console: Console, summary: dict) -> None:
         (f"perplexity {baseline} (baseline)", f"{ppl['baseline_ppl']:.3f}"),
         *(((f"perplexity {ppl['model_dtype']} cache (model dtype)",
             f"{ppl['model_dtype_ppl']:.3f} ({ppl['model_dtype_delta_pct']:+.2f}%)"),) if "model_dtype_ppl" in ppl else ()),
-        ("perplexity compressed", f"{ppl['ppl']:.3f} ({ppl['delta_pct']:+.2f}%)"),
+        ("perplexity compressed", f"{ppl['ppl']:.3f} ({ppl['delta_pct']:+.2f}%"
+                                  + (f", 95% interval {_interval(ppl)})" if ppl.get("delta_ci95_pct") else ")")),
         (f"decode tokens/s compressed / {baseline} (median; best)",
          f"{_speed(ppl).split(' / ')[0]} / {_speed(ppl, 'baseline_').split(' / ')[0]}"
          + (f" (best {ppl['decode_tokens_per_s_best']:.1f} / {ppl['baseline_decode_tokens_per_s_best']:.1f})"

@@ -423,6 +423,15 @@ def test_eval_ppl_without_baseline_renders(rec):
     assert shows(result.stdout, "APPROXIMATE: chunks of 8 tokens")
 
 
+def test_eval_ppl_shows_the_paired_interval_of_the_delta(rec):
+    rec.patch("evaluate_perplexity", {**fake_report(), "delta_ci95_pct": [1.25, 9.5], "delta_blocks": 8})
+    result = invoke("eval", "ppl", "-d", "f.txt")
+    ok(result)
+    assert shows(result.stdout, "delta 95% interval") and shows(result.stdout, "+1.25 .. +9.50%")
+    rec.patch("evaluate_perplexity", fake_report())  # an older report (or one block): no interval row
+    assert "95% interval" not in invoke("eval", "ppl", "-d", "f.txt").stdout
+
+
 # --- --backend on generate and every eval command -----------------------------------------------
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -48,9 +48,12 @@ class PerplexityResult:
     decode_tokens_per_s: float
     kept_fraction: float = 1.0  # tokens held / tokens seen at the end (eviction), averaged over windows
     sparse_read_fraction: float = 1.0  # stored tokens decode steps read / tokens held (sparse attention)
+    # (N, S) float32 NLL of every scored token, windows in order: for paired deltas (`kvtool.eval.paired_delta`)
+    token_nll: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field but the per-token NLLs (JSON-able)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "token_nll"}
 
 
 def _check_args(windows: torch.Tensor, prefill: int, chunk: int) -> None:
@@ -63,15 +66,17 @@ def _check_args(windows: torch.Tensor, prefill: int, chunk: int) -> None:
 
 @torch.no_grad()
 def _score_batch(model, ids: torch.Tensor, caches: list, prefill: int, chunk: int,
-                 on_steps: list | None = None) -> list[tuple[float, int, float]]:
+                 on_steps: list | None = None) -> list[tuple[float, int, float, torch.Tensor]]:
     """Prefill then decode one batch of windows (b, T) into every cache, the caches taking turns step by step.
 
-    Returns (sum NLL, scored tokens, decode seconds) per cache. Decode step s runs for cache 0,
-    then cache 1, ..., before step s + 1: the caches' timed steps meet the same machine load.
+    Returns (sum NLL, scored tokens, decode seconds, per-token NLL (b, S)) per cache. Decode step s
+    runs for cache 0, then cache 1, ..., before step s + 1: the caches' timed steps meet the same
+    machine load.
     """
     for cache in caches:
         model(input_ids=ids[:, :prefill], **with_cache(cache), use_cache=True)
     totals = [[0.0, 0, 0.0] for _ in caches]  # NLL, tokens, seconds
+    per_token = [[] for _ in caches]  # per cache: (b, c) NLL per step
     last = ids.shape[1] - 1
     for start in range(prefill, last, chunk):
         end = min(start + chunk, last)
@@ -79,14 +84,16 @@ def _score_batch(model, ids: torch.Tensor, caches: list, prefill: int, chunk: in
         for row, cache in enumerate(caches):
             step_start = time.perf_counter()
             logits = model(input_ids=ids[:, start:end], **with_cache(cache), use_cache=True).logits  # (b, c, V)
-            nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
+            token_nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")  # (b * c,)
+            nll = token_nll.sum().item()
             seconds = time.perf_counter() - step_start
+            per_token[row].append(token_nll.view(targets.shape).cpu())
             totals[row][0] += nll
             totals[row][1] += targets.numel()
             totals[row][2] += seconds
             if on_steps is not None and on_steps[row] is not None:  # per-step progress and timing
                 on_steps[row](targets.numel(), seconds)
-    return [tuple(total) for total in totals]
+    return [(*total, torch.cat(steps, dim=1)) for total, steps in zip(totals, per_token)]
 
 
 def perplexity(
@@ -132,8 +139,8 @@ def perplexities(
     for batch in progress(batches, "scoring through the cache", len(batches)):
         caches = [new_cache() for new_cache in new_caches]
         scored = _score_batch(model, batch.to(device), caches, prefill, chunk, on_steps)
-        for totals, cache, (nll, count, seconds) in zip(rows, caches, scored):
-            totals.add(cache, nll, count, seconds, batch.shape[0])
+        for totals, cache, (nll, count, seconds, token_nll) in zip(rows, caches, scored):
+            totals.add(cache, nll, count, seconds, batch.shape[0], token_nll)
     return [totals.result(windows, prefill, chunk) for totals in rows]
 
 
@@ -144,9 +151,11 @@ class _Totals:
         self.nll = self.seconds = self.kept = 0.0
         self.count = self.held = self.expected = self.fp16 = self.reserved = 0
         self.tokens_read = self.tokens_held = 0
+        self.token_nll: list[torch.Tensor] = []  # (b, S) per batch
 
-    def add(self, cache, nll: float, count: int, seconds: float, windows: int) -> None:
+    def add(self, cache, nll: float, count: int, seconds: float, windows: int, token_nll: torch.Tensor) -> None:
         self.nll, self.count, self.seconds = self.nll + nll, self.count + count, self.seconds + seconds
+        self.token_nll.append(token_nll)
         self.held, self.expected = self.held + cache.nbytes(), self.expected + cache.expected_nbytes()
         self.fp16, self.reserved = self.fp16 + cache.fp16_nbytes(), self.reserved + cache.reserved_nbytes()
         self.kept += (cache.kept_fraction() if hasattr(cache, "kept_fraction") else 1.0) * windows
@@ -176,4 +185,5 @@ class _Totals:
             decode_tokens_per_s=self.count / self.seconds if self.seconds else 0.0,
             kept_fraction=self.kept / windows.shape[0],
             sparse_read_fraction=self.tokens_read / self.tokens_held if self.tokens_held else 1.0,
+            token_nll=torch.cat(self.token_nll),
         )

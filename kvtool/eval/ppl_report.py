@@ -8,6 +8,10 @@ Rows, each through `kvtool.eval.perplexity` (the same code path):
 * where the model does not compute in 16 bits (float32 on CPU), its own dtype's cache:
   ``model_dtype_*`` keys, ``model_dtype`` names the dtype.
 
+``delta_ci95_pct`` is the 95% interval of ``delta_pct`` from the two rows' per-token NLLs on the
+same tokens (`kvtool.eval.paired_delta`: batch means over blocks of 32 tokens); ``None`` with
+fewer than two blocks.
+
 Decode speed is the mean over the run (``decode_tokens_per_s``) plus the median and best
 per-step rates (`kvtool.eval.speed`); progress advances per decoded token. The rows are
 timed alike, so their speeds compare: every runtime (all on the runtime's backend) is
@@ -33,6 +37,7 @@ from kvtool.eval.baselines import (
     sixteen_bit_recipe,
 )
 from kvtool.eval.caveats import uncompressed_note
+from kvtool.eval.paired_delta import paired_delta
 from kvtool.eval.perplexity import perplexities, perplexity
 from kvtool.eval.speed import StepTimes, machine_load, speed_note
 
@@ -75,7 +80,8 @@ def perplexity_report(
         result = result.to_dict()
         report.update(result if not prefix else {prefix + key: result[key] for key in ROW_KEYS})
         report.update(steps.summary(prefix))
-    return {**report, **_relative(report, model, baseline), **_notes(report, runtime, windows, times)}
+    paired = paired_delta(results[1].token_nll, results[0].token_nll).to_dict() if baseline else {}
+    return {**report, **_relative(report, model, baseline), **paired, **_notes(report, runtime, windows, times)}
 
 
 def _warm_up(model, windows: torch.Tensor, runtime, settings: dict) -> None:
