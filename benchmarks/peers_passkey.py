@@ -17,10 +17,12 @@ kvpress 0.5.5 pins transformers < 5.3, so this runs in the peers' environment (s
 
 kvtool's side: `python -m benchmarks.peers_passkey --side kvtool --model smollm2-135m` (this environment),
 the same grid through `kvtool.eval.retrieval.evaluate_grid`. Writes
-benchmarks/results/peers_passkey_<model>_<side>[_<length>][_agnostic][_<tag>].json (after every row) and prints
+benchmarks/results/peers_passkey_<model>_<side>[_<length>][_agnostic][_facts<K>][_<tag>].json (after every row) and prints
 a markdown table.
 
 ``--length`` (the Gemma-3-270M tables use 1024), ``--fractions`` and ``--methods`` pick a part of the grid;
+``--facts K`` (multi-fact retrieval) hides K pass keys of different names (Alice, Bob, ...) in the context, the
+asked one at the cell's depth and the others at random depths, and asks for one (`PasskeyTask(facts=K)`);
 ``--question-agnostic`` prefills the context (all but the longest question of the cell) under the press, or
 through kvtool's cache, then the question without compression (kvtool: `evaluate_grid(question_agnostic=True)`).
 """
@@ -56,14 +58,14 @@ PRESSES = ("StreamingLLMPress", "SnapKVPress", "TOVAPress", "ExpectedAttentionPr
 KVTOOL = ("snapkv", "ada-snapkv", "chunkkv", "h2o", "tova", "rocketkv")
 
 
-def load(name: str):
+def load(name: str, facts: int = 1):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir, _, _ = PRETRAINED[name]
     with quiet_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    task = PasskeyTask(tokenizer, text_filler(tokenizer, DataSpec.parse(str(SHARED / "data/text/wikitext2_test.txt"))))
+    task = PasskeyTask(tokenizer, text_filler(tokenizer, DataSpec.parse(str(SHARED / "data/text/wikitext2_test.txt"))), facts=facts)
     return model, tokenizer, task
 
 
@@ -175,12 +177,20 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def result_name(args) -> str:
+    """peers_passkey_<model>_<side>[_<length>][_agnostic][_facts<K>][_<tag>]: runs that differ never overwrite."""
+    return "_".join([f"peers_passkey_{args.model}_{args.side}"] + ([str(args.length)] if args.length != GRID.lengths[0] else [])
+                    + (["agnostic"] if args.question_agnostic else []) + ([f"facts{args.facts}"] if args.facts != 1 else [])
+                    + ([args.tag] if args.tag else []))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(PRETRAINED))
     parser.add_argument("--side", default="peers", choices=("peers", "kvtool"))
     parser.add_argument("--length", type=int, default=GRID.lengths[0], help="prompt tokens (RESULTS: 512 SmolLM2, 1024 Gemma)")
     parser.add_argument("--seeds", type=int, default=GRID.seeds)
+    parser.add_argument("--facts", type=int, default=1, help="pass keys in the context (multi-fact retrieval: one is asked)")
     parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS, help="fractions of the prompt kept")
     parser.add_argument("--methods", nargs="+", help="presses (peers) or recipes (kvtool); default: all of the side's")
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache row")
@@ -188,18 +198,20 @@ def main() -> None:
     parser.add_argument("--sliding", choices=SLIDING, default="global",
                         help="presses on Gemma 3's sliding-window layers (benchmarks.peers.press_context)")
     parser.add_argument("--tag", help="suffix of the JSON file name (runs of one model and side that must not overwrite)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
-    model, tokenizer, task = load(args.model)
-    name = "_".join([f"peers_passkey_{args.model}_{args.side}"] + ([str(args.length)] if args.length != GRID.lengths[0] else [])
-                    + (["agnostic"] if args.question_agnostic else []) + ([args.tag] if args.tag else []))
-    out, saved = RESULTS / f"{name}.json", []
+    model, tokenizer, task = load(args.model, args.facts)
+    out, saved = RESULTS / f"{result_name(args)}.json", []
 
     def log(row: dict) -> None:  # print and save after every row: a stopped run keeps what it measured
         saved.append(row)
         print(json.dumps({k: row.get(k) for k in ("side", "method", "kept", "accuracy", "kept_fraction", "seconds", "error")}), flush=True)
         write_json_atomic(out, {"model": args.model, "side": args.side, "grid": dataclasses.asdict(_grid(args)),
-                                "question_agnostic": args.question_agnostic, "rows": saved, "environment": environment()})
+                                "question_agnostic": args.question_agnostic, "facts": args.facts, "rows": saved, "environment": environment()})
 
     rows = (peer_rows if args.side == "peers" else kvtool_rows)(model, tokenizer, task, log, args)
     print(markdown(rows))

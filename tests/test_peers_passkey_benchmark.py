@@ -66,3 +66,32 @@ def test_question_agnostic_full_cache_generates_what_the_aware_one_does():
     press_accuracy(model, agnostic, None, grid, question_agnostic=True)
     for a, b in zip(aware.generated, agnostic.generated):
         assert torch.equal(a, b)
+
+
+def test_multi_fact_runs_are_named_apart_and_the_task_asks_one_of_k_keys():
+    """``--facts K``: its own JSON (a multi-fact run never overwrites a pass-key one), and prompts that hold K keys."""
+    from benchmarks.peers_passkey import parse_args, result_name
+    from kvtool.eval.retrieval_tasks import PasskeyTask
+
+    assert result_name(parse_args(["--side", "kvtool"])) == "peers_passkey_smollm2-135m_kvtool"
+    args = parse_args(["--side", "kvtool", "--model", "gemma3-270m", "--length", "1024", "--facts", "4", "--tag", "x"])
+    assert args.facts == 4 and result_name(args) == "peers_passkey_gemma3-270m_kvtool_1024_facts4_x"
+    assert result_name(parse_args(["--question-agnostic", "--facts", "2"])) == "peers_passkey_smollm2-135m_peers_agnostic_facts2"
+
+    class Chars:  # a character tokenizer: enough to count the keys in a prompt
+        bos_token_id = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) for c in text]}
+
+        def convert_ids_to_tokens(self, ids):
+            return [chr(i) for i in ids]
+
+        def convert_tokens_to_string(self, tokens):
+            return "".join(tokens)
+
+    filler = lambda count, seed: torch.tensor([ord(c) for c in ("Some filler text. " * 100)[:count]])  # noqa: E731
+    prompts, answers = PasskeyTask(Chars(), filler, facts=4).cases(600, 0.5, 2)
+    for prompt, answer in zip(prompts, answers):
+        text = "".join(map(chr, prompt.tolist()))
+        assert text.count("Remember it.") == 4 and answer in text and text.rstrip().endswith("is")
