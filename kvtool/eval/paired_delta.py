@@ -6,8 +6,8 @@ Two caches scored on the same windows give per-token negative log-likelihoods ``
 eviction hurts the next few predictions), so the standard error comes from *batch means*: each
 window's differences are cut into contiguous blocks of ``block_tokens`` and the blocks, not the
 tokens, are treated as independent (ratio estimator of the mean, since the last block of a
-window may be shorter). The interval is normal at ``level`` (z = 1.96 at 95%), mapped through
-``exp`` to percent, so it is asymmetric around the delta like the ratio it describes.
+window may be shorter). The interval is normal at 95% (z = 1.96), mapped through ``exp`` to
+percent, so it is asymmetric around the delta like the ratio it describes.
 
 Read a delta whose interval straddles a target as "not resolved by these tokens", not as met.
 """
@@ -39,10 +39,6 @@ class PairedDelta:
     def to_dict(self) -> dict:
         return {"delta_pct": self.delta_pct, "delta_ci95_pct": None if self.low_pct is None else [self.low_pct, self.high_pct],
                 "delta_blocks": self.blocks, "delta_block_tokens": self.block_tokens}
-
-    def interval_text(self) -> str:
-        """``"-0.12 .. +0.85%"``, or "" without an interval."""
-        return "" if self.low_pct is None else f"{self.low_pct:+.2f} .. {self.high_pct:+.2f}%"
 
 
 def paired_delta(base: torch.Tensor, other: torch.Tensor, block_tokens: int = BLOCK_TOKENS) -> PairedDelta:
