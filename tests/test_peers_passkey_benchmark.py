@@ -10,6 +10,7 @@ import contextlib
 import torch
 
 from benchmarks.peers_passkey import press_accuracy
+from kvtool.models.cache_argument import CACHE_ARGUMENTS
 from kvtool.eval.retrieval_request import RetrievalGrid
 from tests.tiny_models import tiny_model
 
@@ -66,3 +67,43 @@ def test_question_agnostic_full_cache_generates_what_the_aware_one_does():
     press_accuracy(model, agnostic, None, grid, question_agnostic=True)
     for a, b in zip(aware.generated, agnostic.generated):
         assert torch.equal(a, b)
+
+
+class UnevenPress:
+    """A press that drops the oldest ``drop`` tokens of layer 1 only (layers of one kind left unequal, as PyramidKV's)."""
+
+    def __init__(self, drop: int = 3) -> None:
+        self.drop = drop
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        def trim(module, args, kwargs, output):
+            layer = next(kwargs[name] for name in CACHE_ARGUMENTS if name in kwargs).layers[1]
+            layer.keys, layer.values = layer.keys[..., self.drop:, :], layer.values[..., self.drop:, :]
+
+        hook = model.register_forward_hook(trim, with_kwargs=True)
+        try:
+            yield
+        finally:
+            hook.remove()
+
+
+class CountingPress(UnevenPress):
+    """UnevenPress, counting the tokens of every forward of the model (under the press or not)."""
+
+    def __init__(self, model, drop: int) -> None:
+        super().__init__(drop)
+        self.lengths = []
+        model.register_forward_pre_hook(lambda module, args, kwargs: self.lengths.append(kwargs["input_ids"].shape[1]),
+                                        with_kwargs=True)
+
+
+def test_question_after_uneven_layers_is_fed_one_token_per_forward():
+    q, new = FakeTask.question, FakeTask.new_tokens
+    for drop, question_forwards in ((0, [q]), (3, [1] * q)):  # equal layers: one forward, as before; uneven: one per token
+        model, grid = tiny_model("llama"), RetrievalGrid((40,), (0.0,), 2)
+        task, press = FakeTask(), None
+        press = CountingPress(model, drop)
+        result = press_accuracy(model, task, press, grid, question_agnostic=True)  # one forward fails when uneven
+        assert press.lengths == [40 - q, *question_forwards, *[1] * (new - 1)]
+        assert result["accuracy"] == 1.0 and task.generated[0].shape == (2, new)
