@@ -24,7 +24,8 @@ a markdown table.
 ``--facts K`` (multi-fact retrieval) hides K pass keys of different names (Alice, Bob, ...) in the context, the
 asked one at the cell's depth and the others at random depths, and asks for one (`PasskeyTask(facts=K)`);
 ``--question-agnostic`` prefills the context (all but the longest question of the cell) under the press, or
-through kvtool's cache, then the question without compression (kvtool: `evaluate_grid(question_agnostic=True)`).
+through kvtool's cache, then the question without compression (kvtool: `evaluate_grid(question_agnostic=True)`;
+kvpress: in one forward, one token per forward where the press left layers unequal, `feed_question`).
 """
 
 from __future__ import annotations
@@ -86,8 +87,7 @@ def press_accuracy(model, task, press, grid: RetrievalGrid = GRID, question_agno
                                **with_cache(cache), logits_to_keep=1).logits  # (S, 1, V): the last position only
             kept.append(sum(layer.keys.shape[-2] for layer in cache.layers) / (len(cache.layers) * cut))
             if cut < n:  # the question, after compression, at its true positions
-                logits = model(input_ids=prompts[:, cut:], **with_cache(cache),
-                               position_ids=torch.arange(cut, n).expand(prompts.shape[0], n - cut), logits_to_keep=1).logits
+                logits = feed_question(model, cache, prompts[:, cut:], cut)
             token = logits[:, -1:].argmax(-1)
             generated = [token]
             position = torch.full((prompts.shape[0], 1), n)
@@ -99,6 +99,21 @@ def press_accuracy(model, task, press, grid: RetrievalGrid = GRID, question_agno
             hits = task.score(torch.cat(generated, dim=1), answers)
             by_depth[depth] = sum(hits) / len(hits)
     return {"accuracy": sum(by_depth.values()) / len(by_depth), "by_depth": by_depth, "kept_fraction": sum(kept) / len(kept)}
+
+
+def feed_question(model, cache, question: torch.Tensor, start: int) -> torch.Tensor:
+    """Logits of the last question token, the question (S, q) fed after the compressed context at positions start ...
+
+    In one forward, as kvpress's pipeline feeds it (`generate_answer`); one token per forward only when the press left
+    layers of one kind (full or sliding-window) holding different numbers of tokens (PyramidKV): transformers builds one
+    causal mask per layer kind per forward from the first such layer's length, so a multi-token forward fails on the
+    others; one-token forwards (as every decode step is) do not fail."""
+    held = {(type(layer), layer.keys.shape[-2]) for layer in cache.layers}
+    steps = question.shape[1] if len(held) > len({kind for kind, _ in held}) else 1
+    positions = torch.arange(start, start + question.shape[1]).expand(question.shape[0], -1)
+    for part, where in zip(question.tensor_split(steps, dim=1), positions.tensor_split(steps, dim=1)):
+        logits = model(input_ids=part, **with_cache(cache), position_ids=where, logits_to_keep=1).logits
+    return logits
 
 
 class _null:

@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.peers_passkey import press_accuracy
 from kvtool.eval.retrieval_request import RetrievalGrid
+from kvtool.models.cache_argument import CACHE_ARGUMENTS
 from tests.tiny_models import tiny_model
 
 
@@ -95,3 +96,43 @@ def test_multi_fact_runs_are_named_apart_and_the_task_asks_one_of_k_keys():
     for prompt, answer in zip(prompts, answers):
         text = "".join(map(chr, prompt.tolist()))
         assert text.count("Remember it.") == 4 and answer in text and text.rstrip().endswith("is")
+
+
+class UnevenPress:
+    """A press that drops the oldest ``drop`` tokens of layer 1 only (layers of one kind left unequal, as PyramidKV's)."""
+
+    def __init__(self, drop: int = 3) -> None:
+        self.drop = drop
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        def trim(module, args, kwargs, output):
+            layer = next(kwargs[name] for name in CACHE_ARGUMENTS if name in kwargs).layers[1]
+            layer.keys, layer.values = layer.keys[..., self.drop:, :], layer.values[..., self.drop:, :]
+
+        hook = model.register_forward_hook(trim, with_kwargs=True)
+        try:
+            yield
+        finally:
+            hook.remove()
+
+
+class CountingPress(UnevenPress):
+    """UnevenPress, counting the tokens of every forward of the model (under the press or not)."""
+
+    def __init__(self, model, drop: int) -> None:
+        super().__init__(drop)
+        self.lengths = []
+        model.register_forward_pre_hook(lambda module, args, kwargs: self.lengths.append(kwargs["input_ids"].shape[1]),
+                                        with_kwargs=True)
+
+
+def test_question_after_uneven_layers_is_fed_one_token_per_forward():
+    q, new = FakeTask.question, FakeTask.new_tokens
+    for drop, question_forwards in ((0, [q]), (3, [1] * q)):  # equal layers: one forward, as before; uneven: one per token
+        model, grid = tiny_model("llama"), RetrievalGrid((40,), (0.0,), 2)
+        task, press = FakeTask(), None
+        press = CountingPress(model, drop)
+        result = press_accuracy(model, task, press, grid, question_agnostic=True)  # one forward fails when uneven
+        assert press.lengths == [40 - q, *question_forwards, *[1] * (new - 1)]
+        assert result["accuracy"] == 1.0 and task.generated[0].shape == (2, new)
