@@ -473,7 +473,8 @@ class SparseAttentionSpec:
         per-channel max and min of their keys beside the block; a decode step scores every
         group from them with the query's largest ``channels`` fraction of channels (head- and
         sequence-dimension reduction) and attends exactly to the best-scored groups only.
-    read_fraction: fraction of a stream's tokens a decode step reads (0.25 reads a quarter).
+    read_fraction: fraction of a stream's tokens a decode step reads at most (0.25 reads a quarter,
+        rounded down to whole summary groups).
     summary_tokens: tokens per key summary (1, 2, 4, 8 or 16); the paper uses
         ceil(sqrt(1 / read_fraction)), 2 at a quarter. Smaller is more precise and costs more
         memory: the summaries take 2 / summary_tokens of the key bytes.

@@ -14,7 +14,9 @@ attention each group can receive and reads only the best groups, exactly:
    over-confident; sequence-dimension reduction is the summary group (the paper's chunk of
    ceil(sqrt(compression)) tokens: 2 when a quarter is read);
 3. softmax of the approximate logits per query row, averaged over the rows, and the top
-   ``max(min_tokens, read_fraction x tokens held)`` tokens' groups per stream are read.
+   ``max(min_tokens, read_fraction x tokens held)`` tokens' groups per stream are read: the fraction
+   rounded down to whole groups (a step never reads more than ``read_fraction`` of what a stream
+   holds, unless ``min_tokens`` asks for more), ``min_tokens`` rounded up.
 
 Why groups and not whole 16-token blocks: measured on SmolLM2-135M (512 tokens, every layer and
 KV head, one decode step), the attention mass the selected quarter of the tokens receives is
@@ -39,7 +41,9 @@ def groups_to_read(spec: SparseAttentionSpec, held_tokens: torch.Tensor) -> torc
     """(S,) int64 summary groups a step reads of streams holding ``held_tokens`` (S,) tokens."""
     n = spec.summary_tokens
     held = -(-held_tokens // n)  # groups held
-    wanted = torch.ceil(spec.read_fraction * held_tokens.double() / n - 1e-9).long()
+    if spec.read_fraction >= 1.0:
+        return held  # every group, the last partly filled one included
+    wanted = torch.floor(spec.read_fraction * held_tokens.double() / n + 1e-9).long()  # never over the fraction
     wanted = torch.maximum(wanted, torch.full_like(wanted, -(-spec.min_tokens // n)))
     return torch.minimum(wanted, held)
 
