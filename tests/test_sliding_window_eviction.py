@@ -180,3 +180,25 @@ def test_cake_splits_the_layers_visible_tokens():
             _, _, positions, valid = layer.decoded()
             assert bool((positions[valid] > 120 - window).all()) and n <= window
     assert held[0] != 12 or held[1] != 31  # the preferences moved tokens between the layers
+
+
+def test_pyramidinfer_over_a_sliding_layer_may_keep_what_that_layer_could_not_see():
+    """PyramidInfer nests each layer's kept set in the layer below's; a sliding layer below saw only its window, so a
+    global layer above it still chooses among the older tokens (it kept only the local window's tokens before)."""
+    model = featured_model("gemma3_text", sliding_window=WINDOW)
+    runtime = CompressedRuntime.from_recipe(model, recipe("pyramidinfer", budget=0.5))
+    ids = torch.randint(3, 100, (1, 160), generator=torch.Generator().manual_seed(3))
+    cache = runtime.new_cache()
+    with torch.no_grad():
+        model(input_ids=ids, **with_cache(cache), use_cache=True)
+    windows = runtime.adapter.geometry.sliding_windows
+    over_sliding = [i for i in range(1, len(windows)) if windows[i] is None and windows[i - 1]]
+    assert over_sliding  # the tiny Gemma 3 has a global layer right above a local one
+    for index in over_sliding:
+        _, _, positions, valid = cache.layers[index].decoded()
+        kept = positions[valid]
+        older = kept[(kept >= 2) & (kept <= 159 - WINDOW)]  # past the sinks, outside the local layer's window
+        assert older.numel() > 0, (index, sorted(kept.tolist()))
+        _, _, below, below_valid = cache.layers[index - 1].decoded()
+        inside = kept[(kept > 159 - WINDOW) & (kept < 160 - 8)]  # judged by the local layer, not the recent window
+        assert set(inside.tolist()) <= set(below[below_valid].tolist())  # still nested where the layer below chose

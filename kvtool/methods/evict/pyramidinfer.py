@@ -10,6 +10,10 @@ from the whole layer). Layer-wise shrinking: layer l keeps only tokens that laye
 the same forward, and fewer of them: budgets follow `pyramidinfer_weights` (layer l keeps r_l
 of what the layer below keeps, r_l falling from 1 to ``retention_decay`` along a cosine),
 rescaled so the mean over layers is the recipe's budget. Sinks and the window are always kept.
+A sliding-window layer below (Gemma 2/3, Mistral) saw only its window, so it judged nothing
+older: those tokens stay open to the layer above (else a global layer over a local one could
+keep nothing older than the local window, and Gemma-3-270M's pass key at 50% kept fell from
+0.6 to 0.2 once local layers kept only what their window shows).
 
 Limits. The paper also *computes* fewer tokens in deeper layers: only the kept tokens' hidden
 states go on, which saves prefill time and activation memory. kvtool's runtime evicts after a
@@ -38,6 +42,11 @@ class PyramidInfer(EvictionPolicy):
         super().__init__(spec, profile)
         self._below: LayerKept | None = None  # what the last layer prefilled kept
         self._allowed: torch.Tensor | None = None  # (S, N) bool while `keep` runs: what the layer below kept
+        self._windows: tuple = ()  # each layer's sliding window or None (`budget_rule`)
+
+    def budget_rule(self, rule, num_layers: int, windows: tuple = ()):
+        self._windows = tuple(windows[:num_layers])
+        return super().budget_rule(rule, num_layers, windows)
 
     def window_observer(self, t: int, window: int | torch.Tensor) -> WindowStats:
         return WindowStats(t, window, {"recent": functools.partial(self._recency_weighted, window=window)})
@@ -72,5 +81,10 @@ class PyramidInfer(EvictionPolicy):
         return keep
 
     def _kept_below(self, view: StreamView) -> torch.Tensor | None:
-        """(S, N) bool: the tokens layer l-1 kept in this same forward, or None (layer 0, another forward)."""
-        return None if self._below is None else self._below.at(view, view.layer - 1)
+        """(S, N) bool: the tokens layer l-1 kept in this same forward, and those it could not see (older than its
+        sliding window); None on layer 0 or after another forward."""
+        below = None if self._below is None else self._below.at(view, view.layer - 1)
+        window = self._windows[view.layer - 1] if below is not None and view.layer - 1 < len(self._windows) else None
+        if window:  # the newest query of layer l-1 saw positions > latest - window only
+            below = below | (view.positions <= (view.latest() - window)[:, None])
+        return below
