@@ -185,7 +185,8 @@ def test_cake_splits_the_layers_visible_tokens():
 def test_pyramidinfer_over_a_sliding_layer_may_keep_what_that_layer_could_not_see():
     """PyramidInfer nests each layer's kept set in the layer below's; a sliding layer below saw only its window, so a
     global layer above it still chooses among the older tokens (it kept only the local window's tokens before)."""
-    model = featured_model("gemma3_text", sliding_window=WINDOW)
+    types = ["sliding_attention", "full_attention"] * 2  # local, global, local, global
+    model = featured_model("gemma3_text", sliding_window=WINDOW, num_hidden_layers=4, layer_types=types)
     runtime = CompressedRuntime.from_recipe(model, recipe("pyramidinfer", budget=0.5))
     ids = torch.randint(3, 100, (1, 160), generator=torch.Generator().manual_seed(3))
     cache = runtime.new_cache()
@@ -202,3 +203,8 @@ def test_pyramidinfer_over_a_sliding_layer_may_keep_what_that_layer_could_not_se
         _, _, below, below_valid = cache.layers[index - 1].decoded()
         inside = kept[(kept > 159 - WINDOW) & (kept < 160 - 8)]  # judged by the local layer, not the recent window
         assert set(inside.tolist()) <= set(below[below_valid].tolist())  # still nested where the layer below chose
+        earlier = [i for i in range(index) if windows[i] is None]
+        if earlier:  # older tokens: only those the last global layer below kept (the last layer that saw them)
+            _, _, previous, previous_valid = cache.layers[earlier[-1]].decoded()
+            assert set(older.tolist()) <= set(previous[previous_valid].tolist())
+    assert any(any(windows[i] is None for i in range(index)) for index in over_sliding)  # that case is exercised

@@ -240,9 +240,14 @@ class LayerKept:
     def at(self, view: StreamView, layer: int) -> torch.Tensor | None:
         """(S, N) bool: what ``layer`` kept of the view's slots, when it is this record's layer in the same forward
         (same streams, same lengths); else None."""
+        kept = self.at_layer(view, layer)
+        return None if kept is None else at_positions(kept, view, False)
+
+    def at_layer(self, view: StreamView, layer: int) -> torch.Tensor | None:
+        """(S, P) bool by position, when this is ``layer``'s record of the view's forward; else None."""
         if layer != self.layer or self.length.shape != view.length.shape or not torch.equal(self.length, view.length):
             return None
-        return at_positions(self.kept, view, False)
+        return self.kept
 
 
 def rank_desc(scores: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,11 @@ from the whole layer). Layer-wise shrinking: layer l keeps only tokens that laye
 the same forward, and fewer of them: budgets follow `pyramidinfer_weights` (layer l keeps r_l
 of what the layer below keeps, r_l falling from 1 to ``retention_decay`` along a cosine),
 rescaled so the mean over layers is the recipe's budget. Sinks and the window are always kept.
-A sliding-window layer below (Gemma 2/3, Mistral) saw only its window, so it judged nothing
-older: those tokens stay open to the layer above (else a global layer over a local one could
-keep nothing older than the local window, and Gemma-3-270M's pass key at 50% kept fell from
-0.6 to 0.2 once local layers kept only what their window shows).
+With sliding-window layers (Gemma 2/3, Mistral) a layer judges only the tokens its window
+shows: a token stays open to layer l while the last layer below that could see it kept it
+(a global layer over a local one still chooses among the tokens older than the local window,
+and only those the previous global layer kept; before, it could keep nothing older than the
+local window).
 
 Limits. The paper also *computes* fewer tokens in deeper layers: only the kept tokens' hidden
 states go on, which saves prefill time and activation memory. kvtool's runtime evicts after a
@@ -31,7 +32,7 @@ import math
 import torch
 
 from kvtool.methods.budget.pyramid import pyramidinfer_weights
-from kvtool.methods.evict.base import EvictionPolicy, LayerKept, StreamView, register_policy
+from kvtool.methods.evict.base import EvictionPolicy, LayerKept, StreamView, by_position, register_policy
 from kvtool.methods.evict.tova import sum_over_heads
 from kvtool.methods.evict.window_stats import WindowStats
 
@@ -77,14 +78,27 @@ class PyramidInfer(EvictionPolicy):
         finally:
             self._allowed = None
         if prefill:
-            self._below = LayerKept.record(keep, view)
+            self._below = self._alive_after(keep, view)
         return keep
 
+    def _alive_after(self, keep: torch.Tensor, view: StreamView) -> LayerKept:
+        """What the next layer may keep, by position: this layer's choice where its window sees, and what was
+        alive before elsewhere (everything, below the first layer of the forward)."""
+        chosen = by_position(keep, view, False)  # (S, newest kept position + 1)
+        width = max(int(view.length.max()), chosen.shape[1])
+        kept = torch.zeros(keep.shape[0], width, dtype=torch.bool, device=keep.device)
+        kept[:, : chosen.shape[1]] = chosen
+        window = self._windows[view.layer] if view.layer < len(self._windows) else None
+        if window:  # positions <= newest - window were not this layer's to judge
+            before = None if self._below is None else self._below.at_layer(view, view.layer - 1)
+            unseen = torch.arange(width, device=keep.device)[None, :] <= (view.latest() - window)[:, None]  # (S, P)
+            previous = torch.ones_like(kept)
+            if before is not None:
+                previous[:, : min(width, before.shape[1])] = before[:, :width]
+            kept = torch.where(unseen, previous, kept)
+        return LayerKept(view.layer, view.length.clone(), kept)
+
     def _kept_below(self, view: StreamView) -> torch.Tensor | None:
-        """(S, N) bool: the tokens layer l-1 kept in this same forward, and those it could not see (older than its
-        sliding window); None on layer 0 or after another forward."""
-        below = None if self._below is None else self._below.at(view, view.layer - 1)
-        window = self._windows[view.layer - 1] if below is not None and view.layer - 1 < len(self._windows) else None
-        if window:  # the newest query of layer l-1 saw positions > latest - window only
-            below = below | (view.positions <= (view.latest() - window)[:, None])
-        return below
+        """(S, N) bool: the tokens still alive after layer l-1 in this same forward; None on layer 0 or after
+        another forward."""
+        return None if self._below is None else self._below.at(view, view.layer - 1)
