@@ -477,7 +477,9 @@ class SparseAttentionSpec:
         rounded down to whole summary groups).
     summary_tokens: tokens per key summary (1, 2, 4, 8 or 16); the paper uses
         ceil(sqrt(1 / read_fraction)), 2 at a quarter. Smaller is more precise and costs more
-        memory: the summaries take 2 / summary_tokens of the key bytes.
+        memory: the summaries take 2 / summary_tokens of the key bytes, except 1, where the keys are
+        their own summaries (no memory; the selection reads as many key bytes as 2-token max/min
+        summaries at the same ``channels``).
     channels: fraction of the head dimension used for the approximate scores (1 = all; the
         paper uses summary_tokens x read_fraction).
     min_tokens: tokens a step reads at least (a short cache is read whole).

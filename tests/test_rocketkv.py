@@ -94,7 +94,7 @@ def test_groups_to_read_take_the_fraction_rounded_down_at_least_min_tokens_at_mo
 
 
 # --- the runtime --------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [2, 4, 16])
+@pytest.mark.parametrize("n", [1, 2, 4, 16])
 def test_summaries_are_exact_after_prefill_decoding_and_eviction(n):
     model = tiny_model("llama")
     recipe = sparse(evicting("rocketkv", budget=0.5, float_dtype="float16"), summary_tokens=n)
@@ -157,6 +157,40 @@ def test_bytes_include_the_summaries_and_match_the_walk():
     assert "key_summary_bytes" not in caches[False].memory_report()
 
 
+def test_one_token_groups_read_the_keys_themselves_and_hold_nothing_more():
+    """summary_tokens 1: the keys are their own summaries: no kmax / kmin pool, no summary bytes, and the same
+    tokens and logits as 1-token max/min summaries would give (they equal the keys)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 90), generator=torch.Generator().manual_seed(9))
+    recipe = sparse(evicting("rocketkv", budget=0.5, float_dtype="float16"), summary_tokens=1, read_fraction=0.25)
+    plain = CompressedRuntime.from_recipe(model, evicting("rocketkv", budget=0.5, float_dtype="float16")).new_cache()
+    cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
+    logits = run_tokens(model, cache, ids, prefill=60)
+    run_tokens(model, plain, ids, prefill=60)
+    for layer in cache.layers:
+        assert "kmax" not in layer.store.float_pool.tensors
+    report = cache.memory_report()
+    assert report["key_summary_bytes"] == 0 and cache.nbytes() == plain.nbytes() == cache.expected_nbytes()
+    assert walked_nbytes(cache) >= cache.reserved_nbytes() >= cache.nbytes()
+    assert 0.2 <= report["sparse_read_fraction"] <= 0.25
+    check_summaries(cache, 1)
+    # with every channel scored, one-token groups select exactly the tokens with the most attention
+    layer = cache.layers[0]
+    keys, _ = layer.store.key_summaries()  # (S, N, 1, D)
+    d = keys.shape[-1]
+    q = torch.randn(keys.shape[0], 1, 2, d, generator=torch.Generator().manual_seed(1)) * d ** -0.5  # scaled rows
+    held_tokens = layer.store.lengths("float_len")
+    spec = dataclasses.replace(recipe.sparse_attention, channels=1.0)
+    chosen, count = select_groups(spec, q, keys, keys, held_tokens, d ** -0.5)
+    for stream in range(keys.shape[0]):
+        n_held, k = int(held_tokens[stream]), int(count[stream])
+        probs = torch.softmax(q[stream, 0] @ keys[stream, :n_held, 0].float().T, dim=-1).mean(dim=0)  # (n_held,)
+        assert set(chosen[stream, :k].tolist()) == set(probs.topk(k).indices.tolist())
+    assert (logits[:, 62:] - run_tokens(model, CompressedRuntime.from_recipe(model, sparse(
+        evicting("rocketkv", budget=0.5, float_dtype="float16"), summary_tokens=1, read_fraction=1.0)).new_cache(),
+        ids, prefill=60)[:, 62:]).abs().max() > 1e-4  # a quarter really skips tokens
+
+
 def test_stage_one_keeps_what_snapkv_keeps_at_prefill_and_every_generated_token():
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(6))
@@ -186,7 +220,7 @@ def test_a_left_padded_batch_decodes_like_each_sequence_alone(read_fraction):
 def test_the_bundled_recipe_composes_both_stages():
     recipe = load_recipe("rocketkv")
     assert recipe.eviction.policy == "rocketkv" and recipe.sparse_attention.method == "rocketkv"
-    assert recipe.sparse_attention.read_fraction == 0.25 and recipe.sparse_attention.summary_tokens == 2
+    assert recipe.sparse_attention.read_fraction == 0.25 and recipe.sparse_attention.summary_tokens == 1  # the keys
 
 
 def test_impossible_combinations_are_refused_with_the_fix():

@@ -10,9 +10,10 @@ the longest stream, never expanded to query heads. Layout (what the Triton kerne
   positions, ``score`` (cap, fbs) float32 accumulated attention, ``feature`` (cap, fbs)
   float32 a policy's static token score, ``cls`` (cap, fbs) uint8 FastGen token classes.
   Float blocks hold ``fbs = FLOAT_BLOCK`` (16) tokens. With sparse attention
-  (``summary_tokens`` = n > 0) each float block also keeps ``kmax`` / ``kmin`` (cap, fbs / n,
+  (``summary_tokens`` = n > 1) each float block also keeps ``kmax`` / ``kmin`` (cap, fbs / n,
   g, D): per group of n consecutive slots, the per-channel max and min of their keys
-  (RocketKV's stage-2 summaries), exact for the group's valid slots. A stream's float region holds its
+  (RocketKV's stage-2 summaries), exact for the group's valid slots; with n = 1 the keys are
+  their own summaries and nothing more is kept. A stream's float region holds its
   sinks (the first ``sink_tokens`` tokens, never encoded) then its newest tokens (the KIVI
   recent window and the last, partly filled block); for recipes that quantize nothing it
   holds every token.
@@ -108,7 +109,7 @@ class LayerStore:
         meta = lambda tokens: {name: ((tokens,), META_DTYPES[name]) for name in layout.meta}  # noqa: E731
         kv = {"k": ((self.fbs, g, d), layout.float_dtype), "v": ((self.fbs, g, d), layout.float_dtype)}
         n = layout.summary_tokens
-        summaries = {name: ((self.fbs // n, g, d), layout.float_dtype) for name in SUMMARIES} if n else {}
+        summaries = {name: ((self.fbs // n, g, d), layout.float_dtype) for name in SUMMARIES} if n > 1 else {}  # 1: keys
         self.float_pool = BlockPool({**kv, **meta(self.fbs), **summaries}, device)
         self.slot_names = tuple(name for name in self.float_pool.tensors if name not in SUMMARIES)  # per-slot tensors
         self._summaries_stale = False  # True after writes the decode fast path does not follow
@@ -158,8 +159,8 @@ class LayerStore:
 
     def summary_nbytes(self) -> int:
         """Bytes of the key max/min summaries of the float blocks in use (part of `used_nbytes`; 0 without them)."""
-        if not self.layout.summary_tokens:
-            return 0
+        if self.layout.summary_tokens < 2:
+            return 0  # none, or one-token groups: the keys themselves
         t = self.float_pool.tensors["kmax"]
         return 2 * self.float_pool.used * t[0].numel() * t.element_size()
 
@@ -312,7 +313,7 @@ class LayerStore:
         for name, values in data.items():
             flat = self.float_flat(name)
             flat.index_copy_(0, target, values[:, 0].to(flat.dtype))
-        if self.layout.summary_tokens and not self._summaries_stale:
+        if self.layout.summary_tokens > 1 and not self._summaries_stale:
             self._absorb_into_summaries(target // fbs, target % fbs, data["k"][:, 0])
         self._set("float_len", np.maximum(self.float_len, end))
 
@@ -375,9 +376,9 @@ class LayerStore:
         self._summaries_stale = False
         blocks = self.float_blocks()
         width = int(blocks.max()) if self.streams else 0
-        if width == 0:
-            return
         n = self.layout.summary_tokens
+        if width == 0 or n < 2:
+            return  # n = 1: the keys are their own summaries
         ids = self.float_block_ids(0, width)  # (S, F)
         k = take_rows(self.float_pool.tensors["k"], ids).float()  # (S, F, fbs, g, D)
         k = k.reshape(*k.shape[:2], self.fbs // n, n, *k.shape[3:])  # (S, F, fbs / n, n, g, D)
@@ -391,12 +392,15 @@ class LayerStore:
 
     def key_summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(kmax, kmin) (S, F x fbs / n, g, D) of every stream's summary groups in slot order (F = most blocks held);
-        group j covers float slots [j n, (j + 1) n)."""
+        group j covers float slots [j n, (j + 1) n). One-token groups: the keys themselves, twice (no copy)."""
         if self._summaries_stale:
             self.refresh_summaries()
         width = int(self.float_blocks().max()) if self.streams else 0
         ids = self.float_block_ids(0, width)  # (S, F)
         pool = self.float_pool.tensors
+        if self.layout.summary_tokens == 1:
+            keys = take_rows(pool["k"], ids).flatten(1, 2)  # (S, F x fbs, g, D)
+            return keys, keys
         kmax, kmin = take_rows(pool["kmax"], ids), take_rows(pool["kmin"], ids)  # (S, F, fbs / n, g, D)
         return kmax.flatten(1, 2), kmin.flatten(1, 2)
 
