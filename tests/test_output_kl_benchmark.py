@@ -1,7 +1,6 @@
 """benchmarks/output_kl.py on the embedded kvref-5m: KL of the next-token distributions through the runtime."""
 
 import pytest
-import torch
 
 from benchmarks.common import MODELS, SHARED
 from benchmarks.output_kl import BASELINE, rows, runtimes, score
