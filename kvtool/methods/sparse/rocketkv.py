@@ -22,10 +22,15 @@ Why groups and not whole 16-token blocks: measured on SmolLM2-135M (512 tokens, 
 KV head, one decode step), the attention mass the selected quarter of the tokens receives is
 0.878 with 2-token summaries against 0.916 for the best possible quarter, 0.811 with 4, 0.754
 with 8 and 0.710 with 16 (Quest's page size): a max/min over many tokens bounds too loosely.
+One-token groups go further at no extra cost: the keys are their own summaries (nothing more is
+stored), and scoring half the channels of every key reads as many bytes as the max and min of
+2-token groups at half the channels. On SmolLM2-135M after stage 1 (16 windows, a quarter read)
+stage 2 costs +1.06% perplexity with them against +1.45% with 2-token summaries; the exact best
+quarter costs about +0.94% (`benchmarks/RESULTS.md`). The bundled recipe uses them.
 
 What is selected is read in full precision and attended exactly (`paged_attention.attend`);
 the new token always sees itself. Nothing is freed: memory is stage 1's business, and the
-summaries cost 2 / summary_tokens of the key bytes.
+summaries cost 2 / summary_tokens of the key bytes (none for one-token groups).
 """
 
 from __future__ import annotations
