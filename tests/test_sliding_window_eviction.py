@@ -49,6 +49,16 @@ def decode(runtime, ids: torch.Tensor, prefill: int, each_step):
     return cache
 
 
+def prefilled(model, evicting, tokens: int, seed: int):
+    """(cache, each layer's sliding window) after one prefill of ``tokens`` random tokens under ``evicting``."""
+    runtime = CompressedRuntime.from_recipe(model, evicting)
+    ids = torch.randint(3, 100, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    cache = runtime.new_cache()
+    with torch.no_grad():
+        model(input_ids=ids, **with_cache(cache), use_cache=True)
+    return cache, runtime.adapter.geometry.sliding_windows
+
+
 CASES = [("gemma3_text", "h2o", None), ("gemma3_text", "snapkv", None), ("gemma3_text", "tova", None),
          ("gemma3_text", "streamingllm", None), ("gemma3_text", "rocketkv", None), ("gemma3_text", "snapkv", "kivi-4bit"),
          ("gemma3_text", "cake", None), ("gemma3_text", "chunkkv", None), ("mistral", "h2o", None),
@@ -92,13 +102,7 @@ def test_sliding_layers_never_hold_more_than_transformers_cache(family, policy, 
 def test_a_sliding_layer_keeps_its_share_of_the_window_and_a_global_layer_its_share_of_the_sequence():
     """After a 120-token prefill at 25% kept (float store): global layers hold ceil(0.25 x 120) = 30 tokens per stream,
     sliding layers ceil(0.25 x 48) = 12, all of them inside the window; the policy chose them (not the newest 12)."""
-    model = featured_model("gemma3_text", sliding_window=WINDOW)
-    runtime = CompressedRuntime.from_recipe(model, recipe("h2o", budget=0.25))
-    ids = torch.randint(3, 100, (1, 120), generator=torch.Generator().manual_seed(1))
-    cache = runtime.new_cache()
-    with torch.no_grad():
-        model(input_ids=ids, **with_cache(cache), use_cache=True)
-    windows = runtime.adapter.geometry.sliding_windows
+    cache, windows = prefilled(featured_model("gemma3_text", sliding_window=WINDOW), recipe("h2o", budget=0.25), 120, seed=1)
     chose_older = False
     for layer, window in zip(cache.layers, windows):
         held = layer.store.tokens()
@@ -187,12 +191,7 @@ def test_pyramidinfer_over_a_sliding_layer_may_keep_what_that_layer_could_not_se
     global layer above it still chooses among the older tokens (it kept only the local window's tokens before)."""
     types = ["sliding_attention", "full_attention"] * 2  # local, global, local, global
     model = featured_model("gemma3_text", sliding_window=WINDOW, num_hidden_layers=4, layer_types=types)
-    runtime = CompressedRuntime.from_recipe(model, recipe("pyramidinfer", budget=0.5))
-    ids = torch.randint(3, 100, (1, 160), generator=torch.Generator().manual_seed(3))
-    cache = runtime.new_cache()
-    with torch.no_grad():
-        model(input_ids=ids, **with_cache(cache), use_cache=True)
-    windows = runtime.adapter.geometry.sliding_windows
+    cache, windows = prefilled(model, recipe("pyramidinfer", budget=0.5), 160, seed=3)
     over_sliding = [i for i in range(1, len(windows)) if windows[i] is None and windows[i - 1]]
     assert over_sliding  # the tiny Gemma 3 has a global layer right above a local one
     for index in over_sliding:
