@@ -80,8 +80,7 @@ def perplexity_report(
         result = result.to_dict()
         report.update(result if not prefix else {prefix + key: result[key] for key in ROW_KEYS})
         report.update(steps.summary(prefix))
-    paired = paired_delta(results[1].token_nll, results[0].token_nll).to_dict() if baseline else {}
-    return {**report, **_relative(report, model, baseline), **paired, **_notes(report, runtime, windows, times)}
+    return {**report, **_relative(report, model, results), **_notes(report, runtime, windows, times)}
 
 
 def _warm_up(model, windows: torch.Tensor, runtime, settings: dict) -> None:
@@ -114,11 +113,12 @@ def _score(model, windows, runtimes: list, times: list[StepTimes], progress: Pro
             pass
 
 
-def _relative(report: dict, model, baseline: bool) -> dict:
-    """The baseline's name, and the compressed row (and model-dtype row) relative to it."""
+def _relative(report: dict, model, results: list) -> dict:
+    """The baseline's name, and the compressed row (and model-dtype row) relative to it: ``delta_pct`` and its
+    interval paired over the same tokens (``results``: the compressed row, then the baseline rows, if any)."""
     out = {"baseline": BASELINE, "compression_ratio": report["fp16_cache_bytes"] / report["cache_bytes"]}
-    if baseline:
-        out["delta_pct"] = 100 * (report["ppl"] / report["baseline_ppl"] - 1)
+    if len(results) > 1:
+        out.update(paired_delta(results[1].token_nll, results[0].token_nll).to_dict())
     if "model_dtype_ppl" in report:
         out["model_dtype"] = model_dtype_name(model)
         out["model_dtype_delta_pct"] = 100 * (report["model_dtype_ppl"] / report["baseline_ppl"] - 1)
