@@ -53,7 +53,9 @@ def render_memory(console: Console, memory: dict, seconds_note: str = "") -> Non
                       f"KV heads = {100 * memory['kept_fraction']:.1f}% of the tokens seen")
     if "sparse_read_fraction" in memory:
         console.print(f"sparse attention: decode steps read {100 * memory['sparse_read_fraction']:.1f}% of the tokens held; "
-                      f"their key summaries take {_mib(memory['key_summary_bytes'])} of the cache")
+                      f"their key summaries take {_mib(memory['key_summary_bytes'])} of the cache"
+                      + (f", the key and value sums of what they do not read {_mib(memory['token_sum_bytes'])}"
+                         if "token_sum_bytes" in memory else ""))
     if seconds_note:
         console.print(seconds_note)
     render_notes(console, memory)

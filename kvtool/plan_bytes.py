@@ -40,7 +40,7 @@ import torch
 from kvtool.errors import RecipeError
 from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlidingWindowRule, WindowedBudget
-from kvtool.runtime.layer import build_formats, summary_tokens, slot_meta, storage_dtype
+from kvtool.runtime.layer import build_formats, keeps_token_sums, summary_tokens, slot_meta, storage_dtype
 from kvtool.runtime.store import FLOAT_BLOCK, LayerStore, StoreLayout
 
 INDEX_BYTES = 4  # int32 block-table entries
@@ -111,14 +111,14 @@ def _largest_split(recipe: Recipe, store: LayerStore, tokens: int) -> int:
     return max(_split_bytes(store, f, (tokens - f) // bs) for f in range(most_float + 1))
 
 
-def _empty_store(recipe: Recipe, fitted: dict, geometry, dtype: torch.dtype, policy) -> LayerStore:
+def _empty_store(recipe: Recipe, fitted: dict, geometry, dtype: torch.dtype, policy, window: int | None = None) -> LayerStore:
     """A store with no streams, laid out as the runtime lays out this layer's (its pools give the block sizes)."""
     prefix = lambda part: {k[len(part) + 1 :]: v for k, v in fitted.items() if k.startswith(f"{part}.")}  # noqa: E731
     key_format, value_format, g = build_formats(recipe, prefix, geometry.head_dim, geometry.num_kv_heads, dtype)
     layout = StoreLayout(block_size=recipe.cache.block_size, heads_per_stream=g, head_dim=geometry.head_dim,
                          float_dtype=dtype, quantized=_quantized(recipe), sink_tokens=recipe.cache.sink_tokens,
                          recent_tokens=recipe.cache.recent_tokens, meta=slot_meta(policy),
-                         summary_tokens=summary_tokens(recipe))
+                         summary_tokens=summary_tokens(recipe), token_sums=keeps_token_sums(recipe) and not window)
     return LayerStore(layout, key_format, value_format, 0, "cpu")
 
 
@@ -161,7 +161,7 @@ def predict_layer_bytes(runtime, context: int, batch: int, dtype: torch.dtype | 
         layer = recipe.for_layer(index)  # its layer_overrides applied
         window = windows[index] if index < len(windows) else None
         rule = SlidingWindowRule(window, layer.cache.block_size if _quantized(layer) else 0) if window else None
-        store = _empty_store(layer, fitted, geometry, store_dtype, policy or rule)
+        store = _empty_store(layer, fitted, geometry, store_dtype, policy or rule, window)
         per_sequence = geometry.num_kv_heads // store.layout.heads_per_stream  # streams of one sequence
         if policy is not None:  # budgeted (check_predictable); on a sliding-window layer a share of the window
             layer_budget = WindowedBudget(budget_rule, window) if rule is not None else budget_rule

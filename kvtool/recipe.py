@@ -50,6 +50,7 @@ HEAD_BUDGETS = ("uniform", "adaptive")
 FASTGEN_PROFILE_SOURCES = ("offline", "prompt")  # where FastGen's per-head policies come from
 ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv", "rocketkv")  # scores comparable across heads (head_budgets: adaptive)
 SPARSE_METHODS = ("none", "rocketkv")
+UNREAD_RULES = ("drop", "estimate")  # sparse_attention.unread
 # policies that do not score tokens by attention while decoding: sparse attention reads only some blocks per step
 DECODE_UNSCORED = ("none", "streamingllm", "knorm", "rocketkv")
 
@@ -349,6 +350,10 @@ class EvictionSpec:
         what layer l-1 kept, r_l falling along a cosine from 1 at the bottom to
         retention_decay at the top; rescaled so the mean budget is ``budget``) and the weight of
         the newest window query relative to the oldest (linear in between; paper: 0.9, 1.2).
+    compute_kept_only: PyramidInfer only: at the first prefill each layer computes only the prompt
+        tokens the layer below kept (the paper's prefill saving: fewer rows through the deeper
+        layers' projections, attention and MLP; `kvtool.runtime.prefill_shrink`). The logits at
+        dropped prompt positions are then not the full model's; the last token's are.
     """
 
     policy: str = "none"
@@ -374,6 +379,7 @@ class EvictionSpec:
     gamma: float = 200.0
     retention_decay: float = 0.9
     distance_weight: float = 1.2
+    compute_kept_only: bool = False
 
     def __post_init__(self) -> None:
         p = "eviction"
@@ -435,6 +441,10 @@ class EvictionSpec:
                  f"{self.retention_decay} must be a fraction in (0, 1] (PyramidInfer uses 0.9; 1 = the same budget in every layer)")
         _require(_is_number(self.distance_weight) and self.distance_weight >= 1, f"{p}.distance_weight",
                  f"{self.distance_weight} must be a number >= 1 (1 = every window query alike; PyramidInfer uses 1.2)")
+        _require(isinstance(self.compute_kept_only, bool), f"{p}.compute_kept_only", "must be true or false")
+        _require(not self.compute_kept_only or self.policy == "pyramidinfer", f"{p}.compute_kept_only",
+                 f"only PyramidInfer nests each layer's kept set in the layer below's (policy '{self.policy}' does not), "
+                 "so only it can skip the dropped tokens' computation; set compute_kept_only: false")
         if self.policy in OWN_LAYER_BUDGETS:
             own = "preferences measured at prefill" if self.policy == "cake" else "retention_decay"
             _require(self.layer_budgets == "uniform", f"{p}.layer_budgets",
@@ -483,6 +493,11 @@ class SparseAttentionSpec:
     channels: fraction of the head dimension used for the approximate scores (1 = all; the
         paper uses summary_tokens x read_fraction).
     min_tokens: tokens a step reads at least (a short cache is read whole).
+    unread: what the tokens a step does not read contribute. ``drop`` (the paper): nothing, the
+        softmax is over the read tokens only. ``estimate`` (kvtool's extension, one-token summaries
+        only): their softmax mass from the approximate logits the selection already computed, and
+        their values' mean from per-block value sums the store keeps (1/16 of the value bytes), so the
+        attention the unread tokens receive is not lost (`kvtool.methods.sparse.rocketkv`).
     """
 
     method: str = "none"
@@ -490,6 +505,7 @@ class SparseAttentionSpec:
     summary_tokens: int = 2
     channels: float = 0.5
     min_tokens: int = 64
+    unread: str = "drop"
 
     def __post_init__(self) -> None:
         p = "sparse_attention"
@@ -502,6 +518,11 @@ class SparseAttentionSpec:
                  f"{self.channels} must be a fraction in (0, 1] of the head dimension (1 = every channel)")
         _require(_is_int(self.min_tokens) and self.min_tokens >= 1, f"{p}.min_tokens",
                  f"{self.min_tokens} must be an integer >= 1")
+        _require(self.unread in UNREAD_RULES, f"{p}.unread", f"'{self.unread}' is not one of {list(UNREAD_RULES)}")
+        _require(self.unread == "drop" or self.summary_tokens == 1, f"{p}.unread",
+                 f"'estimate' needs summary_tokens: 1 (the keys themselves: max/min summaries of {self.summary_tokens} "
+                 "tokens bound the logits from above and cannot estimate the mass of what is not read); "
+                 "set summary_tokens: 1 or unread: drop")
 
     @property
     def enabled(self) -> bool:

@@ -10,7 +10,8 @@ of 6: H2O, SnapKV, AdaKV-SnapKV, ChunkKV 6; pyramid-SnapKV 5; CAKE 4; StreamingL
 PyramidInfer 2 (kept fractions 0.507-0.508); 2026-11-24: RocketKV (both stages: half the prompt
 kept, a quarter of the held tokens read per decode step) 6; FastGen with head policies chosen
 from each prompt at T = 0.95 (`fastgen-prompt-t95`, no budget: it keeps ~71%) 5, the needle at
-depth 0 lost once. Each floor is one case below the measured count.
+depth 0 lost once; 2026-11-25: RocketKV with `unread: estimate` 6, PyramidInfer computing only the kept
+tokens at prefill (`pyramidinfer-prefill`) 2. Each floor is one case below the measured count.
 
 Floors (issue 11: at 50% kept, pass-key accuracy within 10 points of the full cache) are met
 by the score-based policies that see the question at prefill (H2O, SnapKV and its variants,
@@ -47,7 +48,7 @@ GRID = RetrievalGrid((512,), (0.0, 0.5, 1.0), 2)  # 6 cases; RESULTS.md adds dep
 # recipe -> least cases answered of the 6 (the full cache answers 6); see the module docstring for the misses
 FLOORS = {
     "h2o": 5, "snapkv": 5, "ada-snapkv": 5, "chunkkv": 5, "pyramid-snapkv": 4,
-    "cake": 3, "streamingllm": 2, "tova": 1, "pyramidinfer": 1, "rocketkv": 5,
+    "cake": 3, "streamingllm": 2, "tova": 1, "pyramidinfer": 1, "pyramidinfer-prefill": 1, "rocketkv": 5,
 }
 # recipes without a budget (the kept fraction follows each prompt) -> (least cases answered, kept fraction range)
 UNBUDGETED_FLOORS = {"fastgen-prompt-t95": (4, 0.6, 0.8)}

@@ -592,14 +592,10 @@ def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
 
 
 # --- RocketKV's stage 2: the sparse read -----------------------------------------------------------
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("head_dim, group", [(64, 1), (128, 4), (256, 8)])
-@pytest.mark.parametrize("softcap, sink", [(None, False), (30.0, True)])
-def test_sparse_kernel_equals_a_dense_softmax_over_the_listed_slots(device, head_dim, group, softcap, sink):
-    """Ragged lists (empty, one slot, longer than a tile, invalid entries anywhere, repeated padding ids)."""
-    from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
-
-    g = torch.Generator().manual_seed(head_dim + group)
+def sparse_listing(g, device, head_dim: int, group: int):
+    """Float pools and ragged slot lists of 4 streams (empty, one slot, longer than a tile, invalid entries anywhere,
+    repeated padding ids), rows and a new token: (k_pool, v_pool (pool, D) fp16 on device, slots (S, 40), valid (S, 40),
+    q (S, G, D) scaled, new_k, new_v (S, D)) on the CPU but the pools."""
     pool = 40 * FBS
     k_pool = torch.randn(pool, head_dim, generator=g).half().to(device)
     v_pool = torch.randn(pool, head_dim, generator=g).half().to(device)
@@ -608,10 +604,22 @@ def test_sparse_kernel_equals_a_dense_softmax_over_the_listed_slots(device, head
     slots = torch.randint(0, pool, (s, width), generator=g)
     valid = torch.zeros(s, width, dtype=torch.bool)
     for stream, n in enumerate(counts):
-        chosen = torch.randperm(width, generator=g)[:n]
-        valid[stream, chosen] = True  # valid entries scattered among invalid ones
+        valid[stream, torch.randperm(width, generator=g)[:n]] = True  # valid entries scattered among invalid ones
     q = torch.randn(s, group, head_dim, generator=g) * head_dim ** -0.5
     new_k, new_v = torch.randn(s, head_dim, generator=g), torch.randn(s, head_dim, generator=g)
+    return k_pool, v_pool, slots, valid, q, new_k, new_v
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("head_dim, group", [(64, 1), (128, 4), (256, 8)])
+@pytest.mark.parametrize("softcap, sink", [(None, False), (30.0, True)])
+def test_sparse_kernel_equals_a_dense_softmax_over_the_listed_slots(device, head_dim, group, softcap, sink):
+    """Ragged lists (empty, one slot, longer than a tile, invalid entries anywhere, repeated padding ids)."""
+    from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
+
+    g = torch.Generator().manual_seed(head_dim + group)
+    k_pool, v_pool, slots, valid, q, new_k, new_v = sparse_listing(g, device, head_dim, group)
+    s = slots.shape[0]
     sinks = torch.randn(s, group, generator=g) if sink else None
     out = sparse_decode_attention(q.to(device), new_k.to(device), new_v.to(device), k_pool, v_pool, slots.to(device),
                                   valid.to(device), softcap, None if sinks is None else sinks.to(device)).cpu()
@@ -629,15 +637,50 @@ def test_sparse_kernel_equals_a_dense_softmax_over_the_listed_slots(device, head
         torch.testing.assert_close(out[stream], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("head_dim, group", [(64, 1), (256, 8)])
+def test_sparse_kernel_adds_the_unread_estimate_as_one_more_softmax_term(device, head_dim, group):
+    """``unread: estimate``: the kernel sums the keys and values it reads; the estimate made from them joins the
+    softmax as one more term (logit -inf: none)."""
+    from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
+
+    g = torch.Generator().manual_seed(head_dim + 7)
+    k_pool, v_pool, slots, valid, q, new_k, new_v = sparse_listing(g, device, head_dim, group)
+    s = slots.shape[0]
+    logit = torch.randn(s, group, generator=g)
+    logit[1] = float("-inf")  # a stream with nothing unread: no term
+    term_value = torch.randn(s, head_dim, generator=g)
+    seen = {}
+
+    def unread(read_k, read_v):  # the layer's estimate from what the kernel read
+        seen["k"], seen["v"] = read_k.cpu(), read_v.cpu()
+        return logit.to(read_k.device), term_value.to(read_k.device)
+
+    out = sparse_decode_attention(q.to(device), new_k.to(device), new_v.to(device), k_pool, v_pool, slots.to(device),
+                                  valid.to(device), unread=unread).cpu()
+    for stream in range(s):
+        ids = slots[stream][valid[stream]]
+        read_keys, read_values = k_pool.cpu()[ids].float(), v_pool.cpu()[ids].float()
+        torch.testing.assert_close(seen["k"][stream], read_keys.sum(dim=0), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(seen["v"][stream], read_values.sum(dim=0), rtol=1e-4, atol=1e-4)
+        keys = torch.cat([read_keys, new_k[stream : stream + 1]])  # (n + 1, D)
+        values = torch.cat([read_values, new_v[stream : stream + 1], term_value[stream : stream + 1]])
+        logits = torch.cat([q[stream] @ keys.T, logit[stream][:, None]], dim=1)  # (G, n + 2): the term last
+        want = torch.softmax(logits, dim=-1) @ values
+        torch.testing.assert_close(out[stream], want, rtol=1e-4, atol=1e-4)
+
+
 @needs_interpreter
-def test_triton_backend_runs_rocketkv_stage_two_as_the_torch_backend_does():
+@pytest.mark.parametrize("unread", ["drop", "estimate"])
+def test_triton_backend_runs_rocketkv_stage_two_as_the_torch_backend_does(unread):
     """Both stages: the sparse read runs in the kernel at every decode step of the full-attention layers and
     generates the torch backend's tokens and logits, reading the same fraction of the tokens."""
     from kvtool.recipe import load_recipe
 
     model = tiny_model("llama", kv_heads=2)
     recipe = load_recipe("rocketkv")
-    recipe = dataclasses.replace(recipe, sparse_attention=dataclasses.replace(recipe.sparse_attention, min_tokens=8))
+    recipe = dataclasses.replace(recipe, sparse_attention=dataclasses.replace(recipe.sparse_attention, min_tokens=8,
+                                                                              unread=unread))
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
     by_torch, torch_cache = _generate(model, recipe, "torch", ids, mask, tokens=8)
     by_triton, cache = _generate(model, recipe, "triton", ids, mask, tokens=8)

@@ -15,8 +15,10 @@ import math
 import pytest
 import torch
 
-from kvtool.errors import RecipeError
-from kvtool.methods.sparse.rocketkv import approximate_group_logits, groups_to_read, select_groups
+from kvtool.errors import RecipeError, RuntimeConfigError
+from kvtool.methods.sparse.rocketkv import (
+    Selection, approximate_group_logits, groups_to_read, select_groups, unread_logsumexp, unread_term,
+)
 from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec, QuantSpec, SparseAttentionSpec, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
@@ -78,7 +80,8 @@ def test_a_needle_group_is_always_read():
     held = torch.tensor([128, 80, 127, 18])  # tokens
     needle = torch.minimum(torch.randint(0, groups, (s,), generator=gen), (held - 1) // n)
     keys[torch.arange(s), needle, 1, 0] = 3 * q.mean(dim=2)[:, 0]  # one token every row of the group attends to
-    chosen, count = select_groups(spec, q * d ** -0.5, keys.amax(dim=2), keys.amin(dim=2), held, d ** -0.5)
+    selection = select_groups(spec, q * d ** -0.5, keys.amax(dim=2), keys.amin(dim=2), held, d ** -0.5)
+    chosen, count = selection.groups, selection.count
     assert count.tolist() == [8, 5, 7, 1]  # floor(tokens / 8 / 2) groups of 2
     for stream in range(s):
         picked = chosen[stream, : count[stream]].tolist()
@@ -181,7 +184,8 @@ def test_one_token_groups_read_the_keys_themselves_and_hold_nothing_more():
     q = torch.randn(keys.shape[0], 1, 2, d, generator=torch.Generator().manual_seed(1)) * d ** -0.5  # scaled rows
     held_tokens = layer.store.lengths("float_len")
     spec = dataclasses.replace(recipe.sparse_attention, channels=1.0)
-    chosen, count = select_groups(spec, q, keys, keys, held_tokens, d ** -0.5)
+    selection = select_groups(spec, q, keys, keys, held_tokens, d ** -0.5)
+    chosen, count = selection.groups, selection.count
     for stream in range(keys.shape[0]):
         n_held, k = int(held_tokens[stream]), int(count[stream])
         probs = torch.softmax(q[stream, 0] @ keys[stream, :n_held, 0].float().T, dim=-1).mean(dim=0)  # (n_held,)
@@ -221,6 +225,7 @@ def test_the_bundled_recipe_composes_both_stages():
     recipe = load_recipe("rocketkv")
     assert recipe.eviction.policy == "rocketkv" and recipe.sparse_attention.method == "rocketkv"
     assert recipe.sparse_attention.read_fraction == 0.25 and recipe.sparse_attention.summary_tokens == 1  # the keys
+    assert recipe.sparse_attention.unread == "estimate"
 
 
 def test_impossible_combinations_are_refused_with_the_fix():
@@ -230,9 +235,11 @@ def test_impossible_combinations_are_refused_with_the_fix():
     with pytest.raises(RecipeError, match="policy 'h2o' scores tokens"):
         dataclasses.replace(base, eviction=EvictionSpec(policy="h2o"))
     for field, value in (("read_fraction", 0.0), ("read_fraction", 1.5), ("summary_tokens", 3), ("summary_tokens", 32),
-                         ("min_tokens", 0), ("channels", 0.0), ("method", "quest")):
+                         ("min_tokens", 0), ("channels", 0.0), ("method", "quest"), ("unread", "ignore")):
         with pytest.raises(RecipeError, match=f"sparse_attention.{field}"):
             SparseAttentionSpec(**{"method": "rocketkv", field: value})
+    with pytest.raises(RecipeError, match="sparse_attention.unread.*summary_tokens: 1"):
+        SparseAttentionSpec(method="rocketkv", summary_tokens=2, unread="estimate")
     assert resolve_backend("triton", torch.device("cuda"), base) == "triton"  # the sparse read has a kernel
     assert resolve_backend("auto", torch.device("cpu"), base) == "torch"
 
@@ -253,3 +260,136 @@ def test_every_family_decodes_with_both_stages(family):
         assert report["sparse_read_fraction"] == 1.0
     else:
         assert 0.18 <= report["sparse_read_fraction"] <= 0.25
+
+
+# --- unread: estimate ---------------------------------------------------------------------------
+def estimating(read_fraction=0.25, **eviction):
+    recipe = evicting("rocketkv", budget=0.5, float_dtype="float16", **eviction)
+    return sparse(recipe, summary_tokens=1, read_fraction=read_fraction, unread="estimate")
+
+
+def check_token_sums(cache):
+    for layer in cache.layers:
+        store = layer.store
+        ids = store.float_block_ids(0, int(store.float_blocks().max()))
+        for part, got in zip(("k", "v"), store.token_sums()):
+            x = store.read_blocks(store.float_pool, (part,), ids)[part].float()  # (S, F*fbs, g, D)
+            held_slots = torch.arange(x.shape[1])[None] < torch.from_numpy(store.float_len)[:, None]
+            want = (x * held_slots[..., None, None]).sum(dim=1)  # (S, g, D)
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-3)  # fp16 block sums
+
+
+def test_unread_logsumexp_is_over_the_held_groups_not_read():
+    gen = torch.Generator().manual_seed(10)
+    s, g, r, n = 3, 1, 2, 12
+    partial = torch.randn(s, g, r, n, generator=gen)
+    held = torch.tensor([12, 7, 3])
+    partial = partial.masked_fill(torch.arange(n)[None, None, None] >= held[:, None, None, None], -math.inf)
+    groups = torch.tensor([[4, 0, 9, 1], [6, 2, 5, 0], [1, 0, 2, 5]])  # ranked; entries past count are ignored
+    count = torch.tensor([3, 4, 3])
+    lse, unread = unread_logsumexp(partial, groups, count)
+    for stream in range(s):
+        chosen = set(groups[stream, : count[stream]].tolist())
+        rest = [j for j in range(int(held[stream])) if j not in chosen]
+        assert int(unread[stream]) == len(rest)
+        want = torch.logsumexp(partial[stream, :, :, rest], dim=-1) if rest else torch.full((g, r), -math.inf)
+        torch.testing.assert_close(lse[stream], want)
+
+
+def test_the_unread_term_completes_the_partial_logits_with_the_unread_keys_mean():
+    """With every token but one read, the term is that token: its value, and a logit that is exact on the scored
+    channels and q . k on the others (the mean of one key is the key)."""
+    gen = torch.Generator().manual_seed(16)
+    d, n = 8, 5
+    q = torch.randn(1, 1, 2, d, generator=gen)
+    keys, values = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    used = torch.zeros(1, 1, 1, d, dtype=torch.bool)
+    used[..., :3] = True  # the selection scored channels 0-2
+    partial = (q[..., :3] @ keys[:, :3].T)  # (1, 1, 2, n)
+    selection = Selection(torch.tensor([[0, 1, 3, 4]]), torch.tensor([4]), partial, used)
+    held = (keys.sum(dim=0)[None, None], values.sum(dim=0)[None, None])
+    read = (keys[[0, 1, 3, 4]].sum(dim=0)[None, None], values[[0, 1, 3, 4]].sum(dim=0)[None, None])
+    logit, mean, unread = unread_term(selection, q, held, read)
+    assert unread.tolist() == [1]
+    torch.testing.assert_close(mean[0, 0], values[2])
+    torch.testing.assert_close(logit[0, 0], q[0, 0] @ keys[2])  # partial on 0-2, completed by the mean on 3-7
+    nothing_left = Selection(torch.tensor([[0, 1, 2, 3, 4]]), torch.tensor([5]), partial, used)
+    logit, _, unread = unread_term(nothing_left, q, held, held)
+    assert unread.tolist() == [0] and torch.isinf(logit).all() and (logit < 0).all()
+
+
+def test_token_sums_are_exact_after_prefill_decoding_eviction_and_batch_selection():
+    model = tiny_model("llama")
+    cache = CompressedRuntime.from_recipe(model, estimating()).new_cache()
+    ids = torch.randint(3, 128, (3, 80), generator=torch.Generator().manual_seed(11))
+    run_tokens(model, cache, ids[:, :50], prefill=40)  # prefill evicts, then 10 decode steps add one value each
+    check_token_sums(cache)
+    with torch.no_grad():
+        model(ids[:, 50:62], **with_cache(cache))  # a second chat turn evicts again (holes refilled)
+    check_token_sums(cache)
+    run_tokens(model, cache, ids[:, 62:70], prefill=1)
+    check_token_sums(cache)
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    check_token_sums(cache)
+    run_tokens(model, cache, ids[[2, 0], 70:80], prefill=1)
+    check_token_sums(cache)
+
+
+def test_an_estimate_with_nothing_unread_reproduces_the_model_exactly():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        reference = model(ids).logits
+    recipe = sparse(uncompressed_recipe("model"), read_fraction=1.0, summary_tokens=1, unread="estimate")
+    cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
+    torch.testing.assert_close(run_tokens(model, cache, ids, prefill=20), reference, atol=1e-5, rtol=1e-4)
+
+
+def test_the_estimate_attends_closer_to_the_kept_cache_than_dropping_the_unread():
+    """Reading a quarter: with the unread tokens' estimated mass and mean value the decoded logits are nearer those
+    of stage 1 alone (every kept token read) than with the unread tokens left out, and the same tokens are read."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 140), generator=torch.Generator().manual_seed(13))
+    logits, reads = {}, {}
+    for label, recipe in (("stage1", evicting("rocketkv", budget=0.5, float_dtype="float16")),
+                          ("drop", sparse(evicting("rocketkv", budget=0.5, float_dtype="float16"), summary_tokens=1,
+                                          read_fraction=0.25)),
+                          ("estimate", estimating())):
+        cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
+        logits[label] = run_tokens(model, cache, ids, prefill=100)[:, 101:]
+        reads[label] = cache.memory_report().get("sparse_read_fraction")
+    error = {label: (logits[label] - logits["stage1"]).norm() for label in ("drop", "estimate")}
+    assert error["estimate"] < 0.7 * error["drop"], error
+    assert reads["drop"] == reads["estimate"] <= 0.25
+
+
+def test_token_sums_are_counted_in_the_bytes_and_match_the_walk():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(14))
+    recipe = sparse(evicting("rocketkv", budget=0.5, float_dtype="float16"), summary_tokens=1, read_fraction=0.25)
+    plain = CompressedRuntime.from_recipe(model, recipe).new_cache()
+    cache = CompressedRuntime.from_recipe(model, estimating()).new_cache()
+    run_tokens(model, plain, ids, prefill=40)
+    run_tokens(model, cache, ids, prefill=40)
+    blocks = sum(int(layer.store.float_blocks().sum()) for layer in cache.layers)
+    report = cache.memory_report()
+    assert report["token_sum_bytes"] == blocks * 2 * 32 * 2  # a key and a value fp16 sum of head_dim 32 per float block
+    assert cache.nbytes() - plain.nbytes() == report["token_sum_bytes"] and report["key_summary_bytes"] == 0
+    assert cache.nbytes() == cache.expected_nbytes() and walked_nbytes(cache) >= cache.reserved_nbytes() >= cache.nbytes()
+    assert "token_sum_bytes" not in plain.memory_report()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss", "gemma2"])
+def test_the_estimate_decodes_every_feature_and_refuses_soft_capping(family):
+    """Sliding windows (Gemma 3) read whole, learned sinks (GPT-OSS) stay their own softmax term; Gemma 2's
+    soft-capped logits cannot be estimated: a clear error with the fix."""
+    model = featured_model(family)
+    cache = CompressedRuntime.from_recipe(model, estimating()).new_cache()
+    ids = torch.randint(3, 100, (2, 60), generator=torch.Generator().manual_seed(15))
+    if family == "gemma2":
+        with pytest.raises(RuntimeConfigError, match="soft-capped.*unread: drop"):
+            _generate(model, cache, ids, torch.ones_like(ids), new_tokens=4)
+        return
+    _generate(model, cache, ids, torch.ones_like(ids), new_tokens=12)
+    report = cache.memory_report()
+    assert report["cache_bytes"] == report["expected_cache_bytes"] and report["sparse_read_fraction"] < 1.0

@@ -32,6 +32,7 @@ from kvtool.runtime.backend import resolve_backend
 from kvtool.runtime.cache import CacheContext, KvtoolCache
 from kvtool.runtime.eviction import BudgetRule
 from kvtool.runtime.layer import LayerPlan
+from kvtool.runtime.prefill_shrink import PrefillShrink
 from kvtool.runtime.positions import ForwardProbes, RopeTable
 
 
@@ -109,6 +110,8 @@ class CompressedRuntime:
         policy, budget = self._eviction_parts() if self.recipe.evicts else (None, None)
         if self.probes is None:  # one set of hooks per runtime, installed on first need
             self.probes = ForwardProbes(self.model, self.adapter.rotary_emb, record_ids=True)
+        if self.recipe.eviction.compute_kept_only:  # PyramidInfer's prefill: deeper layers compute fewer tokens
+            PrefillShrink.install(self.model, self.adapter.layers)
         profile = self.profile or {}
         context = CacheContext(
             probes=self.probes,

@@ -47,6 +47,9 @@ class CacheContext:
     kernel_encodes: int = field(default=0, init=False)  # body blocks (keys and values counted apart) the encode kernel wrote
     sparse_read_tokens: int = field(default=0, init=False)  # stored tokens sparse decode steps read (whole groups)
     sparse_held_tokens: int = field(default=0, init=False)  # stored tokens those steps could have read
+    # PyramidInfer's prefill (`prefill_shrink`): (true positions (B, t) of the rows this layer computes, tokens T of the
+    # forward) while a layer computes only some of the prompt's tokens, else None
+    shrink: tuple[torch.Tensor, int] | None = field(default=None, init=False)
 
     def count_sparse_reads(self, read: int, held: int) -> None:
         self.sparse_read_tokens += read
@@ -68,7 +71,10 @@ class CacheContext:
             self.sequence_positions = SequencePositions(batch, device)
 
     def positions(self, b: int, t: int, seen: int, device) -> torch.Tensor:
-        """(B, t) int64 positions of the new tokens: the model's position_ids, else slots seen .. seen+t-1."""
+        """(B, t) int64 positions of the new tokens: the rows' own while a layer computes part of the prompt, the
+        model's position_ids, else slots seen .. seen+t-1."""
+        if self.shrink is not None and self.shrink[0].shape[-1] == t:
+            return self.shrink[0].to(device=device, dtype=torch.int64).expand(b, t)
         last = None if self.probes is None else self.probes.positions
         if last is not None and last.shape[-1] == t:
             return last.to(device=device, dtype=torch.int64).expand(b, t)
@@ -227,6 +233,8 @@ class KvtoolCache(Cache):
         }
         if any(layer.store.layout.summary_tokens for layer in live):  # sparse attention: its bytes and its reads
             report["key_summary_bytes"] = sum(layer.store.summary_nbytes() for layer in live)
+            if any(layer.store.layout.token_sums for layer in live):
+                report["token_sum_bytes"] = sum(layer.store.summary_nbytes(("ksum", "vsum")) for layer in live)
             held_tokens = self.context.sparse_held_tokens
             report["sparse_read_fraction"] = self.context.sparse_read_tokens / held_tokens if held_tokens else 1.0
         if self.policy is not None:

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvtool.errors import RuntimeConfigError
 from kvtool.methods.evict.base import EvictionPolicy, StreamView
-from kvtool.methods.sparse.rocketkv import select_groups
+from kvtool.methods.sparse.rocketkv import Selection, select_groups, unread_term
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
@@ -91,6 +92,11 @@ def summary_tokens(recipe: Recipe) -> int:
     """Slots per key summary the float blocks keep (sparse attention reads them; float-only recipes), 0 for none."""
     sparse = recipe.sparse_attention
     return sparse.summary_tokens if sparse.enabled and not (recipe.quantizes or recipe.keys.pre_rope) else 0
+
+
+def keeps_token_sums(recipe: Recipe) -> bool:
+    """The float blocks keep the sums of their keys and values (sparse attention that estimates what it does not read)."""
+    return bool(summary_tokens(recipe)) and recipe.sparse_attention.unread == "estimate"
 
 
 def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -166,6 +172,7 @@ class KvtoolLayer(CacheLayerMixin):
             block_size=recipe.cache.block_size, heads_per_stream=self.g, head_dim=d, float_dtype=store_dtype,
             quantized=recipe.quantizes or recipe.keys.pre_rope, sink_tokens=recipe.cache.sink_tokens, recent_tokens=recipe.cache.recent_tokens,
             meta=slot_meta(policy), summary_tokens=summary_tokens(recipe),
+            token_sums=keeps_token_sums(recipe) and not window,  # a sliding-window layer reads its window whole
         )
         self.store = LayerStore(layout, self.key_format, self.value_format, b * self.groups, self.device)
         self.lengths = torch.zeros(b, dtype=torch.int64, device=self.device)  # real tokens each sequence has seen
@@ -178,7 +185,8 @@ class KvtoolLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._pending = (key_states, value_states, self.seen)
-        self.seen += key_states.shape[2]
+        shrink = self.context.shrink  # PyramidInfer's prefill: this layer computes t of the forward's T tokens
+        self.seen += shrink[1] if shrink is not None else key_states.shape[2]
         claim_next_attention(self)
         return key_states, value_states
 
@@ -336,8 +344,8 @@ class KvtoolLayer(CacheLayerMixin):
         """This decode step reads only the best-scored summary groups (RocketKV's stage 2)."""
         return bool(self.store.layout.summary_tokens) and t == 1 and not options.sliding_window and self.store.float_pool.used > 0
 
-    def _select_groups(self, q: torch.Tensor, options: LayerOptions) -> tuple[torch.Tensor, torch.Tensor]:
-        """(groups (S, K), count (S,)): the summary groups `select_groups` ranks for the rows q (S, g, R, D)."""
+    def _select_groups(self, q: torch.Tensor, options: LayerOptions) -> Selection:
+        """The summary groups `select_groups` ranks for the rows q (S, g, R, D)."""
         kmax, kmin = self.store.key_summaries()  # (S, N, g, D) x 2
         held = self.store.lengths("float_len")  # (S,)
         return select_groups(self.plan.recipe.sparse_attention, q, kmax, kmin, held, options.scaling)
@@ -351,25 +359,52 @@ class KvtoolLayer(CacheLayerMixin):
         valid = read & (slots < store.lengths("float_len")[:, None])
         return store.float_slot_ids(slots), valid
 
+    def _estimates_unread(self, options: LayerOptions) -> bool:
+        """A sparse step estimates what it does not read (``sparse_attention.unread: estimate``)."""
+        if not self.store.layout.token_sums:
+            return False
+        if options.softcap:
+            raise RuntimeConfigError(
+                "sparse_attention.unread: estimate cannot estimate soft-capped logits (this model caps its attention "
+                "logits, as Gemma 2 does); use unread: drop"
+            )
+        return True
+
     def _sparse_chunks(self, q: torch.Tensor, options: LayerOptions):
         """The float slots of the groups `select_groups` picks for the rows q (S, g, R, D), chunk by chunk; the
         other slots are not read."""
         store = self.store
         n, (s, g, r, d) = store.layout.summary_tokens, q.shape
-        groups, count = self._select_groups(q, options)  # (S, K), (S,)
+        estimate = self._estimates_unread(options)
+        selection = self._select_groups(q, options)
+        groups, count = selection.groups, selection.count  # (S, K), (S,)
         step = max(1, chunk_tokens(s, g, r, d, n) // n)
-        read_tokens = 0
+        read_tokens, read_sums = 0, None
         for c0 in range(0, groups.shape[1], step):
             flat, valid = self._group_slots(groups, count, c0, min(groups.shape[1], c0 + step))  # (S, c) pool slots
             k = take_rows(store.float_flat("k"), flat).float().transpose(1, 2)  # (S, g, c, D)
             v = take_rows(store.float_flat("v"), flat).float().transpose(1, 2)
             read_tokens += int(valid.sum())
+            if estimate:  # sums of the keys and values read, per stream (S, g, D) each
+                weights = valid[:, None, None, :].to(v.dtype)  # (S, 1, 1, c)
+                part = (torch.matmul(weights, k)[:, :, 0], torch.matmul(weights, v)[:, :, 0])
+                read_sums = part if read_sums is None else (read_sums[0] + part[0], read_sums[1] + part[1])
             yield Chunk(
                 scores=lambda q, k=k: torch.matmul(q, k.transpose(-1, -2)),
                 values=lambda p, v=v: torch.matmul(p, v),
                 valid=valid, positions=None, region="float", start=c0 * n,
             )
         self.context.count_sparse_reads(read_tokens, int(store.float_len.sum()))
+        if estimate:  # the tokens not read, as one softmax term: their estimated mass and their values' mean
+            if read_sums is None:
+                zeros = torch.zeros(s, g, d, device=q.device)
+                read_sums = (zeros, zeros)
+            logit, mean, unread = unread_term(selection, q, store.token_sums(), read_sums)  # (S, g, R), (S, g, D), (S,)
+            yield Chunk(
+                scores=lambda q: logit[..., None],  # (S, g, R, 1)
+                values=lambda p: p * mean[:, :, None, :],  # (S, g, R, D)
+                valid=(unread > 0)[:, None], positions=None, region="unread", start=0,
+            )
 
     def _kernel_decode(self, q, new_k, new_v, options: LayerOptions, sink_logits) -> torch.Tensor:
         """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place."""
@@ -378,13 +413,21 @@ class KvtoolLayer(CacheLayerMixin):
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
             from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
 
-            groups, count = self._select_groups(q[:, None], options)  # q (S, R, D) as (S, 1, R, D)
+            selection = self._select_groups(q[:, None], options)  # q (S, R, D) as (S, 1, R, D)
+            groups, count = selection.groups, selection.count
             slots, valid = self._group_slots(groups, count, 0, groups.shape[1])  # (S, K n) x 2
             self.context.count_sparse_reads(int(valid.sum()), int(self.store.float_len.sum()))
             self.context.kernel_steps += 1
+            unread = None
+            if self._estimates_unread(options):  # from the sums of what the kernel read: (logit (S, R), value (S, D))
+                held = self.store.token_sums()
+
+                def unread(read_k: torch.Tensor, read_v: torch.Tensor, selection=selection, held=held):
+                    logit, mean, _ = unread_term(selection, q[:, None], held, (read_k[:, None], read_v[:, None]))
+                    return logit[:, 0], mean[:, 0]
             return sparse_decode_attention(
                 q, new_k, new_v, self.store.float_flat("k")[:, 0], self.store.float_flat("v")[:, 0], slots, valid,
-                options.softcap, sink_logits,
+                options.softcap, sink_logits, unread=unread,
             )
 
         store = self.store
@@ -507,7 +550,7 @@ class KvtoolLayer(CacheLayerMixin):
         if real is None:
             counts = np.full(b, t, dtype=np.int64)
             order = None
-            self.lengths = self.lengths + t
+            self.lengths = self.lengths + (t if context.shrink is None else context.shrink[1])  # tokens seen
         else:
             counts = real.sum(dim=1).cpu().numpy()
             order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices  # real tokens first, in order

@@ -13,7 +13,9 @@ the longest stream, never expanded to query heads. Layout (what the Triton kerne
   (``summary_tokens`` = n > 1) each float block also keeps ``kmax`` / ``kmin`` (cap, fbs / n,
   g, D): per group of n consecutive slots, the per-channel max and min of their keys
   (RocketKV's stage-2 summaries), exact for the group's valid slots; with n = 1 the keys are
-  their own summaries and nothing more is kept. A stream's float region holds its
+  their own summaries and nothing more is kept. With ``token_sums`` (``sparse_attention.unread:
+  estimate``) each float block also keeps ``ksum`` and ``vsum`` (cap, g, D): the sums of its valid
+  slots' keys and values, so a step that reads a quarter of the tokens knows the rest in sum. A stream's float region holds its
   sinks (the first ``sink_tokens`` tokens, never encoded) then its newest tokens (the KIVI
   recent window and the last, partly filled block); for recipes that quantize nothing it
   holds every token.
@@ -54,7 +56,7 @@ from kvtool.runtime.pool import BlockPool
 FLOAT_BLOCK = 16  # tokens per float block
 META_DTYPES = {"pos": torch.int32, "score": torch.float32, "feature": torch.float32, "cls": torch.uint8}
 LENGTHS = ("float_len", "body_len", "n_sink")
-SUMMARIES = ("kmax", "kmin")  # per-block (not per-slot) float pool tensors
+SUMMARIES = ("kmax", "kmin", "ksum", "vsum")  # per-block (not per-slot) float pool tensors
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class StoreLayout:
     recent_tokens: int  # float recent window (quantized recipes)
     meta: tuple[str, ...] = ()  # per-slot metadata kept: subset of META_DTYPES
     summary_tokens: int = 0  # > 0: float blocks keep per-channel key max/min per this many slots (sparse attention)
+    token_sums: bool = False  # float blocks keep the sums of their keys and values (sparse attention's unread estimate)
 
 
 def _ceil_div(a, b):
@@ -109,7 +112,9 @@ class LayerStore:
         meta = lambda tokens: {name: ((tokens,), META_DTYPES[name]) for name in layout.meta}  # noqa: E731
         kv = {"k": ((self.fbs, g, d), layout.float_dtype), "v": ((self.fbs, g, d), layout.float_dtype)}
         n = layout.summary_tokens
-        summaries = {name: ((self.fbs // n, g, d), layout.float_dtype) for name in SUMMARIES} if n > 1 else {}  # 1: keys
+        summaries = {name: ((self.fbs // n, g, d), layout.float_dtype) for name in ("kmax", "kmin")} if n > 1 else {}  # 1: keys
+        if layout.token_sums:
+            summaries.update({"ksum": ((g, d), layout.float_dtype), "vsum": ((g, d), layout.float_dtype)})
         self.float_pool = BlockPool({**kv, **meta(self.fbs), **summaries}, device)
         self.slot_names = tuple(name for name in self.float_pool.tensors if name not in SUMMARIES)  # per-slot tensors
         self._summaries_stale = False  # True after writes the decode fast path does not follow
@@ -157,12 +162,12 @@ class LayerStore:
         device = 0 if self.device.type == "cpu" else sum(t.numel() * 8 for t in self._device.values())
         return tables + host + device
 
-    def summary_nbytes(self) -> int:
-        """Bytes of the key max/min summaries of the float blocks in use (part of `used_nbytes`; 0 without them)."""
-        if self.layout.summary_tokens < 2:
-            return 0  # none, or one-token groups: the keys themselves
-        t = self.float_pool.tensors["kmax"]
-        return 2 * self.float_pool.used * t[0].numel() * t.element_size()
+    def summary_nbytes(self, names: tuple[str, ...] = ("kmax", "kmin")) -> int:
+        """Bytes of the key max/min summaries (or other per-block tensors of ``names``: ``("ksum", "vsum")`` for the
+        token sums) of the float blocks in use (part of `used_nbytes`; 0 without them; one-token key groups are the keys
+        themselves)."""
+        pool = self.float_pool.tensors
+        return sum(self.float_pool.used * pool[name][0].numel() * pool[name].element_size() for name in names if name in pool)
 
     def used_nbytes(self) -> int:
         """Bytes of blocks in use plus tables and lengths."""
@@ -313,8 +318,11 @@ class LayerStore:
         for name, values in data.items():
             flat = self.float_flat(name)
             flat.index_copy_(0, target, values[:, 0].to(flat.dtype))
-        if self.layout.summary_tokens > 1 and not self._summaries_stale:
-            self._absorb_into_summaries(target // fbs, target % fbs, data["k"][:, 0])
+        if not self._summaries_stale:
+            if self.layout.summary_tokens > 1:
+                self._absorb_into_summaries(target // fbs, target % fbs, data["k"][:, 0])
+            if self.layout.token_sums:
+                self._absorb_into_sums(target // fbs, target % fbs, data["k"][:, 0], data["v"][:, 0])
         self._set("float_len", np.maximum(self.float_len, end))
 
     def fill_holes(self, keep: torch.Tensor, data: dict[str, torch.Tensor], keep_new: torch.Tensor) -> None:
@@ -371,15 +379,34 @@ class LayerStore:
         pool["kmax"][block, group] = torch.where(first, k, torch.maximum(pool["kmax"][block, group], k))
         pool["kmin"][block, group] = torch.where(first, k, torch.minimum(pool["kmin"][block, group], k))
 
+    def _absorb_into_sums(self, block: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new key and value per stream, (S, g, D) each, at ``offset`` (S,) of float block ``block`` (S,), into the
+        block's sums (a block's first slot resets them)."""
+        first = (offset == 0)[:, None, None]
+        for name, x in (("ksum", k), ("vsum", v)):
+            sums = self.float_pool.tensors[name]
+            x = x.to(sums.dtype)
+            sums[block] = torch.where(first, x, sums[block] + x)
+
     def refresh_summaries(self) -> None:
-        """Recompute every used float block's per-group key max/min from its valid slots."""
+        """Recompute every used float block's per-group key max/min and key and value sums from its valid slots."""
         self._summaries_stale = False
         blocks = self.float_blocks()
         width = int(blocks.max()) if self.streams else 0
         n = self.layout.summary_tokens
-        if width == 0 or n < 2:
-            return  # n = 1: the keys are their own summaries
+        if width == 0:
+            return
         ids = self.float_block_ids(0, width)  # (S, F)
+        if self.layout.token_sums:
+            slots = torch.arange(width * self.fbs, device=self.device).reshape(width, self.fbs)
+            valid = (slots[None] < self.lengths("float_len")[:, None, None])[..., None, None]  # (S, F, fbs, 1, 1)
+            held = torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]
+            for part in ("k", "v"):
+                x = take_rows(self.float_pool.tensors[part], ids).float()  # (S, F, fbs, g, D)
+                sums = self.float_pool.tensors[f"{part}sum"]
+                sums[ids[held]] = x.masked_fill(~valid, 0.0).sum(dim=2)[held].to(sums.dtype)
+        if n < 2:
+            return  # n = 1: the keys are their own summaries
         k = take_rows(self.float_pool.tensors["k"], ids).float()  # (S, F, fbs, g, D)
         k = k.reshape(*k.shape[:2], self.fbs // n, n, *k.shape[3:])  # (S, F, fbs / n, n, g, D)
         slots = torch.arange(width * self.fbs, device=self.device).reshape(width, self.fbs // n, n)
@@ -389,6 +416,21 @@ class LayerStore:
         dtype = pool["kmax"].dtype
         pool["kmax"][ids[held]] = k.masked_fill(~valid, -torch.inf).amax(dim=3)[held].to(dtype)
         pool["kmin"][ids[held]] = k.masked_fill(~valid, torch.inf).amin(dim=3)[held].to(dtype)
+
+    def token_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) (S, g, D) float32 each: the sums of the keys and values every stream holds, from its float
+        blocks' sums (reads 1 / fbs of the bytes)."""
+        if self._summaries_stale:
+            self.refresh_summaries()
+        blocks = self.float_blocks()
+        width = int(blocks.max()) if self.streams else 0
+        ids = self.float_block_ids(0, width)  # (S, F)
+        held = torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]  # (S, F)
+        out = []
+        for name in ("ksum", "vsum"):
+            sums = take_rows(self.float_pool.tensors[name], ids).float()  # (S, F, g, D)
+            out.append(sums.masked_fill(~held[..., None, None], 0.0).sum(dim=1))
+        return out[0], out[1]
 
     def key_summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(kmax, kmin) (S, F x fbs / n, g, D) of every stream's summary groups in slot order (F = most blocks held);

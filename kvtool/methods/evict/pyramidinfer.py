@@ -16,10 +16,11 @@ shows: a token stays open to layer l while the last layer below that could see i
 and only those the previous global layer kept; before, it could keep nothing older than the
 local window).
 
-Limits. The paper also *computes* fewer tokens in deeper layers: only the kept tokens' hidden
-states go on, which saves prefill time and activation memory. kvtool's runtime evicts after a
-layer has attended over the whole prompt, so this policy stores fewer tokens in deeper layers;
-it does not yet skip their computation. While decoding, every layer keeps its own budget,
+Prefill compute. The paper also *computes* fewer tokens in deeper layers: only the kept tokens'
+hidden states go on, which saves prefill time and activation memory. With
+``eviction.compute_kept_only: true`` kvtool does too (`kvtool.runtime.prefill_shrink`: layer l + 1
+runs over the tokens this policy left open after layer l); without it every layer computes the
+whole prompt and this policy stores fewer tokens in deeper layers. While decoding, every layer keeps its own budget,
 ranking by the attention accumulated since prefill summed over the layer's heads (the paper's
 generation stage compresses each layer's new tokens on its own; layers are not nested then).
 """
@@ -97,6 +98,11 @@ class PyramidInfer(EvictionPolicy):
                 previous[:, : min(width, before.shape[1])] = before[:, :width]
             kept = torch.where(unseen, previous, kept)
         return LayerKept(view.layer, view.length.clone(), kept)
+
+    def kept_after(self, layer: int) -> torch.Tensor | None:
+        """(S, P) bool by position: what ``layer`` left open to the next layer in the forward in progress (its kept set
+        where it could judge, see `_alive_after`), or None when ``layer`` did not just choose (`prefill_shrink`)."""
+        return self._below.kept if self._below is not None and self._below.layer == layer else None
 
     def _kept_below(self, view: StreamView) -> torch.Tensor | None:
         """(S, N) bool: the tokens still alive after layer l-1 in this same forward; None on layer 0 or after

@@ -8,11 +8,15 @@ set, and to the step's own new token. The selection itself (which summary groups
 one read of the key summaries; this kernel then reads only the chosen keys and values, in place.
 
 Pass 1 (`_sparse_partials`): grid (S, SPLITS); program (s, p) walks tiles p, p + SPLITS, ... of
-``TILE`` listed slots with an online softmax. Pass 2 is the dense kernel's `merge_partials`
-(the new token, a learned sink logit, the partials).
+``TILE`` listed slots with an online softmax (and, for ``unread: estimate``, sums the keys and
+values it reads). Pass 2 is the dense kernel's `merge_partials` (the new token, a learned sink
+logit, the partials); the unread tokens' estimate (`kvtool.methods.sparse.rocketkv.unread_term`,
+from those sums) joins it as one more partial: max = its logit, sum = 1, output = its value.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton
@@ -25,13 +29,16 @@ TILE = 16  # listed slots per online-softmax update
 
 @triton.jit
 def _sparse_partials(
-    q_ptr, k_ptr, v_ptr, slot_ptr, valid_ptr, K, m_out, l_out, acc_out, R, softcap,
+    q_ptr, k_ptr, v_ptr, slot_ptr, valid_ptr, K, m_out, l_out, acc_out, ksum_out, vsum_out, R, softcap,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, SPLITS, SOFTCAP: tl.constexpr,
+    SUM_READ: tl.constexpr,
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
     q, r, c, cmask, m, l, acc = stream_rows(q_ptr, s, R, D, BR, BD)
     t = tl.arange(0, TILE)
+    ksum = tl.zeros((BD,), tl.float32)
+    vsum = tl.zeros((BD,), tl.float32)
     for tile in range(split, tl.cdiv(K, TILE), SPLITS):
         j = tile * TILE + t  # (TILE,) positions in the stream's list
         inside = j < K
@@ -42,7 +49,13 @@ def _sparse_partials(
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # (TILE, BD)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         m, l, acc = _absorb(q, k, v, valid, m, l, acc, SOFTCAP, softcap)
+        if SUM_READ:
+            ksum += tl.sum(k, axis=0)  # invalid slots loaded as 0
+            vsum += tl.sum(v, axis=0)
     store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR, BD, SPLITS)
+    if SUM_READ:
+        tl.store(ksum_out + (s * SPLITS + split) * BD + c, ksum)
+        tl.store(vsum_out + (s * SPLITS + split) * BD + c, vsum)
 
 
 def sparse_decode_attention(
@@ -56,8 +69,12 @@ def sparse_decode_attention(
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,  # (S, R) learned sink logits
     splits: int | None = None,
+    unread: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """Attention output (S, R, D) float32 of one decode step over the listed slots and the new token."""
+    """Attention output (S, R, D) float32 of one decode step over the listed slots and the new token.
+
+    unread (``sparse_attention.unread: estimate``): (sum of the keys read (S, D), of the values read (S, D)) ->
+    (logit (S, R), value (S, D)) of one more softmax term standing for the held tokens not listed (-inf: none)."""
     s, r, d = q.shape
     device = q.device
     q = q.contiguous().float()
@@ -69,8 +86,25 @@ def sparse_decode_attention(
     acc = torch.empty((s, splits, br, bd), device=device, dtype=torch.float32)
     slot_list = slots.contiguous() if k_count else zeros(s, torch.int64, device)[:, None]
     valid_list = valid.to(torch.int8).contiguous() if k_count else zeros(s, torch.int8, device)[:, None]
+    sums = torch.empty((2, s, splits, bd), device=device, dtype=torch.float32) if unread is not None else m[None]
     _sparse_partials[(s, splits)](
-        q, float_k, float_v, slot_list, valid_list, slot_list.shape[1], m, l, acc, r, float(softcap or 0.0),
-        D=d, BR=br, BD=bd, TILE=TILE, SPLITS=splits, SOFTCAP=bool(softcap),
+        q, float_k, float_v, slot_list, valid_list, slot_list.shape[1], m, l, acc, sums[0], sums[-1], r,
+        float(softcap or 0.0), D=d, BR=br, BD=bd, TILE=TILE, SPLITS=splits, SOFTCAP=bool(softcap),
+        SUM_READ=unread is not None,
     )
+    if unread is not None:
+        read = sums.sum(dim=2)[..., :d]  # (2, S, D): keys and values read
+        m, l, acc = _with_term(m, l, acc, *unread(read[0], read[1]), r, d)
     return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
+
+
+def _with_term(m, l, acc, logit: torch.Tensor, value: torch.Tensor, r: int, d: int):
+    """The partials (S, SPLITS, BR[, BD]) and one more, a single term: max = logit (S, R), sum = 1, output = value (S, D)."""
+    s, _, br, bd = acc.shape
+    m_extra = torch.full((s, 1, br), float("-inf"), device=m.device)
+    m_extra[:, 0, :r] = logit.float()
+    acc_extra = torch.zeros((s, 1, br, bd), device=m.device)
+    acc_extra[:, 0, :, :d] = value.float()[:, None, :]
+    l_extra = torch.ones((s, 1, br), device=m.device)
+    return (torch.cat([m, m_extra], dim=1).contiguous(), torch.cat([l, l_extra], dim=1).contiguous(),
+            torch.cat([acc, acc_extra], dim=1).contiguous())
