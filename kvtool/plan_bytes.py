@@ -118,7 +118,8 @@ def _empty_store(recipe: Recipe, fitted: dict, geometry, dtype: torch.dtype, pol
     layout = StoreLayout(block_size=recipe.cache.block_size, heads_per_stream=g, head_dim=geometry.head_dim,
                          float_dtype=dtype, quantized=_quantized(recipe), sink_tokens=recipe.cache.sink_tokens,
                          recent_tokens=recipe.cache.recent_tokens, meta=slot_meta(policy),
-                         summary_tokens=summary_tokens(recipe), token_sums=keeps_token_sums(recipe) and not window)
+                         summary_tokens=summary_tokens(recipe), token_sums=keeps_token_sums(recipe) and not window,
+                         key_squares=keeps_token_sums(recipe) and not window and recipe.sparse_attention.channel_score == "query_key")
     return LayerStore(layout, key_format, value_format, 0, "cpu")
 
 

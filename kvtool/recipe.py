@@ -51,6 +51,7 @@ FASTGEN_PROFILE_SOURCES = ("offline", "prompt")  # where FastGen's per-head poli
 ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv", "rocketkv")  # scores comparable across heads (head_budgets: adaptive)
 SPARSE_METHODS = ("none", "rocketkv")
 UNREAD_RULES = ("drop", "estimate")  # sparse_attention.unread
+CHANNEL_SCORES = ("query", "query_key")  # sparse_attention.channel_score
 # policies that do not score tokens by attention while decoding: sparse attention reads only some blocks per step
 DECODE_UNSCORED = ("none", "streamingllm", "knorm", "rocketkv")
 
@@ -495,9 +496,15 @@ class SparseAttentionSpec:
     min_tokens: tokens a step reads at least (a short cache is read whole).
     unread: what the tokens a step does not read contribute. ``drop`` (the paper): nothing, the
         softmax is over the read tokens only. ``estimate`` (kvtool's extension, one-token summaries
-        only): their softmax mass from the approximate logits the selection already computed, and
-        their values' mean from per-block value sums the store keeps (1/16 of the value bytes), so the
-        attention the unread tokens receive is not lost (`kvtool.methods.sparse.rocketkv`).
+        only): one softmax term stands for them, its logit from the partial logits the selection
+        already computed (completed by the mean unread key), its value their values' mean, from
+        per-block key and value sums the store keeps (1/16 of the float bytes), so the attention
+        the unread tokens receive is not lost (`kvtool.methods.sparse.rocketkv.unread_term`).
+    channel_score: how the ``channels`` scored are chosen. ``query`` (the paper): the largest mean |q|
+        over the GQA group's rows. ``query_key`` (kvtool's extension): the largest mean |q| x the
+        spread (standard deviation) of the held keys per channel, from per-block key sums and
+        squared-key sums the store then keeps: a channel whose keys hardly vary says little about
+        which token to read, whatever the query (Gemma 3's normed 256-dim heads).
     """
 
     method: str = "none"
@@ -506,6 +513,7 @@ class SparseAttentionSpec:
     channels: float = 0.5
     min_tokens: int = 64
     unread: str = "drop"
+    channel_score: str = "query"
 
     def __post_init__(self) -> None:
         p = "sparse_attention"
@@ -519,6 +527,8 @@ class SparseAttentionSpec:
         _require(_is_int(self.min_tokens) and self.min_tokens >= 1, f"{p}.min_tokens",
                  f"{self.min_tokens} must be an integer >= 1")
         _require(self.unread in UNREAD_RULES, f"{p}.unread", f"'{self.unread}' is not one of {list(UNREAD_RULES)}")
+        _require(self.channel_score in CHANNEL_SCORES, f"{p}.channel_score",
+                 f"'{self.channel_score}' is not one of {list(CHANNEL_SCORES)}")
         _require(self.unread == "drop" or self.summary_tokens == 1, f"{p}.unread",
                  f"'estimate' needs summary_tokens: 1 (the keys themselves: max/min summaries of {self.summary_tokens} "
                  "tokens bound the logits from above and cannot estimate the mass of what is not read); "

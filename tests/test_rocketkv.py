@@ -17,7 +17,7 @@ import torch
 
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.methods.sparse.rocketkv import (
-    Selection, approximate_group_logits, groups_to_read, select_groups, unread_logsumexp, unread_term,
+    Selection, approximate_group_logits, groups_to_read, partial_logits, select_groups, unread_logsumexp, unread_term,
 )
 from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec, QuantSpec, SparseAttentionSpec, load_recipe
@@ -225,7 +225,7 @@ def test_the_bundled_recipe_composes_both_stages():
     recipe = load_recipe("rocketkv")
     assert recipe.eviction.policy == "rocketkv" and recipe.sparse_attention.method == "rocketkv"
     assert recipe.sparse_attention.read_fraction == 0.25 and recipe.sparse_attention.summary_tokens == 1  # the keys
-    assert recipe.sparse_attention.unread == "estimate"
+    assert recipe.sparse_attention.unread == "estimate" and recipe.sparse_attention.channel_score == "query_key"
 
 
 def test_impossible_combinations_are_refused_with_the_fix():
@@ -235,7 +235,8 @@ def test_impossible_combinations_are_refused_with_the_fix():
     with pytest.raises(RecipeError, match="policy 'h2o' scores tokens"):
         dataclasses.replace(base, eviction=EvictionSpec(policy="h2o"))
     for field, value in (("read_fraction", 0.0), ("read_fraction", 1.5), ("summary_tokens", 3), ("summary_tokens", 32),
-                         ("min_tokens", 0), ("channels", 0.0), ("method", "quest"), ("unread", "ignore")):
+                         ("min_tokens", 0), ("channels", 0.0), ("method", "quest"), ("unread", "ignore"),
+                         ("channel_score", "key")):
         with pytest.raises(RecipeError, match=f"sparse_attention.{field}"):
             SparseAttentionSpec(**{"method": "rocketkv", field: value})
     with pytest.raises(RecipeError, match="sparse_attention.unread.*summary_tokens: 1"):
@@ -272,8 +273,11 @@ def check_token_sums(cache):
     for layer in cache.layers:
         store = layer.store
         ids = store.float_block_ids(0, int(store.float_blocks().max()))
-        for part, got in zip(("k", "v"), store.token_sums()):
-            x = store.read_blocks(store.float_pool, (part,), ids)[part].float()  # (S, F*fbs, g, D)
+        sums = store.token_sums()
+        assert len(sums) == (3 if store.layout.key_squares else 2)
+        for part, got in zip(("k", "v", "k2"), sums):
+            x = store.read_blocks(store.float_pool, (part[0],), ids)[part[0]].float()  # (S, F*fbs, g, D)
+            x = x.square() if part == "k2" else x
             held_slots = torch.arange(x.shape[1])[None] < torch.from_numpy(store.float_len)[:, None]
             want = (x * held_slots[..., None, None]).sum(dim=1)  # (S, g, D)
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-3)  # fp16 block sums
@@ -393,3 +397,35 @@ def test_the_estimate_decodes_every_feature_and_refuses_soft_capping(family):
     _generate(model, cache, ids, torch.ones_like(ids), new_tokens=12)
     report = cache.memory_report()
     assert report["cache_bytes"] == report["expected_cache_bytes"] and report["sparse_read_fraction"] < 1.0
+
+
+# --- channel_score: query_key -----------------------------------------------------------------------
+def test_channels_ranked_by_query_and_key_spread_skip_channels_whose_keys_hardly_vary():
+    """The query is largest on channels 0-3, but the keys hardly vary there (a large constant offset, as outlier
+    channels have): ``query`` scores channels 0-3, ``query_key`` (|q| x the keys' standard deviation) channels 4-7,
+    which decide which token the logits prefer."""
+    gen = torch.Generator().manual_seed(17)
+    d, n = 8, 20
+    q = torch.cat([torch.full((1, 1, 1, 4), 3.0), torch.full((1, 1, 1, 4), 1.0)], dim=-1)  # (S, g, R, D)
+    keys = torch.randn(1, n, 1, d, generator=gen)
+    keys[..., :4] = 5.0 + 1e-3 * keys[..., :4]  # the same for every token: no say in the ranking
+    _, _, by_query = partial_logits(q, keys, keys, channels=0.5)
+    partial, _, by_both = partial_logits(q, keys, keys, channels=0.5, key_scale=keys.std(dim=1))
+    assert by_query[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert by_both[0, 0, 0].nonzero().flatten().tolist() == [4, 5, 6, 7]
+    torch.testing.assert_close(partial[0, 0, 0], keys[0, :, 0, 4:] @ q[0, 0, 0, 4:])  # q_hat . k_hat on 4-7
+
+
+def test_a_query_key_channel_score_keeps_key_sums_and_reads_a_quarter():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (2, 90), generator=torch.Generator().manual_seed(18))
+    base = evicting("rocketkv", budget=0.5, float_dtype="float16")
+    caches = {}
+    for score in ("query", "query_key"):
+        recipe = sparse(base, summary_tokens=1, read_fraction=0.25, channel_score=score)
+        caches[score] = CompressedRuntime.from_recipe(model, recipe).new_cache()
+        run_tokens(model, caches[score], ids, prefill=60)
+    report = caches["query_key"].memory_report()
+    assert "token_sum_bytes" in report and "token_sum_bytes" not in caches["query"].memory_report()
+    assert 0.2 <= report["sparse_read_fraction"] <= 0.25 and report["cache_bytes"] == report["expected_cache_bytes"]
+    check_token_sums(caches["query_key"])

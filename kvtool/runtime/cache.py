@@ -234,7 +234,7 @@ class KvtoolCache(Cache):
         if any(layer.store.layout.summary_tokens for layer in live):  # sparse attention: its bytes and its reads
             report["key_summary_bytes"] = sum(layer.store.summary_nbytes() for layer in live)
             if any(layer.store.layout.token_sums for layer in live):
-                report["token_sum_bytes"] = sum(layer.store.summary_nbytes(("ksum", "vsum")) for layer in live)
+                report["token_sum_bytes"] = sum(layer.store.summary_nbytes(("ksum", "vsum", "k2sum")) for layer in live)
             held_tokens = self.context.sparse_held_tokens
             report["sparse_read_fraction"] = self.context.sparse_read_tokens / held_tokens if held_tokens else 1.0
         if self.policy is not None:

@@ -95,8 +95,10 @@ def summary_tokens(recipe: Recipe) -> int:
 
 
 def keeps_token_sums(recipe: Recipe) -> bool:
-    """The float blocks keep the sums of their keys and values (sparse attention that estimates what it does not read)."""
-    return bool(summary_tokens(recipe)) and recipe.sparse_attention.unread == "estimate"
+    """The float blocks keep the sums of their keys and values (sparse attention that estimates what it does not read,
+    or ranks channels by the keys' spread)."""
+    sparse = recipe.sparse_attention
+    return bool(summary_tokens(recipe)) and (sparse.unread == "estimate" or sparse.channel_score == "query_key")
 
 
 def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -173,6 +175,7 @@ class KvtoolLayer(CacheLayerMixin):
             quantized=recipe.quantizes or recipe.keys.pre_rope, sink_tokens=recipe.cache.sink_tokens, recent_tokens=recipe.cache.recent_tokens,
             meta=slot_meta(policy), summary_tokens=summary_tokens(recipe),
             token_sums=keeps_token_sums(recipe) and not window,  # a sliding-window layer reads its window whole
+            key_squares=keeps_token_sums(recipe) and not window and recipe.sparse_attention.channel_score == "query_key",
         )
         self.store = LayerStore(layout, self.key_format, self.value_format, b * self.groups, self.device)
         self.lengths = torch.zeros(b, dtype=torch.int64, device=self.device)  # real tokens each sequence has seen
@@ -344,11 +347,17 @@ class KvtoolLayer(CacheLayerMixin):
         """This decode step reads only the best-scored summary groups (RocketKV's stage 2)."""
         return bool(self.store.layout.summary_tokens) and t == 1 and not options.sliding_window and self.store.float_pool.used > 0
 
-    def _select_groups(self, q: torch.Tensor, options: LayerOptions) -> Selection:
-        """The summary groups `select_groups` ranks for the rows q (S, g, R, D)."""
+    def _select_groups(self, q: torch.Tensor, options: LayerOptions, sums=None) -> Selection:
+        """The summary groups `select_groups` ranks for the rows q (S, g, R, D) (sums: the store's `token_sums`, for
+        ``channel_score: query_key``)."""
         kmax, kmin = self.store.key_summaries()  # (S, N, g, D) x 2
         held = self.store.lengths("float_len")  # (S,)
-        return select_groups(self.plan.recipe.sparse_attention, q, kmax, kmin, held, options.scaling)
+        spec = self.plan.recipe.sparse_attention
+        key_scale = None
+        if spec.channel_score == "query_key":  # the spread of the held keys per channel
+            n = held.clamp(min=1)[:, None, None].to(sums[0].dtype)
+            key_scale = (sums[2] / n - (sums[0] / n).square()).clamp(min=0.0).sqrt()  # (S, g, D) standard deviation
+        return select_groups(spec, q, kmax, kmin, held, options.scaling, key_scale)
 
     def _group_slots(self, groups: torch.Tensor, count: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pool slot ids (S, c), valid (S, c)) of ranked groups [c0, c1) (groups (S, K), count (S,) as selected)."""
@@ -361,7 +370,7 @@ class KvtoolLayer(CacheLayerMixin):
 
     def _estimates_unread(self, options: LayerOptions) -> bool:
         """A sparse step estimates what it does not read (``sparse_attention.unread: estimate``)."""
-        if not self.store.layout.token_sums:
+        if not self.store.layout.token_sums or self.plan.recipe.sparse_attention.unread != "estimate":
             return False
         if options.softcap:
             raise RuntimeConfigError(
@@ -376,7 +385,8 @@ class KvtoolLayer(CacheLayerMixin):
         store = self.store
         n, (s, g, r, d) = store.layout.summary_tokens, q.shape
         estimate = self._estimates_unread(options)
-        selection = self._select_groups(q, options)
+        sums = store.token_sums() if store.layout.token_sums else None  # (S, g, D): held keys', values'(, squared keys')
+        selection = self._select_groups(q, options, sums)
         groups, count = selection.groups, selection.count  # (S, K), (S,)
         step = max(1, chunk_tokens(s, g, r, d, n) // n)
         read_tokens, read_sums = 0, None
@@ -399,7 +409,7 @@ class KvtoolLayer(CacheLayerMixin):
             if read_sums is None:
                 zeros = torch.zeros(s, g, d, device=q.device)
                 read_sums = (zeros, zeros)
-            logit, mean, unread = unread_term(selection, q, store.token_sums(), read_sums)  # (S, g, R), (S, g, D), (S,)
+            logit, mean, unread = unread_term(selection, q, sums[:2], read_sums)  # (S, g, R), (S, g, D), (S,)
             yield Chunk(
                 scores=lambda q: logit[..., None],  # (S, g, R, 1)
                 values=lambda p: p * mean[:, :, None, :],  # (S, g, R, D)
@@ -413,16 +423,15 @@ class KvtoolLayer(CacheLayerMixin):
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
             from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
 
-            selection = self._select_groups(q[:, None], options)  # q (S, R, D) as (S, 1, R, D)
+            sums = self.store.token_sums() if self.store.layout.token_sums else None
+            selection = self._select_groups(q[:, None], options, sums)  # q (S, R, D) as (S, 1, R, D)
             groups, count = selection.groups, selection.count
             slots, valid = self._group_slots(groups, count, 0, groups.shape[1])  # (S, K n) x 2
             self.context.count_sparse_reads(int(valid.sum()), int(self.store.float_len.sum()))
             self.context.kernel_steps += 1
             unread = None
             if self._estimates_unread(options):  # from the sums of what the kernel read: (logit (S, R), value (S, D))
-                held = self.store.token_sums()
-
-                def unread(read_k: torch.Tensor, read_v: torch.Tensor, selection=selection, held=held):
+                def unread(read_k: torch.Tensor, read_v: torch.Tensor, selection=selection, held=sums[:2]):
                     logit, mean, _ = unread_term(selection, q[:, None], held, (read_k[:, None], read_v[:, None]))
                     return logit[:, 0], mean[:, 0]
             return sparse_decode_attention(

@@ -15,7 +15,9 @@ the longest stream, never expanded to query heads. Layout (what the Triton kerne
   (RocketKV's stage-2 summaries), exact for the group's valid slots; with n = 1 the keys are
   their own summaries and nothing more is kept. With ``token_sums`` (``sparse_attention.unread:
   estimate``) each float block also keeps ``ksum`` and ``vsum`` (cap, g, D): the sums of its valid
-  slots' keys and values, so a step that reads a quarter of the tokens knows the rest in sum. A stream's float region holds its
+  slots' keys and values, so a step that reads a quarter of the tokens knows the rest in sum; with
+  ``key_squares`` (``channel_score: query_key``) also ``k2sum`` (cap, g, D) float32, the sum of the
+  squared keys, for each channel's spread. A stream's float region holds its
   sinks (the first ``sink_tokens`` tokens, never encoded) then its newest tokens (the KIVI
   recent window and the last, partly filled block); for recipes that quantize nothing it
   holds every token.
@@ -56,7 +58,7 @@ from kvtool.runtime.pool import BlockPool
 FLOAT_BLOCK = 16  # tokens per float block
 META_DTYPES = {"pos": torch.int32, "score": torch.float32, "feature": torch.float32, "cls": torch.uint8}
 LENGTHS = ("float_len", "body_len", "n_sink")
-SUMMARIES = ("kmax", "kmin", "ksum", "vsum")  # per-block (not per-slot) float pool tensors
+SUMMARIES = ("kmax", "kmin", "ksum", "vsum", "k2sum")  # per-block (not per-slot) float pool tensors
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class StoreLayout:
     meta: tuple[str, ...] = ()  # per-slot metadata kept: subset of META_DTYPES
     summary_tokens: int = 0  # > 0: float blocks keep per-channel key max/min per this many slots (sparse attention)
     token_sums: bool = False  # float blocks keep the sums of their keys and values (sparse attention's unread estimate)
+    key_squares: bool = False  # ... and of their squared keys, float32 (sparse attention's channel_score: query_key)
 
 
 def _ceil_div(a, b):
@@ -115,6 +118,8 @@ class LayerStore:
         summaries = {name: ((self.fbs // n, g, d), layout.float_dtype) for name in ("kmax", "kmin")} if n > 1 else {}  # 1: keys
         if layout.token_sums:
             summaries.update({"ksum": ((g, d), layout.float_dtype), "vsum": ((g, d), layout.float_dtype)})
+            if layout.key_squares:
+                summaries["k2sum"] = ((g, d), torch.float32)
         self.float_pool = BlockPool({**kv, **meta(self.fbs), **summaries}, device)
         self.slot_names = tuple(name for name in self.float_pool.tensors if name not in SUMMARIES)  # per-slot tensors
         self._summaries_stale = False  # True after writes the decode fast path does not follow
@@ -383,7 +388,8 @@ class LayerStore:
         """One new key and value per stream, (S, g, D) each, at ``offset`` (S,) of float block ``block`` (S,), into the
         block's sums (a block's first slot resets them)."""
         first = (offset == 0)[:, None, None]
-        for name, x in (("ksum", k), ("vsum", v)):
+        parts = (("ksum", k), ("vsum", v), *((("k2sum", k.float().square()),) if self.layout.key_squares else ()))
+        for name, x in parts:
             sums = self.float_pool.tensors[name]
             x = x.to(sums.dtype)
             sums[block] = torch.where(first, x, sums[block] + x)
@@ -402,9 +408,11 @@ class LayerStore:
             valid = (slots[None] < self.lengths("float_len")[:, None, None])[..., None, None]  # (S, F, fbs, 1, 1)
             held = torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]
             for part in ("k", "v"):
-                x = take_rows(self.float_pool.tensors[part], ids).float()  # (S, F, fbs, g, D)
+                x = take_rows(self.float_pool.tensors[part], ids).float().masked_fill(~valid, 0.0)  # (S, F, fbs, g, D)
                 sums = self.float_pool.tensors[f"{part}sum"]
-                sums[ids[held]] = x.masked_fill(~valid, 0.0).sum(dim=2)[held].to(sums.dtype)
+                sums[ids[held]] = x.sum(dim=2)[held].to(sums.dtype)
+                if part == "k" and self.layout.key_squares:
+                    self.float_pool.tensors["k2sum"][ids[held]] = x.square().sum(dim=2)[held]
         if n < 2:
             return  # n = 1: the keys are their own summaries
         k = take_rows(self.float_pool.tensors["k"], ids).float()  # (S, F, fbs, g, D)
@@ -417,9 +425,9 @@ class LayerStore:
         pool["kmax"][ids[held]] = k.masked_fill(~valid, -torch.inf).amax(dim=3)[held].to(dtype)
         pool["kmin"][ids[held]] = k.masked_fill(~valid, torch.inf).amin(dim=3)[held].to(dtype)
 
-    def token_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) (S, g, D) float32 each: the sums of the keys and values every stream holds, from its float
-        blocks' sums (reads 1 / fbs of the bytes)."""
+    def token_sums(self) -> tuple[torch.Tensor, ...]:
+        """(keys, values[, squared keys]) (S, g, D) float32 each: the sums of the keys and values (and squared keys,
+        with ``key_squares``) every stream holds, from its float blocks' sums (reads 1 / fbs of the bytes)."""
         if self._summaries_stale:
             self.refresh_summaries()
         blocks = self.float_blocks()
@@ -427,10 +435,10 @@ class LayerStore:
         ids = self.float_block_ids(0, width)  # (S, F)
         held = torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]  # (S, F)
         out = []
-        for name in ("ksum", "vsum"):
+        for name in ("ksum", "vsum", "k2sum") if self.layout.key_squares else ("ksum", "vsum"):
             sums = take_rows(self.float_pool.tensors[name], ids).float()  # (S, F, g, D)
             out.append(sums.masked_fill(~held[..., None, None], 0.0).sum(dim=1))
-        return out[0], out[1]
+        return tuple(out)
 
     def key_summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(kmax, kmin) (S, F x fbs / n, g, D) of every stream's summary groups in slot order (F = most blocks held);

@@ -41,6 +41,12 @@ keys' mean); its value is the unread values' mean. The means come from per-block
 sums the store keeps (`LayerStore.token_sums`: 1 / 16 of the bytes read per step, 1 / 16 held)
 less what the step read. Exact when nothing is left unread; the unread tokens' values are
 weighted evenly, which is close because they are the ones with the least attention.
+
+``channel_score: query_key`` (kvtool's extension): step 2 ranks the channels by mean |q| times
+the standard deviation of the held keys (from per-block key and squared-key sums), not by |q|
+alone: a channel whose keys hardly vary says nothing about which token to read. On Gemma-3-270M
+(256-dim q/k-normed heads) the paper's rule makes stage 2 cost +15.3% perplexity and the
+pass key fall to 0.4 at 50% kept; this rule +0.18% and 0.9 (`benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -69,11 +75,12 @@ def partial_logits(
     kmax: torch.Tensor,  # (S, N, g, D) per-group key max
     kmin: torch.Tensor,  # (S, N, g, D) per-group key min
     channels: float,
+    key_scale: torch.Tensor | None = None,  # (S, g, D) per-channel key magnitude: channels ranked by |q| x it
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(partial (S, g, R, N), fraction (S, g, R, 1), used (S, g, 1, D) bool or None for every channel): every row's dot
     product with every group's summary over the ``channels`` fraction of channels (steps 1-2 above; with one-token
     groups q_hat . k_hat, the true logit's part on those channels), the share of |q|_1 those channels carry, and
-    which channels they are."""
+    which channels they are: the largest mean |q| over the rows, times ``key_scale`` when given."""
     s, g, r, d = q.shape
     sign = torch.where(q.sum(dim=2, keepdim=True) >= 0, 1.0, -1.0)  # (S, g, 1, D)
     summary = torch.where(sign > 0, kmax.float().transpose(1, 2), -kmin.float().transpose(1, 2))  # (S, g, N, D)
@@ -81,7 +88,10 @@ def partial_logits(
     kept = max(1, round(channels * d))
     used = None
     if kept < d:
-        top = q.abs().mean(dim=2, keepdim=True).topk(kept, dim=-1).indices  # (S, g, 1, r)
+        weight = q.abs().mean(dim=2, keepdim=True)  # (S, g, 1, D)
+        if key_scale is not None:
+            weight = weight * key_scale[:, :, None, :]
+        top = weight.topk(kept, dim=-1).indices  # (S, g, 1, r)
         q_hat = signed_q.gather(-1, top.expand(s, g, r, kept))  # (S, g, R, r)
         summary = summary.gather(-1, top.expand(s, g, summary.shape[2], kept))  # (S, g, N, r)
         used = torch.zeros(s, g, 1, d, dtype=torch.bool, device=q.device).scatter_(-1, top, True)
@@ -126,10 +136,11 @@ def select_groups(
     kmin: torch.Tensor,
     held_tokens: torch.Tensor,  # (S,) int64 tokens each stream holds
     scaling: float,
+    key_scale: torch.Tensor | None = None,  # (S, g, D): ``channel_score: query_key``'s spread of the held keys
 ) -> Selection:
     """The summary groups each stream reads (K = the most any stream reads)."""
     width = kmax.shape[1]
-    partial, fraction, used = partial_logits(q, kmax, kmin, spec.channels)  # (S, g, R, N), (S, g, R, 1)
+    partial, fraction, used = partial_logits(q, kmax, kmin, spec.channels, key_scale)  # (S, g, R, N), (S, g, R, 1)
     held = -(-held_tokens // spec.summary_tokens)
     absent = torch.arange(width, device=q.device)[None] >= held[:, None]  # (S, N)
     partial = partial.masked_fill(absent[:, None, None, :], -math.inf)
