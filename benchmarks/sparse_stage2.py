@@ -6,9 +6,9 @@ Stage 2 reads part of the kept cache per decode step and frees nothing, so its c
 against the same recipe with ``sparse_attention`` removed (stage 1 alone), on the same tokens:
 the paired perplexity delta (`kvtool.eval.paired_delta`) of each variant over stage 1, and the
 fraction of the held tokens its decode steps read. Variants change ``sparse_attention`` only:
-``--variants paper=unread:drop estimate=unread:estimate`` (the default) runs the recipe as bundled
-but with ``unread: drop`` (the paper: the tokens not read are left out of the softmax) and with
-``unread: estimate`` (kvtool: their estimated mass and mean value, `kvtool.methods.sparse.rocketkv`).
+``--variants paper=unread:drop,channel_score:query bundled=`` (the default) runs the recipe with the
+paper's rules (channels by |q|, the tokens not read left out of the softmax) and as bundled
+(kvtool's ``channel_score: query_key`` and ``unread: estimate``, `kvtool.methods.sparse.rocketkv`).
 
 Protocol: ``--samples`` sequential windows of ``--seq-len`` tokens of the held-out text from each of
 ``--starts`` (fractions of the text), ``--prefill`` tokens prefilled (stage 1 cuts them), the rest
@@ -91,7 +91,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=[*MODELS, *PRETRAINED], default="smollm2-135m")
     parser.add_argument("--recipe", default="rocketkv", help="a recipe with sparse_attention")
-    parser.add_argument("--variants", nargs="+", default=["paper=unread:drop", "estimate=unread:estimate"])
+    parser.add_argument("--variants", nargs="+", default=["paper=unread:drop,channel_score:query", "bundled="],
+                        help="label=field:value,... of sparse_attention (label= alone: the recipe as it is)")
     parser.add_argument("--starts", nargs="+", type=float, default=[0.0, 0.5, 0.25, 0.75])
     parser.add_argument("--samples", type=int, default=4, help="windows from each start")
     parser.add_argument("--seq-len", type=int, default=1024)

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(not (SHARED / MODELS["kvref-5m"][0]).exists(), r
 
 def test_variants_are_sparse_attention_fields_only():
     assert parse_variant("wide=channels:1.0,min_tokens:8") == ("wide", {"channels": 1.0, "min_tokens": 8})
+    assert parse_variant("bundled=") == ("bundled", {})
     with pytest.raises(SystemExit, match="'budget' is not a sparse_attention field"):
         parse_variant("x=budget:0.5")
 
@@ -20,7 +21,7 @@ def test_each_variant_reads_part_of_what_stage_one_keeps_and_is_paired_against_i
     model, tokenizer = load_model(str(SHARED / MODELS["kvref-5m"][0]))
     windows = windows_from(tokenizer, str(SHARED / MODELS["kvref-5m"][2]), [0.0, 0.5], samples=1, seq_len=320)
     assert windows.shape == (2, 320)
-    recipes = variant_recipes(load_recipe("rocketkv"), ["paper=unread:drop", "all=read_fraction:1.0"])
+    recipes = variant_recipes(load_recipe("rocketkv"), ["paper=unread:drop,channel_score:query", "all=read_fraction:1.0"])
     rows = {row["variant"]: row for row in measure(model, recipes, windows, prefill=256, batch_size=2)}
     assert list(rows) == ["16-bit", STAGE1, "paper", "all"]
     assert rows[STAGE1]["sparse_read_fraction"] == 1.0 and rows[STAGE1]["kept_fraction"] < 0.75  # stage 1 evicts
