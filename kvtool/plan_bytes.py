@@ -40,7 +40,7 @@ import torch
 from kvtool.errors import RecipeError
 from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlidingWindowRule, WindowedBudget
-from kvtool.runtime.layer import build_formats, keeps_token_sums, summary_tokens, slot_meta, storage_dtype
+from kvtool.runtime.layer import build_formats, summary_tokens, slot_meta, storage_dtype, token_sum_layout
 from kvtool.runtime.store import FLOAT_BLOCK, LayerStore, StoreLayout
 
 INDEX_BYTES = 4  # int32 block-table entries
@@ -118,8 +118,7 @@ def _empty_store(recipe: Recipe, fitted: dict, geometry, dtype: torch.dtype, pol
     layout = StoreLayout(block_size=recipe.cache.block_size, heads_per_stream=g, head_dim=geometry.head_dim,
                          float_dtype=dtype, quantized=_quantized(recipe), sink_tokens=recipe.cache.sink_tokens,
                          recent_tokens=recipe.cache.recent_tokens, meta=slot_meta(policy),
-                         summary_tokens=summary_tokens(recipe), token_sums=keeps_token_sums(recipe) and not window,
-                         key_squares=keeps_token_sums(recipe) and not window and recipe.sparse_attention.channel_score == "query_key")
+                         summary_tokens=summary_tokens(recipe), **token_sum_layout(recipe, window))
     return LayerStore(layout, key_format, value_format, 0, "cpu")
 
 

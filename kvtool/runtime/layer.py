@@ -94,11 +94,13 @@ def summary_tokens(recipe: Recipe) -> int:
     return sparse.summary_tokens if sparse.enabled and not (recipe.quantizes or recipe.keys.pre_rope) else 0
 
 
-def keeps_token_sums(recipe: Recipe) -> bool:
-    """The float blocks keep the sums of their keys and values (sparse attention that estimates what it does not read,
-    or ranks channels by the keys' spread)."""
+def token_sum_layout(recipe: Recipe, window: int | None) -> dict[str, bool]:
+    """`StoreLayout`'s ``token_sums`` / ``key_squares`` for a layer: the float blocks keep the sums of their keys and
+    values when sparse attention estimates what it does not read or ranks channels by the keys' spread, and of their
+    squared keys for the latter; a sliding-window layer (``window``) reads its window whole and keeps none."""
     sparse = recipe.sparse_attention
-    return bool(summary_tokens(recipe)) and (sparse.unread == "estimate" or sparse.channel_score == "query_key")
+    sums = bool(summary_tokens(recipe)) and not window and (sparse.unread == "estimate" or sparse.channel_score == "query_key")
+    return {"token_sums": sums, "key_squares": sums and sparse.channel_score == "query_key"}
 
 
 def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -174,8 +176,7 @@ class KvtoolLayer(CacheLayerMixin):
             block_size=recipe.cache.block_size, heads_per_stream=self.g, head_dim=d, float_dtype=store_dtype,
             quantized=recipe.quantizes or recipe.keys.pre_rope, sink_tokens=recipe.cache.sink_tokens, recent_tokens=recipe.cache.recent_tokens,
             meta=slot_meta(policy), summary_tokens=summary_tokens(recipe),
-            token_sums=keeps_token_sums(recipe) and not window,  # a sliding-window layer reads its window whole
-            key_squares=keeps_token_sums(recipe) and not window and recipe.sparse_attention.channel_score == "query_key",
+            **token_sum_layout(recipe, window),
         )
         self.store = LayerStore(layout, self.key_format, self.value_format, b * self.groups, self.device)
         self.lengths = torch.zeros(b, dtype=torch.int64, device=self.device)  # real tokens each sequence has seen

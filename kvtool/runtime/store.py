@@ -403,10 +403,10 @@ class LayerStore:
         if width == 0:
             return
         ids = self.float_block_ids(0, width)  # (S, F)
+        held = self._held_blocks(blocks, width)  # (S, F)
         if self.layout.token_sums:
             slots = torch.arange(width * self.fbs, device=self.device).reshape(width, self.fbs)
             valid = (slots[None] < self.lengths("float_len")[:, None, None])[..., None, None]  # (S, F, fbs, 1, 1)
-            held = torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]
             for part in ("k", "v"):
                 x = take_rows(self.float_pool.tensors[part], ids).float().masked_fill(~valid, 0.0)  # (S, F, fbs, g, D)
                 sums = self.float_pool.tensors[f"{part}sum"]
@@ -419,11 +419,14 @@ class LayerStore:
         k = k.reshape(*k.shape[:2], self.fbs // n, n, *k.shape[3:])  # (S, F, fbs / n, n, g, D)
         slots = torch.arange(width * self.fbs, device=self.device).reshape(width, self.fbs // n, n)
         valid = (slots[None] < self.lengths("float_len")[:, None, None, None])[..., None, None]  # (S, F, fbs/n, n, 1, 1)
-        held = torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]  # (S, F)
         pool = self.float_pool.tensors
         dtype = pool["kmax"].dtype
         pool["kmax"][ids[held]] = k.masked_fill(~valid, -torch.inf).amax(dim=3)[held].to(dtype)
         pool["kmin"][ids[held]] = k.masked_fill(~valid, torch.inf).amin(dim=3)[held].to(dtype)
+
+    def _held_blocks(self, blocks: np.ndarray, width: int) -> torch.Tensor:
+        """(S, width) bool: which float table columns hold a block of each stream (blocks (S,) per stream)."""
+        return torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]
 
     def token_sums(self) -> tuple[torch.Tensor, ...]:
         """(keys, values[, squared keys]) (S, g, D) float32 each: the sums of the keys and values (and squared keys,
@@ -433,7 +436,7 @@ class LayerStore:
         blocks = self.float_blocks()
         width = int(blocks.max()) if self.streams else 0
         ids = self.float_block_ids(0, width)  # (S, F)
-        held = torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]  # (S, F)
+        held = self._held_blocks(blocks, width)  # (S, F)
         out = []
         for name in ("ksum", "vsum", "k2sum") if self.layout.key_squares else ("ksum", "vsum"):
             sums = take_rows(self.float_pool.tensors[name], ids).float()  # (S, F, g, D)
