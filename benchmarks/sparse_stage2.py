@@ -8,12 +8,14 @@ the paired perplexity delta (`kvtool.eval.paired_delta`) of each variant over st
 fraction of the held tokens its decode steps read. Variants change ``sparse_attention`` only:
 ``--variants paper=unread:drop,channel_score:query bundled=`` (the default) runs the recipe with the
 paper's rules (channels by |q|, the tokens not read left out of the softmax) and as bundled
-(kvtool's ``channel_score: query_key`` and ``unread: estimate``, `kvtool.methods.sparse.rocketkv`).
+(kvtool's ``channel_score: query_key``, ``unread: estimate_blocks`` and ``read_budget: shared``,
+`kvtool.methods.sparse.rocketkv`).
 
 Protocol: ``--samples`` sequential windows of ``--seq-len`` tokens of the held-out text from each of
 ``--starts`` (fractions of the text), ``--prefill`` tokens prefilled (stage 1 cuts them), the rest
 decoded one token per step, every cache in turn on the same batch (`kvtool.eval.perplexity.perplexities`).
-Prints a table; writes benchmarks/results/sparse_stage2_<model>.json.
+Each variant after the first is also compared with the first, paired on the same tokens. Prints a
+table; writes benchmarks/results/sparse_stage2_<model>.json.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def measure(model, recipes: dict, windows: torch.Tensor, prefill: int, batch_siz
     results = dict(zip(runtimes, perplexities(model, windows, [rt.new_cache for rt in runtimes.values()],
                                               prefill=prefill, batch_size=batch_size)))
     stage1 = results[STAGE1]
+    first = next((label for label in results if label not in ("16-bit", STAGE1)), None)
     rows = []
     for label, result in results.items():
         row = {"variant": label, "ppl": result.ppl, "scored_tokens": result.scored_tokens, "kept_fraction": result.kept_fraction,
@@ -81,6 +84,8 @@ def measure(model, recipes: dict, windows: torch.Tensor, prefill: int, batch_siz
                "sparse_attention": dataclasses.asdict(recipes[label].sparse_attention)}
         if label not in ("16-bit", STAGE1):
             row["cost_over_stage1"] = paired_delta(stage1.token_nll, result.token_nll).to_dict()
+        if label not in ("16-bit", STAGE1, first):  # against the first variant, on the same tokens
+            row["delta_over_first_variant"] = paired_delta(results[first].token_nll, result.token_nll).to_dict()
         if label != "16-bit":
             row["delta_over_16bit"] = paired_delta(results["16-bit"].token_nll, result.token_nll).to_dict()
         rows.append(row)
@@ -112,13 +117,18 @@ def main() -> None:
     rows = measure(model, recipes, windows, args.prefill, args.batch_size)
     scored = rows[0]["scored_tokens"]
     table = Table(title=f"{args.model}, {recipe.name}: stage 2 over stage 1, {windows.shape[0]} windows, {scored} scored tokens")
-    for column in ("variant", "ppl", "kept", "read per step", "bits/elem held", "cost over stage 1 (95% interval)"):
+    first = rows[2]["variant"] if len(rows) > 2 else ""
+    for column in ("variant", "ppl", "kept", "read per step", "bits/elem held", "cost over stage 1 (95% interval)",
+                   f"over {first} (95% interval)"):
         table.add_column(column)
+
+    def interval(delta):
+        return f"{delta['delta_pct']:+.2f}% ({delta['delta_ci95_pct'][0]:+.2f} .. {delta['delta_ci95_pct'][1]:+.2f})" if delta else ""
+
     for row in rows:
-        cost = row.get("cost_over_stage1")
         table.add_row(row["variant"], f"{row['ppl']:.3f}", f"{row['kept_fraction']:.3f}", f"{100 * row['sparse_read_fraction']:.1f}%",
-                      f"{row['bits_per_element']:.2f}",
-                      f"{cost['delta_pct']:+.2f}% ({cost['delta_ci95_pct'][0]:+.2f} .. {cost['delta_ci95_pct'][1]:+.2f})" if cost else "")
+                      f"{row['bits_per_element']:.2f}", interval(row.get("cost_over_stage1")),
+                      interval(row.get("delta_over_first_variant")))
     Console(width=160).print(table)
     out = args.out or Path(__file__).parent / "results" / f"sparse_stage2_{args.model}.json"
     write_json_atomic(out, {"model": args.model, "recipe": recipe.name, "starts": args.starts, "samples": args.samples,

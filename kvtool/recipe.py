@@ -50,7 +50,8 @@ HEAD_BUDGETS = ("uniform", "adaptive")
 FASTGEN_PROFILE_SOURCES = ("offline", "prompt")  # where FastGen's per-head policies come from
 ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv", "rocketkv")  # scores comparable across heads (head_budgets: adaptive)
 SPARSE_METHODS = ("none", "rocketkv")
-UNREAD_RULES = ("drop", "estimate")  # sparse_attention.unread
+UNREAD_RULES = ("drop", "estimate", "estimate_blocks")  # sparse_attention.unread
+READ_BUDGETS = ("per_head", "shared")  # sparse_attention.read_budget
 CHANNEL_SCORES = ("query", "query_key")  # sparse_attention.channel_score
 # policies that do not score tokens by attention while decoding: sparse attention reads only some blocks per step
 DECODE_UNSCORED = ("none", "streamingllm", "knorm", "rocketkv")
@@ -500,6 +501,15 @@ class SparseAttentionSpec:
         already computed (completed by the mean unread key), its value their values' mean, from
         per-block key and value sums the store keeps (1/16 of the float bytes), so the attention
         the unread tokens receive is not lost (`kvtool.methods.sparse.rocketkv.unread_term`).
+        ``estimate_blocks`` (kvtool's extension, one-token summaries only): the same term, estimated
+        per 16-slot float block: each unread token's partial logit is completed by its block's mean
+        key and each block's share of the unread mass takes the block's mean value, from the same
+        sums, with nothing subtracted for what the step read (`unread_blocks_term`).
+    read_budget: how a step's reads are shared. ``per_head`` (the paper): each KV head's stream reads
+        ``read_fraction`` of what it holds. ``shared`` (kvtool's extension, AdaKV-style): the KV heads
+        of one sequence in a layer share one budget (``read_fraction`` of what they hold together),
+        given to the tokens with the largest approximate attention across them, so a sharp head
+        leaves reads to a broad one; ``min_tokens`` still holds per head.
     channel_score: how the ``channels`` scored are chosen. ``query`` (the paper): the largest mean |q|
         over the GQA group's rows. ``query_key`` (kvtool's extension): the largest mean |q| x the
         spread (standard deviation) of the held keys per channel, from per-block key sums and
@@ -514,6 +524,7 @@ class SparseAttentionSpec:
     min_tokens: int = 64
     unread: str = "drop"
     channel_score: str = "query"
+    read_budget: str = "per_head"
 
     def __post_init__(self) -> None:
         p = "sparse_attention"
@@ -529,8 +540,10 @@ class SparseAttentionSpec:
         _require(self.unread in UNREAD_RULES, f"{p}.unread", f"'{self.unread}' is not one of {list(UNREAD_RULES)}")
         _require(self.channel_score in CHANNEL_SCORES, f"{p}.channel_score",
                  f"'{self.channel_score}' is not one of {list(CHANNEL_SCORES)}")
+        _require(self.read_budget in READ_BUDGETS, f"{p}.read_budget",
+                 f"'{self.read_budget}' is not one of {list(READ_BUDGETS)}")
         _require(self.unread == "drop" or self.summary_tokens == 1, f"{p}.unread",
-                 f"'estimate' needs summary_tokens: 1 (the keys themselves: max/min summaries of {self.summary_tokens} "
+                 f"'{self.unread}' needs summary_tokens: 1 (the keys themselves: max/min summaries of {self.summary_tokens} "
                  "tokens bound the logits from above and cannot estimate the mass of what is not read); "
                  "set summary_tokens: 1 or unread: drop")
 

@@ -82,8 +82,12 @@ def eviction_summary(recipe: Recipe) -> str:
 def sparse_summary(recipe: Recipe) -> str:
     """'rocketkv: read 25% of the tokens per decode step, 2-token key summaries, 50% of channels'."""
     spec = recipe.sparse_attention
-    return (f"{spec.method}: read {spec.read_fraction:.0%} of the tokens per decode step (at least {spec.min_tokens}), "
+    text = (f"{spec.method}: read {spec.read_fraction:.0%} of the tokens per decode step (at least {spec.min_tokens}), "
             f"{spec.summary_tokens}-token key summaries, {spec.channels:.0%} of channels scored")
+    extras = [f"{name} {value}" for name, value, paper in (
+        ("channels by", spec.channel_score, "query"), ("unread", spec.unread, "drop"), ("budget", spec.read_budget, "per_head"),
+    ) if value != paper]
+    return text + (f" ({', '.join(extras)})" if extras else "")
 
 
 def recipe_summary(recipe: Recipe) -> dict[str, str]:

@@ -561,13 +561,13 @@ def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on
 
 @needs_interpreter
 def test_triton_backend_reads_turboquant_and_per_head_palu_and_refuses_their_other_forms():
-    """What still goes to the torch path says why: TurboQuant's QJL residual, Palu latents of a head group."""
+    """TurboQuant (QJL residual included) runs in the kernel; what still goes to the torch path says why: Palu latents
+    of a head group."""
     model = tiny_model("llama", kv_heads=2)
     turbo = lambda **kw: Recipe(name="tq", keys=QuantSpec(method="turboquant", bits=3, path="keys", **kw))  # noqa: E731
     assert CompressedRuntime.from_recipe(model, turbo(), backend="triton").backend == "triton"
     assert CompressedRuntime.from_recipe(model, turbo(extra_bits=0.5), backend="triton").backend == "triton"
-    with pytest.raises(RuntimeConfigError, match="keys use method 'turboquant': .*turboquant with the QJL residual"):
-        CompressedRuntime.from_recipe(model, turbo(qjl=True), backend="triton")
+    assert CompressedRuntime.from_recipe(model, turbo(qjl=True), backend="triton").backend == "triton"
     g = torch.Generator().manual_seed(0)
     for groups, group_heads in ((2, 1), (1, 0)):  # one basis per KV head, or one for both
         spec = QuantSpec(method="palu", bits=16, pre_rope=True, group_heads=group_heads, path="keys")
@@ -670,9 +670,34 @@ def test_sparse_kernel_adds_the_unread_estimate_as_one_more_softmax_term(device,
         torch.testing.assert_close(out[stream], want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_sparse_kernel_adds_a_precomputed_unread_term_with_a_value_per_row(device):
+    """``unread: estimate_blocks``: the term (logit (S, R), value (S, R, D)) is known before the kernel runs and joins
+    each row's softmax with that row's value; the kernel sums nothing."""
+    from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
+
+    head_dim, group = 64, 4
+    g = torch.Generator().manual_seed(31)
+    k_pool, v_pool, slots, valid, q, new_k, new_v = sparse_listing(g, device, head_dim, group)
+    s = slots.shape[0]
+    logit = torch.randn(s, group, generator=g)
+    logit[0] = float("-inf")
+    term_value = torch.randn(s, group, head_dim, generator=g)
+    out = sparse_decode_attention(q.to(device), new_k.to(device), new_v.to(device), k_pool, v_pool, slots.to(device),
+                                  valid.to(device), unread=(logit.to(device), term_value.to(device))).cpu()
+    for stream in range(s):
+        ids = slots[stream][valid[stream]]
+        keys = torch.cat([k_pool.cpu()[ids].float(), new_k[stream : stream + 1]])  # (n + 1, D)
+        values = torch.cat([v_pool.cpu()[ids].float(), new_v[stream : stream + 1]])
+        logits = torch.cat([q[stream] @ keys.T, logit[stream][:, None]], dim=1)  # (G, n + 2): the term last
+        p = torch.softmax(logits, dim=-1)
+        want = p[:, :-1] @ values + p[:, -1:] * term_value[stream]
+        torch.testing.assert_close(out[stream], want, rtol=1e-4, atol=1e-4)
+
+
 @needs_interpreter
-@pytest.mark.parametrize("unread", ["drop", "estimate"])
-def test_triton_backend_runs_rocketkv_stage_two_as_the_torch_backend_does(unread):
+@pytest.mark.parametrize("unread, budget", [("drop", "per_head"), ("estimate", "per_head"), ("estimate_blocks", "shared")])
+def test_triton_backend_runs_rocketkv_stage_two_as_the_torch_backend_does(unread, budget):
     """Both stages: the sparse read runs in the kernel at every decode step of the full-attention layers and
     generates the torch backend's tokens and logits, reading the same fraction of the tokens."""
     from kvtool.recipe import load_recipe
@@ -680,7 +705,7 @@ def test_triton_backend_runs_rocketkv_stage_two_as_the_torch_backend_does(unread
     model = tiny_model("llama", kv_heads=2)
     recipe = load_recipe("rocketkv")
     recipe = dataclasses.replace(recipe, sparse_attention=dataclasses.replace(recipe.sparse_attention, min_tokens=8,
-                                                                              unread=unread))
+                                                                              unread=unread, read_budget=budget))
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
     by_torch, torch_cache = _generate(model, recipe, "torch", ids, mask, tokens=8)
     by_triton, cache = _generate(model, recipe, "triton", ids, mask, tokens=8)

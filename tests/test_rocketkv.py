@@ -17,7 +17,8 @@ import torch
 
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.methods.sparse.rocketkv import (
-    Selection, approximate_group_logits, groups_to_read, partial_logits, select_groups, unread_logsumexp, unread_term,
+    Selection, approximate_group_logits, groups_to_read, partial_logits, select_groups, unread_blocks_term,
+    unread_logsumexp, unread_term,
 )
 from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import EvictionSpec, QuantSpec, SparseAttentionSpec, load_recipe
@@ -225,7 +226,8 @@ def test_the_bundled_recipe_composes_both_stages():
     recipe = load_recipe("rocketkv")
     assert recipe.eviction.policy == "rocketkv" and recipe.sparse_attention.method == "rocketkv"
     assert recipe.sparse_attention.read_fraction == 0.25 and recipe.sparse_attention.summary_tokens == 1  # the keys
-    assert recipe.sparse_attention.unread == "estimate" and recipe.sparse_attention.channel_score == "query_key"
+    assert recipe.sparse_attention.unread == "estimate_blocks" and recipe.sparse_attention.channel_score == "query_key"
+    assert recipe.sparse_attention.read_budget == "shared"
 
 
 def test_impossible_combinations_are_refused_with_the_fix():
@@ -264,9 +266,9 @@ def test_every_family_decodes_with_both_stages(family):
 
 
 # --- unread: estimate ---------------------------------------------------------------------------
-def estimating(read_fraction=0.25, **eviction):
+def estimating(read_fraction=0.25, unread="estimate", **eviction):
     recipe = evicting("rocketkv", budget=0.5, float_dtype="float16", **eviction)
-    return sparse(recipe, summary_tokens=1, read_fraction=read_fraction, unread="estimate")
+    return sparse(recipe, summary_tokens=1, read_fraction=read_fraction, unread=unread)
 
 
 def check_token_sums(cache):
@@ -322,6 +324,108 @@ def test_the_unread_term_completes_the_partial_logits_with_the_unread_keys_mean(
     assert unread.tolist() == [0] and torch.isinf(logit).all() and (logit < 0).all()
 
 
+def brute_blocks_term(q, keys, values, read, used, fbs):
+    """The per-block estimate written out token by token: q (R, D), keys / values (N, D) of one stream, read (N,)."""
+    n = keys.shape[0]
+    logits, weights = [], []
+    for i in range(n):
+        if read[i]:
+            continue
+        block = slice(i // fbs * fbs, min(n, (i // fbs + 1) * fbs))
+        mean_key, mean_value = keys[block].mean(dim=0), values[block].mean(dim=0)
+        key = torch.where(used, keys[i], mean_key)  # the scored channels its own, the rest its block's mean
+        logits.append(q @ key)  # (R,)
+        weights.append(mean_value)
+    logits = torch.stack(logits, dim=-1)  # (R, unread)
+    return torch.logsumexp(logits, dim=-1), torch.softmax(logits, dim=-1) @ torch.stack(weights)  # (R,), (R, D)
+
+
+def test_the_block_estimate_completes_each_token_with_its_block_and_weights_the_block_values():
+    """``estimate_blocks`` against its definition written token by token: two streams of 3 blocks of 4 slots (the
+    last partly held), half the channels scored, some tokens read; a stream with everything read has no term."""
+    gen = torch.Generator().manual_seed(19)
+    fbs, f, d, r = 4, 3, 8, 2
+    q = torch.randn(2, 1, r, d, generator=gen)
+    keys, values = torch.randn(2, f * fbs, d, generator=gen), torch.randn(2, f * fbs, d, generator=gen)
+    held = torch.tensor([10, 6])
+    used = torch.zeros(2, 1, 1, d, dtype=torch.bool)
+    used[0, ..., :4], used[1, ..., 2:6] = True, True
+    partial = torch.matmul(q.masked_fill(~used, 0.0), keys[:, None].transpose(-1, -2))  # (S, 1, R, N)
+    partial = partial.masked_fill(torch.arange(f * fbs)[None, None, None] >= held[:, None, None, None], -math.inf)
+    groups = torch.tensor([[9, 2, 5, 0, 0, 0], [0, 1, 2, 3, 4, 5]])
+    count = torch.tensor([3, 6])
+    slots_held = torch.arange(f * fbs)[None] < held[:, None]  # (S, N)
+    block_sums = tuple((x * slots_held[..., None]).reshape(2, f, fbs, d).sum(dim=2)[:, :, None] for x in (keys, values))
+    tokens = (held[:, None] - torch.arange(f)[None] * fbs).clamp(min=0, max=fbs)  # (S, F)
+    logit, value, unread = unread_blocks_term(Selection(groups, count, partial, used), q, block_sums, tokens)
+    assert unread.tolist() == [7, 0]
+    read = torch.zeros(10, dtype=torch.bool)
+    read[[9, 2, 5]] = True
+    want_logit, want_value = brute_blocks_term(q[0, 0], keys[0, :10], values[0, :10], read, used[0, 0, 0], fbs)
+    torch.testing.assert_close(logit[0, 0], want_logit)
+    torch.testing.assert_close(value[0, 0], want_value)
+    assert torch.isinf(logit[1]).all() and (logit[1] < 0).all() and torch.equal(value[1], torch.zeros_like(value[1]))
+
+
+def test_the_block_estimate_with_every_channel_scored_has_the_exact_unread_mass():
+    """Every channel scored: the term's logit is the exact logsumexp of the unread tokens' logits, and each block's
+    share of it takes the block's mean value."""
+    gen = torch.Generator().manual_seed(20)
+    fbs, f, d = 4, 2, 8
+    q = torch.randn(1, 1, 3, d, generator=gen)
+    keys, values = torch.randn(1, f * fbs, d, generator=gen), torch.randn(1, f * fbs, d, generator=gen)
+    partial = torch.matmul(q, keys[:, None].transpose(-1, -2))  # (1, 1, 3, N): exact logits
+    read = [0, 1, 3, 4, 5, 6]  # unread: 2 (block 0), 7 (block 1)
+    selection = Selection(torch.tensor([read]), torch.tensor([6]), partial, None)
+    block_sums = tuple(x.reshape(1, f, fbs, d).sum(dim=2)[:, :, None] for x in (keys, values))
+    logit, value, _ = unread_blocks_term(selection, q, block_sums, torch.full((1, f), fbs))
+    unread_logits = partial[0, 0, :, [2, 7]]  # (3, 2)
+    torch.testing.assert_close(logit[0, 0], torch.logsumexp(unread_logits, dim=-1))
+    means = values[0].reshape(f, fbs, d).mean(dim=1)  # (F, D)
+    torch.testing.assert_close(value[0, 0], torch.softmax(unread_logits, dim=-1) @ means)
+
+
+# --- read_budget: shared ------------------------------------------------------------------------------
+def test_a_shared_read_budget_moves_reads_from_a_sharp_head_to_a_broad_one():
+    """Two sequences x 2 KV heads of 64 tokens, a quarter read (16 each): head 0 puts its attention on 4 tokens,
+    head 1 spreads it evenly; shared, head 0 reads only what beats head 1's even share and gives the rest to head 1,
+    down to min_tokens; the sequence reads what it would have read in total."""
+    d, n = 8, 64
+    q = torch.zeros(4, 1, 1, d)
+    q[..., 0] = 1.0
+    keys = torch.zeros(4, n, 1, d)
+    keys[0::2, :4, 0, 0] = 20.0  # the sharp heads (streams 0, 2): 4 tokens take nearly all the attention
+    held = torch.full((4,), n)
+    for min_tokens, sharp in ((1, 4), (8, 8)):
+        spec = SparseAttentionSpec(method="rocketkv", summary_tokens=1, channels=1.0, read_fraction=0.25,
+                                   min_tokens=min_tokens)
+        own = select_groups(spec, q, keys, keys, held, 1.0)
+        shared = select_groups(dataclasses.replace(spec, read_budget="shared"), q, keys, keys, held, 1.0,
+                               streams_per_sequence=2)
+        assert own.count.tolist() == [16] * 4
+        assert shared.count.tolist() == [sharp, 32 - sharp, sharp, 32 - sharp]
+        for stream in (0, 2):  # the sharp head still reads its four needles
+            assert set(range(4)) <= set(shared.groups[stream, :sharp].tolist())
+
+
+def test_a_shared_read_budget_reads_the_same_fraction_and_decodes_batches_like_alone():
+    model = tiny_model("llama", kv_heads=2)
+    ids = torch.randint(3, 128, (2, 90), generator=torch.Generator().manual_seed(21))
+    recipe = estimating(unread="estimate_blocks")
+    recipe = dataclasses.replace(recipe, sparse_attention=dataclasses.replace(recipe.sparse_attention,
+                                                                              read_budget="shared"))
+    reads, logits = {}, {}
+    for label, r in (("per_head", estimating(unread="estimate_blocks")), ("shared", recipe)):
+        cache = CompressedRuntime.from_recipe(model, r).new_cache()
+        logits[label] = run_tokens(model, cache, ids, prefill=60)
+        report = cache.memory_report()
+        reads[label] = report["sparse_read_fraction"]
+        assert report["cache_bytes"] == report["expected_cache_bytes"]
+    assert reads["shared"] == reads["per_head"] <= 0.25
+    assert not torch.allclose(logits["shared"][:, 61:], logits["per_head"][:, 61:])  # the heads' reads moved
+    decode_batch_like_alone(model, CompressedRuntime.from_recipe(model, recipe), seed=9)
+
+
 def test_token_sums_are_exact_after_prefill_decoding_eviction_and_batch_selection():
     model = tiny_model("llama")
     cache = CompressedRuntime.from_recipe(model, estimating()).new_cache()
@@ -339,17 +443,19 @@ def test_token_sums_are_exact_after_prefill_decoding_eviction_and_batch_selectio
     check_token_sums(cache)
 
 
-def test_an_estimate_with_nothing_unread_reproduces_the_model_exactly():
+@pytest.mark.parametrize("unread", ["estimate", "estimate_blocks"])
+def test_an_estimate_with_nothing_unread_reproduces_the_model_exactly(unread):
     model = tiny_model("llama")
     ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(12))
     with torch.no_grad():
         reference = model(ids).logits
-    recipe = sparse(uncompressed_recipe("model"), read_fraction=1.0, summary_tokens=1, unread="estimate")
+    recipe = sparse(uncompressed_recipe("model"), read_fraction=1.0, summary_tokens=1, unread=unread)
     cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
     torch.testing.assert_close(run_tokens(model, cache, ids, prefill=20), reference, atol=1e-5, rtol=1e-4)
 
 
-def test_the_estimate_attends_closer_to_the_kept_cache_than_dropping_the_unread():
+@pytest.mark.parametrize("unread", ["estimate", "estimate_blocks"])
+def test_the_estimate_attends_closer_to_the_kept_cache_than_dropping_the_unread(unread):
     """Reading a quarter: with the unread tokens' estimated mass and mean value the decoded logits are nearer those
     of stage 1 alone (every kept token read) than with the unread tokens left out, and the same tokens are read."""
     model = tiny_model("llama")
@@ -358,7 +464,7 @@ def test_the_estimate_attends_closer_to_the_kept_cache_than_dropping_the_unread(
     for label, recipe in (("stage1", evicting("rocketkv", budget=0.5, float_dtype="float16")),
                           ("drop", sparse(evicting("rocketkv", budget=0.5, float_dtype="float16"), summary_tokens=1,
                                           read_fraction=0.25)),
-                          ("estimate", estimating())):
+                          ("estimate", estimating(unread=unread))):
         cache = CompressedRuntime.from_recipe(model, recipe).new_cache()
         logits[label] = run_tokens(model, cache, ids, prefill=100)[:, 101:]
         reads[label] = cache.memory_report().get("sparse_read_fraction")
@@ -383,12 +489,13 @@ def test_token_sums_are_counted_in_the_bytes_and_match_the_walk():
     assert "token_sum_bytes" not in plain.memory_report()
 
 
+@pytest.mark.parametrize("unread", ["estimate", "estimate_blocks"])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss", "gemma2"])
-def test_the_estimate_decodes_every_feature_and_refuses_soft_capping(family):
+def test_the_estimate_decodes_every_feature_and_refuses_soft_capping(family, unread):
     """Sliding windows (Gemma 3) read whole, learned sinks (GPT-OSS) stay their own softmax term; Gemma 2's
     soft-capped logits cannot be estimated: a clear error with the fix."""
     model = featured_model(family)
-    cache = CompressedRuntime.from_recipe(model, estimating()).new_cache()
+    cache = CompressedRuntime.from_recipe(model, estimating(unread=unread)).new_cache()
     ids = torch.randint(3, 100, (2, 60), generator=torch.Generator().manual_seed(15))
     if family == "gemma2":
         with pytest.raises(RuntimeConfigError, match="soft-capped.*unread: drop"):

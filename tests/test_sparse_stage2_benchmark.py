@@ -31,3 +31,6 @@ def test_each_variant_reads_part_of_what_stage_one_keeps_and_is_paired_against_i
     assert abs(rows["all"]["cost_over_stage1"]["delta_pct"]) < 0.05  # reading everything is stage 1 (fp rounding)
     assert rows["paper"]["cost_over_stage1"]["delta_pct"] != 0.0 and "cost_over_stage1" not in rows[STAGE1]
     assert rows["paper"]["scored_tokens"] == 2 * 63
+    assert "delta_over_first_variant" not in rows["paper"]  # the first variant is the reference of the others
+    assert rows["all"]["delta_over_first_variant"]["delta_pct"] == pytest.approx(
+        -rows["paper"]["cost_over_stage1"]["delta_pct"], abs=0.5)

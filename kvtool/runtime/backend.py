@@ -11,23 +11,23 @@ Resolved once per runtime and reported in every memory report (``backend``):
   per-token scales and dense-and-sparse outliers; Palu low-rank latents with ``group_heads: 1``,
   fp16 or 2/3/4/8-bit with or without the Hadamard transform, reconstructed in registers;
   TurboQuant 2/3/4-bit read in the rotated domain, and its outlier split (2.5 / 3.5 bits) rebuilt
-  in registers per block; not its QJL residual), keys stored after RoPE or before it (KVQuant's
-  and Palu's ``keys.pre_rope``: rotated in the kernel at each token's true position, for RoPE
-  types with fixed frequencies), full-attention layers, policies that do not score tokens by
-  attention, and RocketKV's sparse read (`kernels/sparse_decode.py`: only the slots the
-  summaries select; the selection itself is torch).
+  in registers per block, keys with or without the 1-bit QJL residual (``qjl: true``: its term
+  added to each score against the query sketched once per step, once per block with the split)),
+  keys stored after RoPE or before it (KVQuant's and Palu's ``keys.pre_rope``: rotated in the
+  kernel at each token's true position, for RoPE types with fixed frequencies), full-attention
+  layers, policies that do not score tokens by attention, and RocketKV's sparse read
+  (`kernels/sparse_decode.py`: only the slots the summaries select; the selection itself is torch).
   The append/encode step runs in Triton too, for every layer step that flushes full float
   blocks into the body, prefill included (`kernels/encode_blocks.py`): each side whose
   quantizer has a `kernel_encode_format` (uniform 2/3/4/8-bit per channel or per token group; fp8
   e4m3/e5m2 with dynamic per-block or calibrated scales) is encoded byte for byte as its
   ``encode_blocks`` does and written straight into the body pool rows the store allocated;
   the other sides (int_static, nuq, TurboQuant, Palu) are encoded by the torch reference.
-  Prefill attention, sliding-window layers, attention-scored eviction (h2o, snapkv, ...),
-  Palu latents spanning a group of KV heads (``group_heads`` != 1) and TurboQuant's QJL residual
-  stay on the torch path; `cache.memory_report()["kernel_steps"]` counts the layer steps the
-  decode kernel ran and ``["kernel_encodes"]`` the body blocks the encode kernel wrote (keys and
-  values counted apart). Needs CUDA, or ``TRITON_INTERPRET=1``
-  to run the kernels on CPU tensors (slow; for tests);
+  Prefill attention, sliding-window layers, attention-scored eviction (h2o, snapkv, ...) and
+  Palu latents spanning a group of KV heads (``group_heads`` != 1) stay on the torch path;
+  `cache.memory_report()["kernel_steps"]` counts the layer steps the decode kernel ran and
+  ``["kernel_encodes"]`` the body blocks the encode kernel wrote (keys and values counted apart).
+  Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU tensors (slow; for tests);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
   decode kernel reads, else ``torch`` (so always ``torch`` on CPU). What the encode kernel writes
   never decides the backend: a format it does not write is encoded by torch under ``triton``.
@@ -46,7 +46,7 @@ from kvtool.recipe import Recipe
 BACKENDS = ("auto", "torch", "triton")
 KERNEL_READS = (
     "the kernel reads none, uniform, fp8, int_static and nuq blocks, palu latents with group_heads 1 and turboquant "
-    "without qjl"
+    "(qjl included)"
 )
 
 

@@ -30,7 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvtool.errors import RuntimeConfigError
 from kvtool.methods.evict.base import EvictionPolicy, StreamView
-from kvtool.methods.sparse.rocketkv import Selection, select_groups, unread_term
+from kvtool.methods.sparse.rocketkv import Selection, select_groups, unread_blocks_term, unread_term
 from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
@@ -99,7 +99,7 @@ def token_sum_layout(recipe: Recipe, window: int | None) -> dict[str, bool]:
     values when sparse attention estimates what it does not read or ranks channels by the keys' spread, and of their
     squared keys for the latter; a sliding-window layer (``window``) reads its window whole and keeps none."""
     sparse = recipe.sparse_attention
-    sums = bool(summary_tokens(recipe)) and not window and (sparse.unread == "estimate" or sparse.channel_score == "query_key")
+    sums = bool(summary_tokens(recipe)) and not window and (sparse.unread != "drop" or sparse.channel_score == "query_key")
     return {"token_sums": sums, "key_squares": sums and sparse.channel_score == "query_key"}
 
 
@@ -358,7 +358,7 @@ class KvtoolLayer(CacheLayerMixin):
         if spec.channel_score == "query_key":  # the spread of the held keys per channel
             n = held.clamp(min=1)[:, None, None].to(sums[0].dtype)
             key_scale = (sums[2] / n - (sums[0] / n).square()).clamp(min=0.0).sqrt()  # (S, g, D) standard deviation
-        return select_groups(spec, q, kmax, kmin, held, options.scaling, key_scale)
+        return select_groups(spec, q, kmax, kmin, held, options.scaling, key_scale, streams_per_sequence=self.groups)
 
     def _group_slots(self, groups: torch.Tensor, count: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pool slot ids (S, c), valid (S, c)) of ranked groups [c0, c1) (groups (S, K), count (S,) as selected)."""
@@ -370,8 +370,8 @@ class KvtoolLayer(CacheLayerMixin):
         return store.float_slot_ids(slots), valid
 
     def _estimates_unread(self, options: LayerOptions) -> bool:
-        """A sparse step estimates what it does not read (``sparse_attention.unread: estimate``)."""
-        if not self.store.layout.token_sums or self.plan.recipe.sparse_attention.unread != "estimate":
+        """A sparse step estimates what it does not read (``sparse_attention.unread: estimate`` or ``estimate_blocks``)."""
+        if not self.store.layout.token_sums or self.plan.recipe.sparse_attention.unread == "drop":
             return False
         if options.softcap:
             raise RuntimeConfigError(
@@ -386,7 +386,9 @@ class KvtoolLayer(CacheLayerMixin):
         store = self.store
         n, (s, g, r, d) = store.layout.summary_tokens, q.shape
         estimate = self._estimates_unread(options)
-        sums = store.token_sums() if store.layout.token_sums else None  # (S, g, D): held keys', values'(, squared keys')
+        by_blocks = estimate and self.plan.recipe.sparse_attention.unread == "estimate_blocks"
+        block_sums = store.block_sums() if store.layout.token_sums else None  # ((S, F, g, D) x 2-3, (S, F))
+        sums = tuple(x.sum(dim=1) for x in block_sums[0]) if block_sums else None  # (S, g, D): every held token's
         selection = self._select_groups(q, options, sums)
         groups, count = selection.groups, selection.count  # (S, K), (S,)
         step = max(1, chunk_tokens(s, g, r, d, n) // n)
@@ -396,7 +398,7 @@ class KvtoolLayer(CacheLayerMixin):
             k = take_rows(store.float_flat("k"), flat).float().transpose(1, 2)  # (S, g, c, D)
             v = take_rows(store.float_flat("v"), flat).float().transpose(1, 2)
             read_tokens += int(valid.sum())
-            if estimate:  # sums of the keys and values read, per stream (S, g, D) each
+            if estimate and not by_blocks:  # sums of the keys and values read, per stream (S, g, D) each
                 weights = valid[:, None, None, :].to(v.dtype)  # (S, 1, 1, c)
                 part = (torch.matmul(weights, k)[:, :, 0], torch.matmul(weights, v)[:, :, 0])
                 read_sums = part if read_sums is None else (read_sums[0] + part[0], read_sums[1] + part[1])
@@ -407,13 +409,17 @@ class KvtoolLayer(CacheLayerMixin):
             )
         self.context.count_sparse_reads(read_tokens, int(store.float_len.sum()))
         if estimate:  # the tokens not read, as one softmax term: their estimated mass and their values' mean
-            if read_sums is None:
-                zeros = torch.zeros(s, g, d, device=q.device)
-                read_sums = (zeros, zeros)
-            logit, mean, unread = unread_term(selection, q, sums[:2], read_sums)  # (S, g, R), (S, g, D), (S,)
+            if by_blocks:
+                logit, value, unread = unread_blocks_term(selection, q, block_sums[0][:2], block_sums[1])
+            else:
+                if read_sums is None:
+                    zeros = torch.zeros(s, g, d, device=q.device)
+                    read_sums = (zeros, zeros)
+                logit, mean, unread = unread_term(selection, q, sums[:2], read_sums)  # (S, g, R), (S, g, D), (S,)
+                value = mean[:, :, None, :].expand(s, g, r, d)
             yield Chunk(
                 scores=lambda q: logit[..., None],  # (S, g, R, 1)
-                values=lambda p: p * mean[:, :, None, :],  # (S, g, R, D)
+                values=lambda p: p * value,  # (S, g, R, D)
                 valid=(unread > 0)[:, None], positions=None, region="unread", start=0,
             )
 
@@ -424,14 +430,19 @@ class KvtoolLayer(CacheLayerMixin):
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
             from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
 
-            sums = self.store.token_sums() if self.store.layout.token_sums else None
+            block_sums = self.store.block_sums() if self.store.layout.token_sums else None
+            sums = tuple(x.sum(dim=1) for x in block_sums[0]) if block_sums else None  # (S, 1, D) each
             selection = self._select_groups(q[:, None], options, sums)  # q (S, R, D) as (S, 1, R, D)
             groups, count = selection.groups, selection.count
             slots, valid = self._group_slots(groups, count, 0, groups.shape[1])  # (S, K n) x 2
             self.context.count_sparse_reads(int(valid.sum()), int(self.store.float_len.sum()))
             self.context.kernel_steps += 1
             unread = None
-            if self._estimates_unread(options):  # from the sums of what the kernel read: (logit (S, R), value (S, D))
+            mode = self.plan.recipe.sparse_attention.unread if self._estimates_unread(options) else "drop"
+            if mode == "estimate_blocks":
+                logit, value, _ = unread_blocks_term(selection, q[:, None], block_sums[0][:2], block_sums[1])
+                unread = (logit[:, 0], value[:, 0])  # (S, R), (S, R, D): known before the kernel reads anything
+            elif mode == "estimate":  # from the sums of what the kernel read: (logit (S, R), value (S, D))
                 def unread(read_k: torch.Tensor, read_v: torch.Tensor, selection=selection, held=sums[:2]):
                     logit, mean, _ = unread_term(selection, q[:, None], held, (read_k[:, None], read_v[:, None]))
                     return logit[:, 0], mean[:, 0]

@@ -17,10 +17,10 @@ the longest stream, never expanded to query heads. Layout (what the Triton kerne
   estimate``) each float block also keeps ``ksum`` and ``vsum`` (cap, g, D): the sums of its valid
   slots' keys and values, so a step that reads a quarter of the tokens knows the rest in sum; with
   ``key_squares`` (``channel_score: query_key``) also ``k2sum`` (cap, g, D) float32, the sum of the
-  squared keys, for each channel's spread. A stream's float region holds its
-  sinks (the first ``sink_tokens`` tokens, never encoded) then its newest tokens (the KIVI
-  recent window and the last, partly filled block); for recipes that quantize nothing it
-  holds every token.
+  squared keys, for each channel's spread (``unread: estimate_blocks`` reads the sums block by
+  block). A stream's float region holds its sinks (the first ``sink_tokens`` tokens, never
+  encoded) then its newest tokens (the KIVI recent window and the last, partly filled block);
+  for recipes that quantize nothing it holds every token.
 * **body pool** (quantized recipes): the key and the value format's tensors side by side,
   ``k.<name>`` / ``v.<name>`` (cap, *shape) as `BlockQuantizer.block_spec` defines them
   (packed codes with their scales beside them, sparse outliers, latents), plus the same
@@ -428,20 +428,27 @@ class LayerStore:
         """(S, width) bool: which float table columns hold a block of each stream (blocks (S,) per stream)."""
         return torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]
 
-    def token_sums(self) -> tuple[torch.Tensor, ...]:
-        """(keys, values[, squared keys]) (S, g, D) float32 each: the sums of the keys and values (and squared keys,
-        with ``key_squares``) every stream holds, from its float blocks' sums (reads 1 / fbs of the bytes)."""
+    def block_sums(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """((keys, values[, squared keys]) (S, F, g, D) float32 each, tokens (S, F) int64): every stream's float blocks'
+        sums in table order (F = most blocks held; zero past a stream's blocks) and how many tokens each holds."""
         if self._summaries_stale:
             self.refresh_summaries()
         blocks = self.float_blocks()
         width = int(blocks.max()) if self.streams else 0
         ids = self.float_block_ids(0, width)  # (S, F)
         held = self._held_blocks(blocks, width)  # (S, F)
-        out = []
-        for name in ("ksum", "vsum", "k2sum") if self.layout.key_squares else ("ksum", "vsum"):
-            sums = take_rows(self.float_pool.tensors[name], ids).float()  # (S, F, g, D)
-            out.append(sums.masked_fill(~held[..., None, None], 0.0).sum(dim=1))
-        return tuple(out)
+        sums = tuple(
+            take_rows(self.float_pool.tensors[name], ids).float().masked_fill(~held[..., None, None], 0.0)  # (S, F, g, D)
+            for name in (("ksum", "vsum", "k2sum") if self.layout.key_squares else ("ksum", "vsum"))
+        )
+        first = torch.arange(width, device=self.device)[None] * self.fbs  # (1, F) first slot of each column
+        tokens = (self.lengths("float_len")[:, None] - first).clamp(min=0, max=self.fbs)  # (S, F)
+        return sums, tokens
+
+    def token_sums(self) -> tuple[torch.Tensor, ...]:
+        """(keys, values[, squared keys]) (S, g, D) float32 each: the sums of the keys and values (and squared keys,
+        with ``key_squares``) every stream holds, from its float blocks' sums (reads 1 / fbs of the bytes)."""
+        return tuple(x.sum(dim=1) for x in self.block_sums()[0])
 
     def key_summaries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(kmax, kmin) (S, F x fbs / n, g, D) of every stream's summary groups in slot order (F = most blocks held);

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.errors import RecipeError, RuntimeConfigError
+from kvtool.errors import RecipeError
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.lowrank.hadamard import fwht, hadamard_matrix, is_power_of_two
 from kvtool.methods.quant.packing import pack_codes, packed_rows, unpack_codes
@@ -242,27 +242,28 @@ class TurboQuantizer(BlockQuantizer):
     # --- the Triton decode kernel ----------------------------------------------------------------
     def kernel_format(self):
         """Codebook lookups times the per-token norm: one instance read in the rotated domain (`body_rotated.py`), or
-        the outlier split's two rebuilt in head space (`body_split.py`)."""
+        the outlier split's two rebuilt in head space (`body_split.py`); keys with ``qjl`` add each instance's QJL
+        term to the scores (`body_qjl.py`)."""
         from kvtool.runtime.kernels.body_format import BodyFormat
 
-        if self.qjl:
-            raise RuntimeConfigError("the Triton decode kernel does not read turboquant with the QJL residual")
         rest = self.instances[-1]
         split = dict(split=self.outliers, split_bits=self.instances[0].code_bits) if self.outliers else dict(rotated=True)
         return BodyFormat(bits=rest.code_bits, per_channel=False, group=self.head_dim, scales="norm", zero=False,
-                          levels=2**rest.code_bits, **split)
+                          levels=2**rest.code_bits, qjl=self.qjl, **split)
 
     def kernel_constants(self) -> dict[str, torch.Tensor]:
-        """``codebook`` (2**b,) of the (rest) instance; ``rotation`` P (D, D), ``rotate(x) = x @ P^T``, or with the
-        split ``split_tables``: the outlier codebook, then P_o and P_r flattened."""
-        if self.qjl:
-            return {}
+        """``codebook`` (2**b,) of the (rest) instance; ``rotation`` P (D, D), ``rotate(x) = x @ P^T``, and with QJL
+        ``qjl_sketch`` G (D, D); or with the split ``split_tables``: the outlier codebook, then P_o and P_r flattened
+        (with QJL, then G_o P_o and G_r P_r flattened: the kernel sketches the head-space query per block)."""
         tables = [inst.tensors() for inst in self.instances]
         rotations = [_rotation_matrix(inst.dim, t) for inst, t in zip(self.instances, tables)]
         if not self.outliers:
-            return {"codebook": tables[0]["codebook"], "rotation": rotations[0]}
-        split = torch.cat([tables[0]["codebook"], rotations[0].flatten(), rotations[1].flatten()])
-        return {"codebook": tables[1]["codebook"], "split_tables": split}
+            out = {"codebook": tables[0]["codebook"], "rotation": rotations[0]}
+            return {**out, "qjl_sketch": tables[0]["sketch"]} if self.qjl else out
+        parts = [tables[0]["codebook"], rotations[0].flatten(), rotations[1].flatten()]
+        if self.qjl:
+            parts += [(t["sketch"] @ p).flatten() for t, p in zip(tables, rotations)]  # G_i P_i
+        return {"codebook": tables[1]["codebook"], "split_tables": torch.cat(parts)}
 
     # --- one instance ---------------------------------------------------------------------------
     def _encode_instance(self, inst: Instance, x: torch.Tensor, on: dict) -> dict[str, torch.Tensor]:

@@ -26,10 +26,14 @@ A body element is read in steps, each chosen by one field (constants for the ker
    against the rotated query and sums values in the rotated domain (`body_rotated.py`); ``split > 0``
    (TurboQuant's outlier split): steps 1-3 read two instances per block, ``split`` outlier
    channels at ``split_bits`` and the rest at ``bits``, each rebuilt in head space through the
-   block's channel mask and the instance's rotation (`body_split.py`).
+   block's channel mask and the instance's rotation (`body_split.py`);
+6. **QJL residual** (``qjl``, TurboQuant keys only): each instance of a block also holds a 1-bit
+   sketch of its residual, ``qjl_signs`` (cap, BS / 8, d) uint8 packed as 1-bit codes and
+   ``residual_norm`` (cap, BS) fp16; a token's score gains
+   ``||x_i|| * sqrt(pi/2) / d * ||r|| * (G_i P_i q_i) . sign`` per instance (`body_qjl.py`).
 
-The tensors that are not in the store (static tables, codebooks, reconstruction and rotation
-matrices) come from the quantizer's `kernel_tensors`. Kept free of Triton imports so the methods can describe themselves on
+The tensors that are not in the store (static tables, codebooks, reconstruction, rotation and
+QJL sketch matrices) come from the quantizer's `kernel_tensors`. Kept free of Triton imports so the methods can describe themselves on
 CPU-only installs.
 """
 
@@ -57,6 +61,7 @@ class BodyFormat:
     rotated: bool = False  # the vector read is P x, P the side's ``rotation`` (TurboQuant)
     split: int = 0  # > 0: outlier channels per block of a second instance (TurboQuant's outlier split)
     split_bits: int = 0  # code bits of that outlier instance
+    qjl: bool = False  # keys: each instance also holds a 1-bit QJL sketch of its residual (TurboQuant ``qjl: true``)
 
     def __post_init__(self) -> None:
         if not self.scales:
@@ -66,6 +71,8 @@ class BodyFormat:
             raise ValueError(f"BodyFormat.scales: '{self.scales}' is not one of {SCALE_MODES}")
         if self.fp8 and (self.fp8 not in FP8_LAYOUTS or self.bits != 8):
             raise ValueError(f"BodyFormat.fp8: '{self.fp8}' needs bits 8 and one of {list(FP8_LAYOUTS)}")
+        if self.qjl and not (self.scales == "norm" and (self.rotated or self.split)):
+            raise ValueError("BodyFormat.qjl: the QJL residual is TurboQuant's: needs scales 'norm' and rotated or split")
 
     def widths(self, bits: int | None = None) -> tuple[int, int, int]:
         """Slice widths of the packed codes (of ``bits``, default the format's), lowest bits first, padded with 0

@@ -1,6 +1,6 @@
 """TurboQuant's rotated blocks in the decode kernel: attention stays in the rotated domain.
 
-Layout read (`kvtool.methods.quant.turboquant`, one instance: no outlier split, no QJL): a body
+Layout read (`kvtool.methods.quant.turboquant`, one instance: no outlier split): a body
 block of one side holds, for its BS tokens,
 
 * ``codes`` (cap, BS * b / 8, D) uint8 bit-sliced, token-split b-bit indices into the Lloyd-Max
@@ -22,8 +22,9 @@ Nothing is rotated back per token (the paper's point; the torch path does the sa
   commutes with pass 2's rescaling) and adds it before the merge.
 
 Each costs O(D^2) per stream and step instead of per token. The outlier split (a channel subset
-and rotation per block, chosen per block) is read by `body_split.py`; the QJL residual stays on
-the torch path.
+and rotation per block, chosen per block) is read by `body_split.py`; keys' QJL residual
+(``qjl: true``) adds a term per key, scored against the query sketched once per step, ``G P q``
+(`body_qjl.py`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ its GQA group, already multiplied by the softmax scale) and attends to
   indices times the per-token norm, read in the rotated domain: body keys are scored against
   the query rotated once per step and body values summed in the rotated domain, rotated back once
   per partial (`body_rotated.py`); with TurboQuant's outlier split, both instances of a block
-  rebuilt in head space through the block's channel mask (`body_split.py`).
+  rebuilt in head space through the block's channel mask (`body_split.py`); TurboQuant keys with
+  the 1-bit QJL residual add each body key's QJL term to its score, against the query sketched
+  once per step (once per block with the split) (`body_qjl.py`).
   Keys stored before RoPE (``keys.pre_rope``, `body_rope.BodyRope`) are rotated in registers at
   each body token's true position, read in place (per-slot ``pos`` of an evicting store, or the
   cache's per-sequence position table).
@@ -46,6 +48,7 @@ import triton.language as tl
 from kvtool.runtime.kernels.body_block import load_body, side_constants
 from kvtool.runtime.kernels.body_format import BodyFormat
 from kvtool.runtime.kernels.body_lowrank import load_side, reconstruct
+from kvtool.runtime.kernels.body_qjl import qjl_logits, qjl_pointers, sketched_query, split_sketched_queries
 from kvtool.runtime.kernels.body_rope import SOURCES, BodyRope, body_positions, partner_channels, rotate_keys
 from kvtool.runtime.kernels.body_rotated import fold_rotated_values, rotated_query
 
@@ -61,6 +64,12 @@ def _softcapped(x, SOFTCAP: tl.constexpr, softcap):
 def _softmax_step(q, k, valid, m, l, SOFTCAP: tl.constexpr, softcap):
     """Online-softmax update of rows q (BR, BD) with keys k (T, BD), valid (T,): (m, l, rescale (BR,), p (BR, T))."""
     logits = tl.dot(q, tl.trans(k), input_precision="tf32x3")  # (BR, T): three tf32 products, float32 accuracy
+    return _softmax_logits(logits, valid, m, l, SOFTCAP, softcap)
+
+
+@triton.jit
+def _softmax_logits(logits, valid, m, l, SOFTCAP: tl.constexpr, softcap):
+    """Online-softmax update with logits (BR, T) before soft-capping, valid (T,): (m, l, rescale (BR,), p (BR, T))."""
     logits = _softcapped(logits, SOFTCAP, softcap)
     logits = tl.where(valid[None, :], logits, float("-inf"))
     m_new = tl.maximum(m, tl.max(logits, axis=1))
@@ -102,8 +111,9 @@ def store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR: tl.cons
 
 @triton.jit
 def _decode_partials(
-    q_ptr, qb_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
+    q_ptr, qb_ptr, qs_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
     kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr, kxm_ptr, kxt_ptr, k_srow, k_scol,
+    ksg_ptr, krn_ptr, kxsg_ptr, kxrn_ptr,
     vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr, vxt_ptr, v_srow, v_scol,
     pos_ptr, pos_stride, nsink_ptr, streams_per_sequence, freq_ptr, rope_scaling,
     m_out, l_out, acc_out, accr_out, R, softcap,
@@ -113,7 +123,7 @@ def _decode_partials(
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
     K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
     K_O_BITS: tl.constexpr, K_O_W0: tl.constexpr, K_O_W1: tl.constexpr, K_O_W2: tl.constexpr, K_O_LEVELS: tl.constexpr,
-    K_BDO: tl.constexpr, K_BDR: tl.constexpr,
+    K_BDO: tl.constexpr, K_BDR: tl.constexpr, K_QJL: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
     V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
     V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
@@ -142,9 +152,16 @@ def _decode_partials(
         qb = q
         if K_ROTATED:  # keys stored rotated (TurboQuant): scored against the query rotated once, P q
             qb = tl.load(qb_ptr + s * R * D + r[:, None] * D + c[None, :], mask=(r < R)[:, None] & cmask[None, :], other=0.0)
+        if K_QJL:  # keys with the QJL residual, one instance: the rotated query sketched once, G P q
+            if K_SPLIT == 0:
+                qs = tl.load(qs_ptr + s * R * D + r[:, None] * D + c[None, :], mask=(r < R)[:, None] & cmask[None, :], other=0.0)
         acc_rot = tl.zeros((BR, BD), tl.float32)  # body values summed in their rotated domain (V_ROTATED)
         for col in range(split, blen, SPLITS):
             block = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
+            if K_QJL:  # the outlier split: each instance's sketch of the query in this block's channel order
+                if K_SPLIT > 0:
+                    qs_o, qs_r = split_sketched_queries(q, kxm_ptr, kxt_ptr, block, c, cmask, D, K_SPLIT, K_O_LEVELS, K_BDO,
+                                                        K_BDR)  # (BR, BDO), (BR, BDR)
             for sub in tl.static_range(BS // TT):  # the block in token tiles of TT rows (bounded registers)
                 tb = sub * TT + tt
                 k, latent = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr,
@@ -165,7 +182,16 @@ def _decode_partials(
                                  vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, D, BS, V_BITS, V_W0, V_W1, V_W2,
                                  V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL,
                                  V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR, TT)
-                m, l, alpha, p = _softmax_step(qb, k, valid_b, m, l, SOFTCAP, softcap)
+                if K_QJL:  # the codebook score plus each instance's QJL term
+                    logits = tl.dot(qb, tl.trans(k), input_precision="tf32x3")  # (BR, TT)
+                    if K_SPLIT > 0:
+                        logits = logits + qjl_logits(qs_o, kxsg_ptr, kxrn_ptr, kxn_ptr, block, tb, K_SPLIT, K_BDO, BS)
+                        logits = logits + qjl_logits(qs_r, ksg_ptr, krn_ptr, ks_ptr, block, tb, D - K_SPLIT, K_BDR, BS)
+                    else:
+                        logits = logits + qjl_logits(qs, ksg_ptr, krn_ptr, ks_ptr, block, tb, D, BD, BS)
+                    m, l, alpha, p = _softmax_logits(logits, valid_b, m, l, SOFTCAP, softcap)
+                else:
+                    m, l, alpha, p = _softmax_step(qb, k, valid_b, m, l, SOFTCAP, softcap)
                 weighted = tl.dot(p, v, input_precision="tf32x3")  # (BR, BD)
                 acc = acc * alpha[:, None]
                 if V_ROTATED:
@@ -234,7 +260,8 @@ def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> t
     tensors: the side's body pool tensors {name: (cap, ...)} and the quantizer's `kernel_tensors`
     (``static_scale`` / ``static_zero`` (1 | H_kv, 1 | D) float32, ``codebook`` (levels,) float32,
     ``recon`` (H_kv, r, D) / ``recon_bias`` (H_kv, D) float32 of low-rank latents, ``split_tables``
-    of TurboQuant's outlier split, see `body_split.py`). Float data is
+    of TurboQuant's outlier split, see `body_split.py`, ``qjl_sketch`` of its QJL keys, see
+    `body_qjl.py`, whose signs and residual norms `body_qjl.qjl_pointers` passes). Float data is
     ``data`` (method none) or ``latent`` (Palu), the per-token scale of ``"norm"`` is ``norm``.
     Unused pointers are a 1-element dummy.
     """
@@ -334,14 +361,18 @@ def paged_decode_attention(
     group = stream_group if stream_group is not None else zeros(s, torch.int64, device)
     bs = block_size if has_body else 16
     rope_args, rope_constants = _rope_arguments(rope if has_body else None, s, device)
+    if vf.qjl:
+        raise ValueError("paged_decode_attention: values never carry the QJL residual (keys only)")
     q_body = rotated_query(q, body[0]) if kf.rotated else q  # (S, R, D) the query body keys are scored against
+    q_sketch = sketched_query(q_body, body[0]) if kf.qjl and not kf.split else zeros(1, torch.float32, device)  # (S, R, D)
+    qjl_ptrs = qjl_pointers(body[0] if has_body and kf.qjl else None, zeros(1, torch.float32, device))
     acc_rot = torch.zeros_like(acc) if vf.rotated else zeros(1, torch.float32, device)
     _decode_partials[(s, splits)](
-        q, q_body, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
-        *k_ptrs, k_srow, k_scol, *v_ptrs, v_srow, v_scol, *rope_args,
+        q, q_body, q_sketch, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
+        *k_ptrs, k_srow, k_scol, *qjl_ptrs, *v_ptrs, v_srow, v_scol, *rope_args,
         m, l, acc, acc_rot, r, float(softcap or 0.0),
         D=d, BR=br, BD=bd, FBS=fbs, BS=bs, TT=tile or token_tile(bs, bd, kf.bits != 16 or vf.bits != 16), SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
-        **_prefixed(side_constants(kf, d), "K_"), **_prefixed(side_constants(vf, d), "V_"),
+        **_prefixed(side_constants(kf, d), "K_"), **_prefixed(side_constants(vf, d), "V_"), K_QJL=kf.qjl,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if vf.rotated:

@@ -11,7 +11,8 @@ Pass 1 (`_sparse_partials`): grid (S, SPLITS); program (s, p) walks tiles p, p +
 ``TILE`` listed slots with an online softmax (and, for ``unread: estimate``, sums the keys and
 values it reads). Pass 2 is the dense kernel's `merge_partials` (the new token, a learned sink
 logit, the partials); the unread tokens' estimate (`kvtool.methods.sparse.rocketkv.unread_term`,
-from those sums) joins it as one more partial: max = its logit, sum = 1, output = its value.
+from those sums, or `unread_blocks_term`, from the store's block sums alone, computed before the kernel
+runs) joins it as one more partial: max = its logit, sum = 1, output = its value.
 """
 
 from __future__ import annotations
@@ -69,12 +70,14 @@ def sparse_decode_attention(
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,  # (S, R) learned sink logits
     splits: int | None = None,
-    unread: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    unread: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    | tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the listed slots and the new token.
 
     unread (``sparse_attention.unread: estimate``): (sum of the keys read (S, D), of the values read (S, D)) ->
-    (logit (S, R), value (S, D)) of one more softmax term standing for the held tokens not listed (-inf: none)."""
+    (logit (S, R), value (S, D)) of one more softmax term standing for the held tokens not listed (-inf: none); or
+    (``unread: estimate_blocks``) that term itself, (logit (S, R), value (S, R, D)), known before the kernel runs."""
     s, r, d = q.shape
     device = q.device
     q = q.contiguous().float()
@@ -86,25 +89,29 @@ def sparse_decode_attention(
     acc = torch.empty((s, splits, br, bd), device=device, dtype=torch.float32)
     slot_list = slots.contiguous() if k_count else zeros(s, torch.int64, device)[:, None]
     valid_list = valid.to(torch.int8).contiguous() if k_count else zeros(s, torch.int8, device)[:, None]
-    sums = torch.empty((2, s, splits, bd), device=device, dtype=torch.float32) if unread is not None else m[None]
+    sum_read = callable(unread)
+    sums = torch.empty((2, s, splits, bd), device=device, dtype=torch.float32) if sum_read else m[None]
     _sparse_partials[(s, splits)](
         q, float_k, float_v, slot_list, valid_list, slot_list.shape[1], m, l, acc, sums[0], sums[-1], r,
         float(softcap or 0.0), D=d, BR=br, BD=bd, TILE=TILE, SPLITS=splits, SOFTCAP=bool(softcap),
-        SUM_READ=unread is not None,
+        SUM_READ=sum_read,
     )
-    if unread is not None:
+    if sum_read:
         read = sums.sum(dim=2)[..., :d]  # (2, S, D): keys and values read
         m, l, acc = _with_term(m, l, acc, *unread(read[0], read[1]), r, d)
+    elif unread is not None:
+        m, l, acc = _with_term(m, l, acc, *unread, r, d)
     return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
 
 
 def _with_term(m, l, acc, logit: torch.Tensor, value: torch.Tensor, r: int, d: int):
-    """The partials (S, SPLITS, BR[, BD]) and one more, a single term: max = logit (S, R), sum = 1, output = value (S, D)."""
+    """The partials (S, SPLITS, BR[, BD]) and one more, a single term: max = logit (S, R), sum = 1, output = value (S, D)
+    (the same for every row) or (S, R, D)."""
     s, _, br, bd = acc.shape
     m_extra = torch.full((s, 1, br), float("-inf"), device=m.device)
     m_extra[:, 0, :r] = logit.float()
     acc_extra = torch.zeros((s, 1, br, bd), device=m.device)
-    acc_extra[:, 0, :, :d] = value.float()[:, None, :]
+    acc_extra[:, 0, :r, :d] = value.float()[:, None, :] if value.dim() == 2 else value.float()
     l_extra = torch.ones((s, 1, br), device=m.device)
     return (torch.cat([m, m_extra], dim=1).contiguous(), torch.cat([l, l_extra], dim=1).contiguous(),
             torch.cat([acc, acc_extra], dim=1).contiguous())
