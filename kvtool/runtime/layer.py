@@ -369,6 +369,14 @@ class KvtoolLayer(CacheLayerMixin):
         valid = read & (slots < store.lengths("float_len")[:, None])
         return store.float_slot_ids(slots), valid
 
+    def _stored_sums(self):
+        """(the store's `block_sums`: ((S, F, g, D) x 2-3, tokens (S, F)), their totals per stream (S, g, D) x 2-3), or
+        (None, None) when the store keeps no sums."""
+        if not self.store.layout.token_sums:
+            return None, None
+        block_sums = self.store.block_sums()
+        return block_sums, tuple(x.sum(dim=1) for x in block_sums[0])
+
     def _estimates_unread(self, options: LayerOptions) -> bool:
         """A sparse step estimates what it does not read (``sparse_attention.unread: estimate`` or ``estimate_blocks``)."""
         if not self.store.layout.token_sums or self.plan.recipe.sparse_attention.unread == "drop":
@@ -387,8 +395,7 @@ class KvtoolLayer(CacheLayerMixin):
         n, (s, g, r, d) = store.layout.summary_tokens, q.shape
         estimate = self._estimates_unread(options)
         by_blocks = estimate and self.plan.recipe.sparse_attention.unread == "estimate_blocks"
-        block_sums = store.block_sums() if store.layout.token_sums else None  # ((S, F, g, D) x 2-3, (S, F))
-        sums = tuple(x.sum(dim=1) for x in block_sums[0]) if block_sums else None  # (S, g, D): every held token's
+        block_sums, sums = self._stored_sums()
         selection = self._select_groups(q, options, sums)
         groups, count = selection.groups, selection.count  # (S, K), (S,)
         step = max(1, chunk_tokens(s, g, r, d, n) // n)
@@ -430,8 +437,7 @@ class KvtoolLayer(CacheLayerMixin):
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
             from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
 
-            block_sums = self.store.block_sums() if self.store.layout.token_sums else None
-            sums = tuple(x.sum(dim=1) for x in block_sums[0]) if block_sums else None  # (S, 1, D) each
+            block_sums, sums = self._stored_sums()
             selection = self._select_groups(q[:, None], options, sums)  # q (S, R, D) as (S, 1, R, D)
             groups, count = selection.groups, selection.count
             slots, valid = self._group_slots(groups, count, 0, groups.shape[1])  # (S, K n) x 2

@@ -176,8 +176,9 @@ def _share_reads(spec: SparseAttentionSpec, weights: torch.Tensor, count: torch.
     A stream's selected groups are then its best ``count`` by weight, as without sharing."""
     s, n = weights.shape
     floor = torch.minimum(torch.full_like(held, -(-spec.min_tokens // spec.summary_tokens)), held)  # (S,)
-    rank = weights.argsort(dim=-1, descending=True).argsort(dim=-1)  # (S, N) rank of each group in its stream
-    bonus = (rank < floor[:, None]).to(weights.dtype) * 2.0  # the per-stream floor first (weights are <= 1)
+    best = weights.argsort(dim=-1, descending=True)  # (S, N) each stream's groups, best first
+    first = (torch.arange(n, device=weights.device)[None] < floor[:, None]).to(weights.dtype)  # (S, N) by rank
+    bonus = torch.zeros_like(weights).scatter_(1, best, first) * 2.0  # the per-stream floor first (weights are <= 1)
     pooled = (weights + bonus).reshape(s // h, h * n)  # (B, H N)
     budget = count.reshape(s // h, h).sum(dim=1)  # (B,)
     order = pooled.argsort(dim=-1, descending=True)
@@ -190,13 +191,22 @@ def unread_logsumexp(partial: torch.Tensor, groups: torch.Tensor, count: torch.T
     """(logsumexp (S, g, R) of the partial logits of the groups a step does not read, -inf where it reads them all;
     unread (S,) how many groups that is). partial (S, g, R, N) -inf past a stream's groups; groups (S, K), count (S,)
     as `select_groups` returns them."""
-    s, n = partial.shape[0], partial.shape[-1]
+    read = _read_columns(groups, count, partial.shape[-1])  # (S, N)
+    unread = partial.masked_fill(read[:, None, None, :], -math.inf)
+    return torch.logsumexp(unread, dim=-1), _unread_count(partial, read)
+
+
+def _read_columns(groups: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
+    """(S, N) bool: the groups a step reads, from groups (S, K) ranked and count (S,) (entries past it ignored)."""
     rank = torch.arange(groups.shape[1], device=groups.device)[None]  # (1, K)
-    read = torch.zeros(s, n + 1, dtype=torch.bool, device=partial.device)
+    read = torch.zeros(groups.shape[0], n + 1, dtype=torch.bool, device=groups.device)
     read.scatter_(1, torch.where(rank < count[:, None], groups, n), True)  # column n: the unused ranks' sink
-    unread = partial.masked_fill(read[:, None, None, :n], -math.inf)
-    held = torch.isfinite(partial[:, 0, 0])  # (S, N)
-    return torch.logsumexp(unread, dim=-1), (held & ~read[:, :n]).sum(dim=1)
+    return read[:, :n]
+
+
+def _unread_count(partial: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """(S,) held groups not read: partial (S, g, R, N) is -inf past a stream's groups, read (S, N)."""
+    return (torch.isfinite(partial[:, 0, 0]) & ~read).sum(dim=1)
 
 
 def unread_term(
@@ -243,10 +253,8 @@ def unread_blocks_term(
     s, g, r, n = partial.shape
     f = block_counts.shape[1]
     fbs = n // max(f, 1)
-    rank = torch.arange(selection.groups.shape[1], device=partial.device)[None]  # (1, K)
-    read = torch.zeros(s, n + 1, dtype=torch.bool, device=partial.device)
-    read.scatter_(1, torch.where(rank < selection.count[:, None], selection.groups, n), True)  # column n: unused ranks
-    logits = partial.masked_fill(read[:, None, None, :n], -math.inf)  # (S, g, R, N): the unread tokens' partial logits
+    read = _read_columns(selection.groups, selection.count, n)  # (S, N)
+    logits = partial.masked_fill(read[:, None, None, :], -math.inf)  # (S, g, R, N): the unread tokens' partial logits
     per_block = block_counts.clamp(min=1)[:, :, None, None].float()  # (S, F, 1, 1)
     mean_key = (block_sums[0] / per_block).transpose(1, 2)  # (S, g, F, D)
     mean_value = (block_sums[1] / per_block).transpose(1, 2)  # (S, g, F, D)
@@ -256,5 +264,4 @@ def unread_blocks_term(
     block_lse = torch.logsumexp(logits.reshape(s, g, r, f, fbs), dim=-1)  # (S, g, R, F)
     lse = torch.logsumexp(block_lse, dim=-1)  # (S, g, R)
     share = torch.exp(block_lse - lse[..., None]).nan_to_num(0.0)  # (S, g, R, F): 0 where nothing is unread
-    held = torch.isfinite(partial[:, 0, 0])  # (S, N)
-    return lse, torch.matmul(share, mean_value), (held & ~read[:, :n]).sum(dim=1)
+    return lse, torch.matmul(share, mean_value), _unread_count(partial, read)
