@@ -63,6 +63,9 @@ VARIANTS = {  # benchmark name -> (policy, extra EvictionSpec fields)
     "ada-tova": ("tova", {"window": 1, "head_budgets": "adaptive"}),
     "cake": ("cake", {"pooling": 5}),  # recipe `cake`: tau1 = tau2 = 1, gamma 200, average pooling over 5 positions
     "cake-w8": ("cake", {"pooling": 5, "window": 8}),  # the same with an 8-token window (KVCache-Factory's)
+    "cake-w16": ("cake", {"pooling": 5, "window": 16}),  # the same with a 16-token window
+    "cake-max7": ("cake", {"pooling": 7, "pooling_mode": "max"}),  # SnapKV's pooling: the max over 7 positions
+    "cake-uniform": ("cake", {"pooling": 5, "tau1": 1e6, "tau2": 1e6}),  # preferences ^ 1e-6: every layer its uniform budget
     "pyramidinfer": ("pyramidinfer", {}),  # recipe `pyramidinfer`: retention_decay 0.9, distance_weight 1.2
     "pyramidinfer-flat": ("pyramidinfer", {"retention_decay": 1.0}),  # nested head-shared sets, no pyramid
     "pyramidinfer-steep": ("pyramidinfer", {"retention_decay": 0.74}),  # 30 layers: the paper's schedule at 50% (layer 0 keeps all)

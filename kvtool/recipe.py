@@ -47,6 +47,7 @@ EVICTION_POLICIES = (
 OWN_LAYER_BUDGETS = ("cake", "pyramidinfer")  # policies that set their own per-layer budgets
 LAYER_BUDGETS = ("uniform", "pyramid", "profile")
 HEAD_BUDGETS = ("uniform", "adaptive")
+POOLING_MODES = ("auto", "max", "mean")  # EvictionSpec.pooling_mode
 FASTGEN_PROFILE_SOURCES = ("offline", "prompt")  # where FastGen's per-head policies come from
 ATTENTION_SCORED = ("h2o", "snapkv", "vatp", "tova", "chunkkv", "rocketkv")  # scores comparable across heads (head_budgets: adaptive)
 SPARSE_METHODS = ("none", "rocketkv")
@@ -328,7 +329,11 @@ class EvictionSpec:
         budgets of 256 tokens up. Only multi-token forwards (prefill) use the smaller window: a decode step
         scores by attention summed over every query, which favours old tokens, and keeps the whole
         ``window`` (H2O's recency guard).
-    pooling: SnapKV's 1-D max-pooling kernel over token scores (odd; 1 = none).
+    pooling: the 1-D pooling kernel over token scores of snapkv, rocketkv and cake (odd; 1 = none).
+    pooling_mode: how ``pooling`` pools: ``max`` (SnapKV: a token takes the best score among its
+        neighbours, so the whole of a multi-token span around a peak survives, a pass key's digits),
+        ``mean`` (CAKE's paper: the average, which spreads a peak over the kernel and lowers it) or
+        ``auto`` (each policy's paper: mean for ``cake``, max for ``snapkv`` and ``rocketkv``).
     chunk_size, reuse_layers: ChunkKV's chunk of consecutive positions kept whole, and the
         number of adjacent layers sharing one chunk selection (1 = every layer its own;
         > 1 needs uniform layer budgets).
@@ -366,6 +371,7 @@ class EvictionSpec:
     window: int = 32
     window_share: float | None = 0.125
     pooling: int = 7
+    pooling_mode: str = "auto"
     chunk_size: int = 10
     reuse_layers: int = 1
     head_budgets: str = "uniform"
@@ -399,6 +405,8 @@ class EvictionSpec:
                  f"{self.window_share} must be a fraction in (0, 1] of a stream's budget (or null: always eviction.window)")
         _require(_is_int(self.pooling) and self.pooling >= 1 and self.pooling % 2 == 1, f"{p}.pooling",
                  f"{self.pooling} must be an odd integer >= 1 (SnapKV uses 5-7)")
+        _require(self.pooling_mode in POOLING_MODES, f"{p}.pooling_mode",
+                 f"'{self.pooling_mode}' is not one of {list(POOLING_MODES)}")
         _require(_is_int(self.chunk_size) and self.chunk_size >= 1, f"{p}.chunk_size",
                  f"{self.chunk_size} must be an integer >= 1 (ChunkKV uses 10)")
         _require(_is_int(self.reuse_layers) and self.reuse_layers >= 1, f"{p}.reuse_layers",

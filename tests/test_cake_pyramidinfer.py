@@ -80,8 +80,9 @@ def held_sets(cache):
 
 
 # ----- CAKE ------------------------------------------------------------------------------------------------
-def cake_reference(attention, gamma=200.0, tau1=1.0, tau2=1.0, pooling=3):
-    """(preference (B,), pooled token scores (B, H_kv, T)) of one layer, as the paper defines them."""
+def cake_reference(attention, gamma=200.0, tau1=1.0, tau2=1.0, pooling=3, pooling_mode="auto"):
+    """(preference (B,), pooled token scores (B, H_kv, T)) of one layer, as the paper defines them (pooling_mode max:
+    SnapKV's max over the kernel instead of the paper's average)."""
     rows = window_rows(attention).double()
     b, _, _, t = rows.shape
     older = torch.arange(t) < t - WINDOW
@@ -89,7 +90,8 @@ def cake_reference(attention, gamma=200.0, tau1=1.0, tau2=1.0, pooling=3):
     variance = rows.var(dim=2)  # (B, H_kv, T) over the rows, unbiased
     shift = variance[..., older].sum(dim=(1, 2))
     score = (rows.mean(dim=2) + gamma * variance).reshape(b * KV_HEADS, 1, t)
-    pooled = torch.nn.functional.avg_pool1d(score, pooling, stride=1, padding=pooling // 2).reshape(b, KV_HEADS, t)
+    pool = torch.nn.functional.max_pool1d if pooling_mode == "max" else torch.nn.functional.avg_pool1d
+    pooled = pool(score, pooling, stride=1, padding=pooling // 2).reshape(b, KV_HEADS, t)
     return dispersion ** (1 / tau1) * shift ** (1 / tau2), pooled
 
 
@@ -97,17 +99,18 @@ def cake_recipe(**fields):
     return evicting("cake", budget=0.5, sink_tokens=SINKS, window=WINDOW, pooling=3, float_dtype="float16", **fields)
 
 
-@pytest.mark.parametrize("interval", [1, 1000])  # 1000: no cut while decoding, but the trim to the final shares
-def test_cake_budgets_scores_and_cascade_follow_the_models_attention(interval):
+@pytest.mark.parametrize(("interval", "pooling_mode"), [(1, "auto"), (1000, "auto"), (1, "max")])
+def test_cake_budgets_scores_and_cascade_follow_the_models_attention(interval, pooling_mode):
+    # interval 1000: no cut while decoding, but the trim to the final shares
     model = shaped_model()
     ids = torch.randint(3, 128, (2, T + 1), generator=torch.Generator().manual_seed(21))
-    cache = runtime(model, cake_recipe(interval=interval)).new_cache()
+    cache = runtime(model, cake_recipe(interval=interval, pooling_mode=pooling_mode)).new_cache()
     with torch.no_grad():
         model(ids[:, :T], **with_cache(cache))
         after_prefill = held_sets(cache)
         model(ids[:, T:], **with_cache(cache))
     after_decode = held_sets(cache)
-    refs = [cake_reference(a) for a in eager_attention(model, ids[:, :T])]
+    refs = [cake_reference(a, pooling_mode=pooling_mode) for a in eager_attention(model, ids[:, :T])]
     for seq in range(2):
         pref = [float(p[seq]) for p, _ in refs]
         assert max(pref) > 1.5 * min(pref), "the shaped layers should differ in preference"
@@ -229,7 +232,7 @@ def test_left_padded_batch_keeps_what_each_sequence_keeps_alone(policy):
 @pytest.mark.parametrize(("field", "value", "fix"), [
     ("tau1", 0.0, "positive number"), ("tau2", -1.0, "positive number"), ("tau1", float("inf"), "positive number"),
     ("gamma", -5.0, ">= 0"), ("gamma", True, ">= 0"), ("retention_decay", 0.0, r"\(0, 1\]"),
-    ("retention_decay", 1.5, r"\(0, 1\]"), ("distance_weight", 0.5, ">= 1"),
+    ("retention_decay", 1.5, r"\(0, 1\]"), ("distance_weight", 0.5, ">= 1"), ("pooling_mode", "median", "not one of"),
 ])
 def test_invalid_values_name_the_field_and_the_fix(field, value, fix):
     with pytest.raises(RecipeError, match=rf"eviction\.{field}'.*{fix}"):

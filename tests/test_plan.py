@@ -72,7 +72,7 @@ UNIFORM_HEADS = [name for name in EVICTING if load_recipe(name).eviction.head_bu
 
 def test_bundled_evicting_recipes_are_candidates_unless_their_bytes_depend_on_the_text():
     assert {"streamingllm", "h2o", "snapkv", "tova", "chunkkv", "pyramidinfer", "pyramid-snapkv", "ada-snapkv"} <= set(EVICTING)
-    assert not {"cake", "fastgen-t95", "fastgen-t95-4bit"} & set(default_candidates())
+    assert not {"cake", "cake-maxpool", "fastgen-t95", "fastgen-t95-4bit"} & set(default_candidates())
 
 
 @pytest.mark.parametrize("name", [n for n in UNFITTED if n not in EVICTING])

@@ -21,10 +21,11 @@ of prefill and the first decode step the cache holds the cascade shares, more th
 
 Eviction indicator. A token's score is its mean attention over the window rows + gamma x
 the variance of that attention, average-pooled over ``pooling`` neighbouring positions (the
-paper: kernel 5). While decoding, the final shares are recomputed at each length (ratio
-budgets grow as uniform ones do) and tokens are ranked by the attention accumulated since,
-pooled the same way (as SnapKV after its prefill); the paper's decoder ranks by the current
-query alone.
+paper: kernel 5; ``pooling_mode: max`` pools by SnapKV's max instead, which keeps the tokens
+around an attended one at its score: the bundled `cake-maxpool`, built for retrieval). While
+decoding, the final shares are recomputed at each length (ratio budgets grow as uniform ones do)
+and tokens are ranked by the attention accumulated since, pooled the same way (as SnapKV after
+its prefill); the paper's decoder ranks by the current query alone.
 
 GQA: a KV head's statistics pool the G x w (query head, window query) rows of its group, so
 its variance is over those rows (for MHA exactly the paper's per-head variance); preferences
@@ -108,6 +109,10 @@ class CAKE(EvictionPolicy):
         self._prefill_scores: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (length (S,), score (S, P))
         self._scores: torch.Tensor | None = None  # (S, N) while `keep` runs
 
+    @property
+    def _mean_pooling(self) -> bool:
+        return self.spec.pooling_mode != "max"  # the paper's average unless the recipe asks SnapKV's max
+
     # --- runtime hooks --------------------------------------------------------------------------
     def window_observer(self, t: int, window: int | torch.Tensor) -> WindowStats:
         return WindowStats(t, window, {"square": squared, "entropy": entropy})
@@ -143,7 +148,7 @@ class CAKE(EvictionPolicy):
         if prefill:
             self._groups = int(view.heads.max()) + 1
             score, log_pref = self._window_statistics(view)
-            self._scores = pool_by_position(score, view.positions, view.valid, self.spec.pooling, mean=True)
+            self._scores = pool_by_position(score, view.positions, view.valid, self.spec.pooling, mean=self._mean_pooling)
             if self._uniform is not None:
                 budget = self._cascade_budget(view, log_pref)
         else:
@@ -179,7 +184,7 @@ class CAKE(EvictionPolicy):
         stored = self._prefill_scores.pop(view.layer, None)
         if stored is not None and _next_step(stored[0], view.length):
             return at_positions(stored[1], view, math.inf)
-        return pool_by_position(view.attention, view.positions, view.valid, self.spec.pooling, mean=True)
+        return pool_by_position(view.attention, view.positions, view.valid, self.spec.pooling, mean=self._mean_pooling)
 
     # --- budgets ------------------------------------------------------------------------------------
     def _cascade_budget(self, view: StreamView, log_pref: torch.Tensor) -> torch.Tensor:
