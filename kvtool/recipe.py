@@ -389,6 +389,11 @@ class EvictionSpec:
     distance_weight: float = 1.2
     compute_kept_only: bool = False
 
+    @property
+    def pools_by_mean(self) -> bool:
+        """True when ``pooling`` averages token scores: ``pooling_mode: mean``, or ``auto`` for cake (its paper)."""
+        return self.pooling_mode == "mean" or (self.pooling_mode == "auto" and self.policy == "cake")
+
     def __post_init__(self) -> None:
         p = "eviction"
         _require(self.policy in EVICTION_POLICIES, f"{p}.policy", f"'{self.policy}' is not one of {list(EVICTION_POLICIES)}")

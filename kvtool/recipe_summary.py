@@ -67,8 +67,7 @@ def eviction_summary(recipe: Recipe) -> str:
     if spec.window_share is not None and policy_class(spec.policy).observes_window:
         parts[-1] += f" (at prefill at most {spec.window_share:.1%} of the budget)"
     if spec.policy in ("snapkv", "rocketkv", "cake"):
-        mode = spec.pooling_mode if spec.pooling_mode != "auto" else ("mean" if spec.policy == "cake" else "max")
-        parts.append(f"{mode} pooling {spec.pooling}" if spec.pooling > 1 else "no pooling")
+        parts.append(f"{'mean' if spec.pools_by_mean else 'max'} pooling {spec.pooling}" if spec.pooling > 1 else "no pooling")
     if spec.policy == "rocketkv":
         parts[0] = f"rocketkv: keep {budget} of the prompt (generated tokens kept)"
     if spec.policy == "cake":

@@ -64,3 +64,12 @@ def test_snapkv_family_pools_as_the_recipe_says(policy, mode, mean):
 def test_an_unknown_mode_is_refused_with_the_choices():
     with pytest.raises(Exception, match=r"eviction\.pooling_mode'.*'median' is not one of \['auto', 'max', 'mean'\]"):
         EvictionSpec(policy="snapkv", pooling_mode="median")
+
+
+def test_the_recipe_summary_names_the_pooling_each_recipe_uses():
+    from kvtool.recipe import load_recipe
+    from kvtool.recipe_summary import eviction_summary
+
+    assert "mean pooling 5" in eviction_summary(load_recipe("cake"))  # the paper's
+    assert "max pooling 7" in eviction_summary(load_recipe("cake-maxpool"))
+    assert "max pooling 7" in eviction_summary(load_recipe("snapkv"))

@@ -109,10 +109,6 @@ class CAKE(EvictionPolicy):
         self._prefill_scores: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (length (S,), score (S, P))
         self._scores: torch.Tensor | None = None  # (S, N) while `keep` runs
 
-    @property
-    def _mean_pooling(self) -> bool:
-        return self.spec.pooling_mode != "max"  # the paper's average unless the recipe asks SnapKV's max
-
     # --- runtime hooks --------------------------------------------------------------------------
     def window_observer(self, t: int, window: int | torch.Tensor) -> WindowStats:
         return WindowStats(t, window, {"square": squared, "entropy": entropy})
@@ -148,7 +144,7 @@ class CAKE(EvictionPolicy):
         if prefill:
             self._groups = int(view.heads.max()) + 1
             score, log_pref = self._window_statistics(view)
-            self._scores = pool_by_position(score, view.positions, view.valid, self.spec.pooling, mean=self._mean_pooling)
+            self._scores = pool_by_position(score, view.positions, view.valid, self.spec.pooling, mean=self.spec.pools_by_mean)
             if self._uniform is not None:
                 budget = self._cascade_budget(view, log_pref)
         else:
@@ -184,7 +180,7 @@ class CAKE(EvictionPolicy):
         stored = self._prefill_scores.pop(view.layer, None)
         if stored is not None and _next_step(stored[0], view.length):
             return at_positions(stored[1], view, math.inf)
-        return pool_by_position(view.attention, view.positions, view.valid, self.spec.pooling, mean=self._mean_pooling)
+        return pool_by_position(view.attention, view.positions, view.valid, self.spec.pooling, mean=self.spec.pools_by_mean)
 
     # --- budgets ------------------------------------------------------------------------------------
     def _cascade_budget(self, view: StreamView, log_pref: torch.Tensor) -> torch.Tensor:

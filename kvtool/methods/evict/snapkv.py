@@ -38,4 +38,4 @@ class SnapKV(EvictionPolicy):
         scores = view.window_attention if view.window_attention is not None else view.attention  # (S, N)
         if self.spec.pooling == 1:
             return scores
-        return pool_by_position(scores, view.positions, view.valid, self.spec.pooling, mean=self.spec.pooling_mode == "mean")
+        return pool_by_position(scores, view.positions, view.valid, self.spec.pooling, mean=self.spec.pools_by_mean)
