@@ -1,15 +1,21 @@
-"""Decode attention on the GPU: kvtool's Triton kernel over the paged store vs 16-bit SDPA.
+"""Decode attention on the GPU: kvtool's Triton kernels over the paged store vs 16-bit SDPA.
 
     python -m benchmarks.gpu_attention            # needs CUDA; table + benchmarks/results/gpu_attention.json
     python -m benchmarks.gpu_attention --quick    # 8K and 32K, batch 1 and 8
+    python -m benchmarks.gpu_attention --sweep    # tile / warps / pipeline stages of the tiled kernel, one shape
+    python -m benchmarks.gpu_attention --general  # also the general kernel (one block at a time) on 4-bit blocks
 
 For each head shape (Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128; Gemma-3: 8 query
 heads, 1 KV head, head_dim 256), context and batch: the GPU kernel time of one decode-attention
 call (torch.profiler, mean of 10 after warm-up) for torch SDPA in bf16 over a dense cache, and
-for the kernel over float16 blocks and uniform 4- and 2-bit blocks (KIVI layout: per-channel key
-scales, per-token value scales); achieved GB/s = bytes the call must read (cache bytes held)
-/ kernel time; speed-up over SDPA's kernels; and the 4-bit call's CUDA-event time (median of 20),
-which also counts the host's launch. Rows that do not fit in memory are reported as such.
+for kvtool's kernel (`paged_decode_attention`, which takes the tiled `uniform_decode` kernel for
+these formats, with float16 operands as a bf16 model's runtime does) over float16 blocks and
+uniform 4- and 2-bit blocks (KIVI layout: per-channel key scales, per-token value scales, group
+32; `--block-size` tokens per block, 32 as the bundled kivi recipes); achieved GB/s = bytes the
+call must read (cache bytes held) / kernel time; speed-up over SDPA's kernels; and the 4-bit
+call's CUDA-event time (median of 20), which also counts the host's launch. Every row checks
+stream 0's output against a dense float32 softmax over its blocks decoded in torch. Rows that do
+not fit in memory are reported as such.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 import torch
 
 SHAPES = {"llama3-8b": (32, 8, 128), "gemma3": (8, 1, 256)}
-BS, FBS = 128, 16
+FBS = 16
 
 
 def _time(fn, repeats: int = 20) -> float:
@@ -55,14 +61,14 @@ def _kernel_time(fn, repeats: int = 10) -> float:
     return sum(event.self_device_time_total for event in prof.key_averages()) / repeats / 1e6
 
 
-def _store(batch, kv_heads, head_dim, context, bits, device):
+def _store(batch, kv_heads, head_dim, context, bits, device, BS):
     """Body-only paged store of `context` tokens per stream: (call kwargs, bytes held)."""
     from kvtool.methods.quant.packing import packed_rows
     from kvtool.runtime.kernels.body_format import BodyFormat
 
     s = batch * kv_heads
     blocks = context // BS
-    table = torch.arange(s * blocks, device=device, dtype=torch.int32).reshape(s, blocks)
+    table = torch.randperm(s * blocks, device=device).to(torch.int32).reshape(s, blocks)  # scattered, as a pool is
     cap = s * blocks
     if bits == 16:
         kb = {"data": torch.randn(cap, BS, head_dim, device=device, dtype=torch.float16)}
@@ -70,11 +76,13 @@ def _store(batch, kv_heads, head_dim, context, bits, device):
         fmt = (BodyFormat(16, False, 1), BodyFormat(16, False, 1))
     else:
         rows = packed_rows(BS, bits)
+        levels = 2**bits - 1  # codes of keys of spread ~1 per channel, values of spread ~1 per token
         kb = {"codes": torch.randint(0, 256, (cap, rows, head_dim), device=device, dtype=torch.uint8),
-              "scale": torch.rand(cap, head_dim, device=device).half(), "zero": torch.rand(cap, head_dim, device=device).half()}
+              "scale": (torch.rand(cap, head_dim, device=device) * 2 / levels).half(),
+              "zero": (-torch.rand(cap, head_dim, device=device)).half()}
         vb = {"codes": torch.randint(0, 256, (cap, rows, head_dim), device=device, dtype=torch.uint8),
-              "scale": torch.rand(cap, BS, head_dim // 32, device=device).half(),
-              "zero": torch.rand(cap, BS, head_dim // 32, device=device).half()}
+              "scale": (torch.rand(cap, BS, head_dim // 32, device=device) * 2 / levels).half(),
+              "zero": (-torch.rand(cap, BS, head_dim // 32, device=device)).half()}
         fmt = (BodyFormat(bits, True, 1), BodyFormat(bits, False, 32))
     held = sum(t.numel() * t.element_size() for t in [*kb.values(), *vb.values()])
     empty_float = torch.zeros(1, FBS, head_dim, device=device, dtype=torch.float16)
@@ -84,11 +92,31 @@ def _store(batch, kv_heads, head_dim, context, bits, device):
     return kwargs, held
 
 
-def row(shape, context, batch, device):
+def _stream0_reference(kwargs, qs, new, bits):
+    """Stream 0's attention (R, D) float32 by a dense softmax over its blocks decoded in torch."""
+    from kvtool.methods.quant.packing import unpack_codes
+
+    kb, vb = kwargs["body"]
+    ids = kwargs["body_table"][0].long()
+    bs = kwargs["block_size"]
+    if bits == 16:
+        k, v = kb["data"][ids].float(), vb["data"][ids].float()
+    else:
+        k = unpack_codes(kb["codes"][ids], bits, bs).float() * kb["scale"][ids, None].float() + kb["zero"][ids, None].float()
+        group = k.shape[-1] // vb["scale"].shape[-1]
+        v = unpack_codes(vb["codes"][ids], bits, bs).float()
+        v = v * vb["scale"][ids].float().repeat_interleave(group, -1) + vb["zero"][ids].float().repeat_interleave(group, -1)
+    d = k.shape[-1]
+    keys = torch.cat([k.reshape(-1, d), new[:1]])
+    values = torch.cat([v.reshape(-1, d), new[:1]])
+    return torch.softmax(qs[0] @ keys.T, dim=-1) @ values
+
+
+def row(shape, context, batch, device, block_size=32, general=False):
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
     hq, hkv, d = SHAPES[shape]
-    out = {"shape": shape, "context": context, "batch": batch}
+    out = {"shape": shape, "context": context, "batch": batch, "block_size": block_size}
     try:
         q = torch.randn(batch, hq, 1, d, device=device, dtype=torch.bfloat16)
         k = torch.randn(batch, hkv, context, d, device=device, dtype=torch.bfloat16)
@@ -98,16 +126,26 @@ def row(shape, context, batch, device):
         out["sdpa_kernel_s"] = _kernel_time(sdpa)
         out["sdpa_gbps"] = 2 * k.numel() * 2 / out["sdpa_kernel_s"] / 1e9
         sdpa = k = v = None  # free the dense cache before the paged stores are built
-        qs = torch.randn(batch * hkv, hq // hkv, d, device=device)
+        qs = torch.randn(batch * hkv, hq // hkv, d, device=device) / d**0.5
         new = torch.randn(batch * hkv, d, device=device)
         for bits in (16, 4, 2):
-            kwargs, held = _store(batch, hkv, d, context, bits, device)
+            kwargs, held = _store(batch, hkv, d, context, bits, device, block_size)
+            call = lambda: paged_decode_attention(qs, new, new, **kwargs, precision="half")  # noqa: E731
             try:
-                seconds = _time(lambda: paged_decode_attention(qs, new, new, **kwargs))
+                seconds = _time(call)
+                reference = _stream0_reference(kwargs, qs, new, bits)
+                error = float((call()[0] - reference).abs().max() / reference.abs().max())
             except Exception as exc:  # a kernel that fails to compile or run: the row says so, the table goes on
                 out["error"] = f"{bits}-bit: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 return out
-            kernel = _kernel_time(lambda: paged_decode_attention(qs, new, new, **kwargs))
+            out[f"kvtool_{bits}bit_max_error"] = error  # relative to the largest output of stream 0
+            if error > 5e-3:
+                out["error"] = f"{bits}-bit: stream 0 differs from the dense reference by {error:.2e} of its largest value"
+                return out
+            kernel = _kernel_time(call)
+            if general and bits == 4:
+                general_call = lambda: paged_decode_attention(qs, new, new, **kwargs, kernel="general")  # noqa: E731
+                out["general_4bit_kernel_s"] = _kernel_time(general_call)
             out[f"kvtool_{bits}bit_s"] = seconds
             out[f"kvtool_{bits}bit_kernel_s"] = kernel
             out[f"kvtool_{bits}bit_gbps"] = held / kernel / 1e9
@@ -120,42 +158,83 @@ def row(shape, context, batch, device):
     return out
 
 
+def sweep(shape: str, context: int, batch: int, block_size: int, device) -> list[dict]:
+    """Kernel time of the tiled kernel per (tokens per tile, warps, pipeline stages, bits) at one shape."""
+    from kvtool.runtime.kernels.uniform_decode import uniform_decode_attention
+
+    hq, hkv, d = SHAPES[shape]
+    qs = torch.randn(batch * hkv, hq // hkv, d, device=device) / d**0.5
+    new = torch.randn(batch * hkv, d, device=device)
+    rows = []
+    for bits in (4, 2, 16):
+        kwargs, held = _store(batch, hkv, d, context, bits, device, block_size)
+        for tile in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    call = lambda: uniform_decode_attention(qs, new, new, **kwargs, precision="half", tile_tokens=tile,  # noqa: E731
+                                                            num_warps=warps, num_stages=stages)
+                    try:
+                        seconds = _kernel_time(call)
+                    except Exception as exc:
+                        rows.append({"bits": bits, "tile": tile, "warps": warps, "stages": stages, "error": str(exc)[:120]})
+                        continue
+                    rows.append({"bits": bits, "tile": tile, "warps": warps, "stages": stages, "us": seconds * 1e6,
+                                 "gbps": held / seconds / 1e9})
+                    print(json.dumps(rows[-1]), flush=True)
+        kwargs = None
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--block-size", type=int, default=32, help="tokens per body block (bundled kivi recipes: 32)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--general", action="store_true", help="also time the general kernel on 4-bit blocks")
+    parser.add_argument("--sweep", action="store_true", help="tune tile / warps / stages at Llama-3-8B 32K x 8 and stop")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_attention.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_attention needs a CUDA GPU (the Triton kernels' correctness is tested on CPU by the test suite)")
+    from kvtool.fileio import write_json_atomic
+
+    machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}
+    if args.sweep:
+        rows = sweep("llama3-8b", 32768, 8, args.block_size, "cuda")
+        best = {bits: min((r for r in rows if r.get("bits") == bits and "us" in r), key=lambda r: r["us"], default=None)
+                for bits in (4, 2, 16)}
+        print("best:", json.dumps(best))
+        write_json_atomic(args.out.with_name("gpu_attention_sweep.json"), {"machine": machine, "rows": rows})
+        return
     if args.quick:
         args.contexts, args.batches = [8192, 32768], [1, 8]
     rows = []
-    for shape in SHAPES:
+    for shape in args.shapes:
         for context in args.contexts:
             for batch in args.batches:
-                rows.append(row(shape, context, batch, "cuda"))
+                rows.append(row(shape, context, batch, "cuda", args.block_size, args.general))
                 print(json.dumps(rows[-1]), flush=True)  # as it goes: a long grid shows progress
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"decode attention, {torch.cuda.get_device_name()}")
-    for column in ("shape", "context", "batch", "SDPA bf16 us", "fp16 blocks us", "4-bit us", "2-bit us", "4-bit GB/s", "4-bit x SDPA",
-                   "2-bit x SDPA", "4-bit call ms"):
+    columns = ("shape", "context", "batch", "SDPA bf16 us", "fp16 blocks us", "4-bit us", "2-bit us", "fp16 GB/s", "4-bit GB/s",
+               "2-bit GB/s", "4-bit x SDPA", "2-bit x SDPA", "4-bit call ms", "general 4-bit us")
+    for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["shape"], str(r["context"]), str(r["batch"]), r["error"], *[""] * 7)
+            table.add_row(r["shape"], str(r["context"]), str(r["batch"]), r["error"], *[""] * (len(columns) - 4))
             continue
-        us = lambda key: f"{1e6 * r[key]:.0f}"  # noqa: E731
+        us = lambda key: f"{1e6 * r[key]:.0f}" if key in r else ""  # noqa: E731
         table.add_row(r["shape"], str(r["context"]), str(r["batch"]), us("sdpa_kernel_s"), us("kvtool_16bit_kernel_s"),
-                      us("kvtool_4bit_kernel_s"), us("kvtool_2bit_kernel_s"), f"{r['kvtool_4bit_gbps']:.0f}",
-                      f"{r['kvtool_4bit_speedup']:.2f}", f"{r['kvtool_2bit_speedup']:.2f}", f"{1e3 * r['kvtool_4bit_s']:.2f}")
+                      us("kvtool_4bit_kernel_s"), us("kvtool_2bit_kernel_s"), f"{r['kvtool_16bit_gbps']:.0f}",
+                      f"{r['kvtool_4bit_gbps']:.0f}", f"{r['kvtool_2bit_gbps']:.0f}", f"{r['kvtool_4bit_speedup']:.2f}",
+                      f"{r['kvtool_2bit_speedup']:.2f}", f"{1e3 * r['kvtool_4bit_s']:.2f}", us("general_4bit_kernel_s"))
     Console().print(table)
-    from kvtool.fileio import write_json_atomic
-
-    machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}
     write_json_atomic(args.out, {"machine": machine, "rows": rows})
     print(json.dumps(machine))
 

@@ -234,8 +234,71 @@ def test_decode_kernel_equals_the_dense_reference(side, head_dim, gqa, device):
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
     args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa)
-    out = paged_decode_attention(**args)
+    out = paged_decode_attention(**args, kernel="general")  # every format, one block at a time
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+# the formats the tiled fast kernel (`uniform_decode.py`) reads; the others go to the general kernel
+UNIFORM_SIDES = ["float", "uniform-2", "uniform-3", "uniform-4", "uniform-8", "uniform-4-token-keys-channel-values"]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("precision", ["exact", "half"])
+@pytest.mark.parametrize("side, head_dim, gqa", [(side, d, gqa) for side in UNIFORM_SIDES for d, gqa in DIAGONAL])
+def test_uniform_kernel_equals_the_dense_reference(side, head_dim, gqa, precision, device):
+    """The tiled kernel over float and uniform-code blocks (several blocks per tile, each packed byte read once):
+    float32 products match the reference at 1e-4; float16 operands (fp16 / bf16 models) within 2e-3 of the
+    largest output, the rounding of keys and probabilities to float16."""
+    from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+    from kvtool.runtime.kernels.uniform_decode import covers, uniform_decode_attention
+
+    args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa + 1)
+    assert covers(args["formats"], head_dim, BS)
+    args.pop("stream_group")  # no static tables in these formats
+    out = uniform_decode_attention(**args, precision=precision).cpu()
+    if precision == "exact":
+        torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(paged_decode_attention(**args), out, rtol=0, atol=0)  # auto picks this kernel
+    else:
+        assert (out - reference).abs().max() <= 2e-3 * reference.abs().max()
+        assert (out - reference).abs().max() > 0  # the products really were float16
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tile_tokens", [16, 32, 128])
+@pytest.mark.parametrize("side", ["uniform-2", "uniform-3", "float"])
+def test_uniform_kernel_tiles_of_any_width_read_the_same_tokens(side, tile_tokens, device):
+    """Tiles of 1 to 8 blocks (a partly filled last tile, 2-bit blocks of 8-row sub-tiles) read every token once."""
+    from kvtool.runtime.kernels.uniform_decode import uniform_decode_attention
+
+    args, reference = build_case(side, 64, 4, device, seed=11)
+    args.pop("stream_group")
+    out = uniform_decode_attention(**args, tile_tokens=tile_tokens, splits=2)
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_uniform_kernel_covers_the_bundled_uniform_recipes_and_nothing_it_cannot_read():
+    """kivi-2bit / kivi-4bit / int8 / uncompressed stores take the fast kernel (a regression that sent them back
+    to the general one would lose its speed silently); pre-RoPE, codebook, fp8 and mixed-width stores do not."""
+    from kvtool.recipe import load_recipe
+    from kvtool.runtime.kernels.uniform_decode import covers
+
+    def formats(recipe):
+        kq, vq = build_quantizers(recipe, 128, torch.float32, {})
+        return kq.kernel_format(), vq.kernel_format()
+
+    for name in ("kivi-2bit", "kivi-4bit", "int8"):
+        recipe = load_recipe(name)
+        assert covers(formats(recipe), 128, recipe.cache.block_size), name
+    assert covers(None, 128, 16)  # float blocks only (uncompressed, float eviction)
+    mixed = Recipe(name="mixed", keys=QuantSpec(bits=4, path="keys"), values=QuantSpec(bits=2, axis="token", path="values"))
+    assert not covers(formats(mixed), 128, 32)  # first slices of different widths: the general kernel
+    for side in ("fp8-dynamic", "nuq-3-1pct", "int8-static-channel-int4-layer", "turboquant-3", "palu-fp16"):
+        recipe = Recipe(name=side, keys=SIDES[side][0], values=SIDES[side][1], cache=CacheSpec(block_size=BS))
+        fitted = fitted_for(recipe, 128, (torch.ones(128), torch.ones(128)), torch.Generator().manual_seed(0))
+        kq, vq = build_quantizers(recipe, 128, torch.float32, fitted)
+        assert not covers((kq.kernel_format(), vq.kernel_format()), 128, BS), side
+    assert not covers(formats(load_recipe("kivi-4bit")), 96, 32)  # head_dim not a power of two
 
 
 @pytest.mark.parametrize("device", devices())
@@ -288,14 +351,17 @@ def test_fp8_bytes_decode_exactly_as_torch_float8(fmt, device):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("splits", [1, 2, 3])
-@pytest.mark.parametrize("side", ["uniform-4", "turboquant-3", "palu-3-hadamard-4"])
-def test_split_reduction_softcap_and_sinks(side, splits, device):
-    """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result (TurboQuant: each
-    split's rotated value sum is rotated back before the merge)."""
+@pytest.mark.parametrize("side, kernel", [
+    ("uniform-4", "auto"), ("uniform-4", "general"), ("float", "auto"), ("turboquant-3", "auto"), ("palu-3-hadamard-4", "auto"),
+])
+def test_split_reduction_softcap_and_sinks(side, kernel, splits, device):
+    """Flash-decoding splits, Gemma-style soft-capping and learned sinks give the same result, in the tiled
+    kernel (uniform, float) and the general one (TurboQuant: each split's rotated value sum is rotated back
+    before the merge)."""
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
     args, reference = build_case(side, 64, 4, device, softcap=5.0, sinks=True, seed=7)
-    out = paged_decode_attention(**args, splits=splits)
+    out = paged_decode_attention(**args, splits=splits, kernel=kernel)
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
 

@@ -275,7 +275,10 @@ class KvtoolLayer(CacheLayerMixin):
         elif self._kernel_covers(t, scoring, options, real):
             q = (query.float() * scaling).reshape(s, G, d)  # (S, R, D): g = 1, t = 1
             sink_logits = self._sink_logits(options.sinks, b, t)
-            out = self._kernel_decode(q, nk[:, 0, 0], nv[:, 0, 0], options, None if sink_logits is None else sink_logits[:, 0])
+            precision = "half" if query.dtype in (torch.float16, torch.bfloat16) else "exact"  # the model's own products
+            out = self._kernel_decode(
+                q, nk[:, 0, 0], nv[:, 0, 0], options, None if sink_logits is None else sink_logits[:, 0], precision
+            )
             out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
         else:
             q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
@@ -430,8 +433,9 @@ class KvtoolLayer(CacheLayerMixin):
                 valid=(unread > 0)[:, None], positions=None, region="unread", start=0,
             )
 
-    def _kernel_decode(self, q, new_k, new_v, options: LayerOptions, sink_logits) -> torch.Tensor:
-        """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place."""
+    def _kernel_decode(self, q, new_k, new_v, options: LayerOptions, sink_logits, precision: str = "exact") -> torch.Tensor:
+        """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place
+        (``precision`` "half" for float16 / bfloat16 models: float16 operands in the fast kernel's products)."""
         from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
@@ -472,7 +476,7 @@ class KvtoolLayer(CacheLayerMixin):
         return paged_decode_attention(
             q, new_k, new_v, float_pool["k"][:, :, 0], float_pool["v"][:, :, 0], store.float_table, store.lengths("float_len"),
             body, body_table, body_len, formats, store.bs, options.softcap, sink_logits, stream_group=self.group_of_stream,
-            rope=rope,
+            rope=rope, precision=precision,
         )
 
     def _kernel_rope(self):

@@ -339,13 +339,30 @@ def paged_decode_attention(
     tile: int | None = None,  # tokens of a body block decoded at once (None: `token_tile`); tests and tuning
     num_warps: int = 4,
     num_stages: int | None = None,  # None: Triton's default software pipelining
+    precision: str = "exact",  # "exact": float32 products; "half": float16 operands (`uniform_decode`), fp16/bf16 models
+    kernel: str = "auto",  # "auto": `uniform_decode` where it reads the formats, else this general kernel; "general"
 ) -> torch.Tensor:
-    """Attention output (S, R, D) float32 of one decode step over the paged store."""
+    """Attention output (S, R, D) float32 of one decode step over the paged store.
+
+    Float and uniform-code stores with keys after RoPE go to `uniform_decode.uniform_decode_attention` (tiles of
+    several blocks, each packed byte read once) unless ``kernel="general"`` or a token ``tile`` is asked for; the
+    general kernel below reads every format, one block at a time, in float32 products."""
+    from kvtool.runtime.kernels import uniform_decode
+
+    if kernel not in ("auto", "general"):
+        raise ValueError(f"paged_decode_attention: kernel '{kernel}' is not 'auto' or 'general'")
+    has_body = body is not None and body_table is not None and body_table.shape[1] > 0
+    if kernel == "auto" and tile is None and rope is None and uniform_decode.covers(
+        formats if has_body else None, q.shape[-1], block_size if has_body else 16
+    ):
+        return uniform_decode.uniform_decode_attention(
+            q, new_k, new_v, float_k, float_v, float_table, float_len, body, body_table, body_len, formats, block_size,
+            softcap, sink_logits, splits, precision=precision,
+        )
     s, r, d = q.shape
     device = q.device
     q = q.contiguous().float()
     br, bd, fbs = query_rows(r), triton.next_power_of_2(d), float_k.shape[1]
-    has_body = body is not None and body_table is not None and body_table.shape[1] > 0
     longest = int(float_table.shape[1]) + (int(body_table.shape[1]) if has_body else 0)
     splits = splits or splits_for(s, longest)
     m = torch.empty((s, splits, br), device=device, dtype=torch.float32)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: versions, the kernel tests on CUDA, the decode-attention table, the tiled kernel's
+# tuning sweep and end-to-end decoding. Each step has its own time limit so one slow step cannot eat the others.
+#   bash benchmarks/gpu_check.sh [tests] [table] [sweep] [generate]     (default: all four)
+# Logs and JSON go to $OUT when it is set (the device tool's folder), else benchmarks/results/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+steps="${*:-tests table sweep generate}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+for step in $steps; do
+  start=$(date +%s)
+  case "$step" in
+    tests) timeout "${TESTS_S:-120}" python3 -m pytest tests/test_kernels.py -m gpu -q -x -p no:cacheprovider \
+             -k "uniform_kernel and (128-4 or 256-8 or tiles)" 2>&1 | tail -n 15 ;;
+    table) timeout "${TABLE_S:-200}" python3 -m benchmarks.gpu_attention --general --out "$out/gpu_attention.json" \
+             > "$out/gpu_attention.log" 2>&1; tail -n 40 "$out/gpu_attention.log" ;;
+    sweep) timeout "${SWEEP_S:-120}" python3 -m benchmarks.gpu_attention --sweep --out "$out/gpu_attention.json" \
+             > "$out/gpu_sweep.log" 2>&1; grep -E "best|error|Error" "$out/gpu_sweep.log" | tail -n 8 ;;
+    generate) timeout "${GENERATE_S:-120}" python3 -m benchmarks.gpu_generate --random-weights --batch 32 --context 8192 \
+             --recipes kivi-4bit kivi-2bit --out "$out/gpu_generate.json" > "$out/gpu_generate.log" 2>&1; tail -n 14 "$out/gpu_generate.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  echo "== $step: $(( $(date +%s) - start )) s"
+done
