@@ -168,8 +168,8 @@ def sweep(shape: str, context: int, batch: int, block_size: int, device) -> list
     rows = []
     for bits in (4, 2, 16):
         kwargs, held = _store(batch, hkv, d, context, bits, device, block_size)
-        for tile in (32, 64, 128):
-            for warps in (4, 8):
+        for tile in (16, 32, 64):
+            for warps in (2, 4):
                 for stages in (2, 3):
                     call = lambda: uniform_decode_attention(qs, new, new, **kwargs, precision="half", tile_tokens=tile,  # noqa: E731
                                                             num_warps=warps, num_stages=stages)

@@ -9,17 +9,21 @@ out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 steps="${*:-tests table sweep generate}"
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to the device (a newer transformers than its image's)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for step in $steps; do
   start=$(date +%s)
   case "$step" in
-    tests) timeout "${TESTS_S:-120}" python3 -m pytest tests/test_kernels.py -m gpu -q -x -p no:cacheprovider \
-             -k "uniform_kernel and (128-4 or 256-8 or tiles)" 2>&1 | tail -n 15 ;;
+    tests) timeout "${TESTS_S:-120}" python3 -m pytest tests/test_kernels.py -m gpu -q -p no:cacheprovider \
+             -k "uniform_kernel and (128-4 or 256-8 or tiles)" > "$out/gpu_tests.log" 2>&1; tail -n 3 "$out/gpu_tests.log" ;;
     table) timeout "${TABLE_S:-200}" python3 -m benchmarks.gpu_attention --general --out "$out/gpu_attention.json" \
-             > "$out/gpu_attention.log" 2>&1; tail -n 40 "$out/gpu_attention.log" ;;
+             > "$out/gpu_attention.log" 2>&1; grep -E "rror" "$out/gpu_attention.log" | cut -c1-300 | tail -n 4 ;;
     sweep) timeout "${SWEEP_S:-120}" python3 -m benchmarks.gpu_attention --sweep --out "$out/gpu_attention.json" \
-             > "$out/gpu_sweep.log" 2>&1; grep -E "best|error|Error" "$out/gpu_sweep.log" | tail -n 8 ;;
+             > "$out/gpu_sweep.log" 2>&1; grep -E "best|rror" "$out/gpu_sweep.log" | cut -c1-300 | tail -n 4 ;;
     generate) timeout "${GENERATE_S:-120}" python3 -m benchmarks.gpu_generate --random-weights --batch 32 --context 8192 \
              --recipes kivi-4bit kivi-2bit --out "$out/gpu_generate.json" > "$out/gpu_generate.log" 2>&1; tail -n 14 "$out/gpu_generate.log" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -38,82 +38,169 @@ all three under ``TRITON_INTERPRET=1`` and on CUDA).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from kvtool.runtime.kernels.body_format import BodyFormat
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX under the interpreter
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2**23: OR-ing a code < 2**23 into its mantissa gives 2**23 + code
+MAGIC_HALF = tl.constexpr(0x6400)  # float16 bits of 1024: OR-ing a code < 1024 into its mantissa gives 1024 + code
 
 
 @triton.jit
-def _codes_as_float(code):
-    """int32 codes in [0, 2**23) -> float32, exactly, with an OR and a subtraction (no conversion instruction)."""
-    return (code | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+def _codes_as_float(code, HALF: tl.constexpr):
+    """int32 codes -> float32 (codes < 2**23) or float16 (HALF, codes < 1024), exactly, with an OR and a subtraction
+    instead of an int -> float conversion (a quarter-rate instruction)."""
+    if HALF:
+        return (code | MAGIC_HALF).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return (code | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+
+
+def _half_codes_asm(shift: int, mask: int) -> str:
+    """PTX: four packed bytes ($2) -> four float16 ``1024 + ((byte >> shift) & mask)`` ($0: bytes 0, 1; $1: 2, 3).
+
+    prmt spreads the bytes into the low byte of each 16-bit half; one shift and one lop3 ((a & b) | c) per pair then
+    take the code's bits and OR them into the mantissa of 1024.0 (0x6400): two instructions per two codes, where the
+    portable path spends a conversion, shifts, masks and repacking per code."""
+    pair = mask | mask << 16
+    shifted = [f"shr.b32 t0, t0, {shift};", f"shr.b32 t1, t1, {shift};"] if shift else []
+    return " ".join([
+        "{ .reg .b32 t0, t1;", "prmt.b32 t0, 0, $2, 0x0504;", "prmt.b32 t1, 0, $2, 0x0706;", *shifted,
+        f"lop3.b32 $0, t0, {pair:#x}, 0x64006400, 0xea;", f"lop3.b32 $1, t1, {pair:#x}, 0x64006400, 0xea; }}",
+    ])
+
+
+# the (shift, mask) pairs sub-tiles take: 8-bit codes, 4-bit sub-tiles 0 and 1, 2-bit sub-tiles 0 to 3
+ASM_8_0 = tl.constexpr(_half_codes_asm(0, 0xFF))
+ASM_4_0 = tl.constexpr(_half_codes_asm(0, 0xF))
+ASM_4_4 = tl.constexpr(_half_codes_asm(4, 0xF))
+ASM_2_0 = tl.constexpr(_half_codes_asm(0, 0x3))
+ASM_2_2 = tl.constexpr(_half_codes_asm(2, 0x3))
+ASM_2_4 = tl.constexpr(_half_codes_asm(4, 0x3))
+ASM_2_6 = tl.constexpr(_half_codes_asm(6, 0x3))
 
 
 @triton.jit
-def _first_slice(codes_ptr, blocks, valid, c, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, R0: tl.constexpr):
-    """The packed bytes of the first slice of NB blocks: (NB, R0, D) int32 (0 for blocks past the range)."""
-    rows = tl.arange(0, R0)
-    base = codes_ptr + blocks[:, None, None] * (BS * BITS // 8 * D)
-    return tl.load(base + rows[None, :, None] * D + c[None, None, :], mask=valid[:, None, None], other=0).to(tl.int32)
+def _bytes_as_half(b, W0: tl.constexpr, i: tl.constexpr):
+    """uint8 bytes (...) -> float16 codes of sub-tile i (bits i*W0 .. i*W0 + W0 - 1), exactly, by inline PTX on
+    four bytes at a time (CUDA only: the interpreter takes `_side_codes`)."""
+    if W0 == 8:
+        asm: tl.constexpr = ASM_8_0
+    elif W0 == 4:
+        if i == 0:
+            asm: tl.constexpr = ASM_4_0
+        else:
+            asm: tl.constexpr = ASM_4_4
+    else:
+        if i == 0:
+            asm: tl.constexpr = ASM_2_0
+        elif i == 1:
+            asm: tl.constexpr = ASM_2_2
+        elif i == 2:
+            asm: tl.constexpr = ASM_2_4
+        else:
+            asm: tl.constexpr = ASM_2_6
+    x = tl.inline_asm_elementwise(asm, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    return x - 1024.0
 
 
 @triton.jit
-def _channel_params(scale_ptr, zero_ptr, blocks, valid, c, D: tl.constexpr, SCALES: tl.constexpr):
-    """Per-channel scale and zero of NB blocks as (NB, 1, D) float32 (SCALES 1); dummies otherwise."""
+def _side_codes(codes_ptr, blocks, i: tl.constexpr, c, TS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
+    """Codes (NB, TS, D) int32 of tokens i*TS .. i*TS + TS - 1 of NB blocks.
+
+    The first slice's TS byte rows hold ``8 / W0`` sub-tiles of tokens: sub-tile i is bits ``i*W0 ..`` of the same
+    bytes (read from DRAM once; the next sub-tile's read hits the cache). 3-bit codes' 1-bit slice (BS / 8 rows):
+    token t is bit ``t // R1`` of row ``t % R1``.
+    """
+    rows = tl.arange(0, TS)
+    base = codes_ptr + blocks[:, None, None] * (BS * BITS // 8 * D) + c[None, None, :]
+    b0 = tl.load(base + rows[None, :, None] * D).to(tl.int32)
+    if W0 == 8:
+        code = b0
+    else:
+        code = (b0 >> (i * W0)) & ((1 << W0) - 1)
+    if W1 > 0:
+        R1: tl.constexpr = BS * W1 // 8
+        t = i * TS + rows
+        b1 = tl.load(base + (BS * W0 // 8) * D + (t % R1)[None, :, None] * D)
+        code = code | (((b1.to(tl.int32) >> ((t // R1) * W1)[None, :, None]) & ((1 << W1) - 1)) << W0)
+    return code
+
+
+@triton.jit
+def _channel_params(scale_ptr, zero_ptr, blocks, c, D: tl.constexpr, SCALES: tl.constexpr):
+    """Per-channel scale and zero of NB blocks, (NB, 1, D) fp16, read once per tile (SCALES 1); else placeholders."""
     if SCALES == 1:
         offs = blocks[:, None] * D + c[None, :]
-        scale = tl.load(scale_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        return scale[:, None, :], zero[:, None, :]
+        return tl.load(scale_ptr + offs)[:, None, :], tl.load(zero_ptr + offs)[:, None, :]
     else:
-        return tl.zeros((1, 1, D), tl.float32), tl.zeros((1, 1, D), tl.float32)
+        return tl.zeros((1, 1, D), tl.float16), tl.zeros((1, 1, D), tl.float16)
 
 
 @triton.jit
-def _side_tokens(data_ptr, scale_ptr, zero_ptr, bytes0, ch_scale, ch_zero, blocks, valid, i: tl.constexpr, c,
-                 NB: tl.constexpr, TS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
-                 W0: tl.constexpr, W1: tl.constexpr, SCALES: tl.constexpr, GROUP: tl.constexpr):
-    """Tokens i*TS .. i*TS + TS - 1 of NB blocks of one side as float32 (NB, TS, D).
-
-    BITS 16: float blocks (cap, BS, D); else codes whose first slice's bytes (NB, TS, D) int32 are
-    ``bytes0`` (TS == R0), with per-channel parameters ``ch_scale``, ``ch_zero`` (NB, 1, D)
-    (SCALES 1) or per-token-group parameters read here (SCALES 2).
-    """
-    t = i * TS + tl.arange(0, TS)  # (TS,) tokens of each block
-    if BITS == 16:
-        offs = blocks[:, None, None] * (BS * D) + t[None, :, None] * D + c[None, None, :]
-        x = tl.load(data_ptr + offs, mask=valid[:, None, None], other=0.0).to(tl.float32)
+def _tile_bytes(codes_ptr, blocks, c, TS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+                W1: tl.constexpr, ASM: tl.constexpr):
+    """The first slice's bytes of NB blocks, (NB, TS, D) uint8, read once per tile for every sub-tile (ASM, codes of
+    one slice); else a placeholder (the sub-tiles read their codes themselves)."""
+    if ASM and BITS != 16 and W1 == 0:
+        rows = tl.arange(0, TS)
+        return tl.load(codes_ptr + blocks[:, None, None] * (BS * BITS // 8 * D) + rows[None, :, None] * D + c[None, None, :])
     else:
-        code = (bytes0 >> (i * W0)) & ((1 << W0) - 1)  # (NB, TS, D) the first slice's bits of these tokens
-        if W1 > 0:  # 3-bit codes: a 1-bit slice of BS / 8 rows; token t is bit t // R1 of row t % R1
-            R1: tl.constexpr = BS * W1 // 8
-            base = data_ptr + blocks[:, None, None] * (BS * BITS // 8 * D) + (BS * W0 // 8) * D
-            b1 = tl.load(base + (t % R1)[None, :, None] * D + c[None, None, :], mask=valid[:, None, None], other=0)
-            code = code | (((b1.to(tl.int32) >> ((t // R1) * W1)[None, :, None]) & ((1 << W1) - 1)) << W0)
-        x = _codes_as_float(code)
-        if SCALES == 1:
-            x = x * ch_scale + ch_zero
+        return tl.zeros((1, 1, 1), tl.uint8)
+
+
+@triton.jit
+def _side_tile(data_ptr, scale_ptr, zero_ptr, tile_bytes, ch_scale, ch_zero, blocks, i: tl.constexpr, c, NB: tl.constexpr,
+               TS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr,
+               W1: tl.constexpr, SCALES: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
+    """Tokens i*TS .. i*TS + TS - 1 of NB blocks of one side as (NB * TS, D): float16 (HALF) or float32.
+
+    BITS 16: float16 blocks (cap, BS, D); else codes (`_side_codes`, or on CUDA `_bytes_as_half` of the tile's
+    bytes ``tile_bytes``, read once for all its sub-tiles) times their
+    per-channel (SCALES 1: ``ch_scale``, ``ch_zero`` (NB, 1, D)) or per-token-group (SCALES 2: (BS, D / GROUP) per
+    block, read here) fp16 scale, plus the zero. Every block id is a real block of the stream (the caller repeats
+    the last one past the range), so nothing is masked: every value is finite and the logits mask the repeats.
+    """
+    if BITS == 16:
+        t = i * TS + tl.arange(0, TS)
+        x = tl.load(data_ptr + blocks[:, None, None] * (BS * D) + t[None, :, None] * D + c[None, None, :])
+    else:
+        if ASM and W1 == 0:  # CUDA, float16: four codes per pair of instructions, from the tile's bytes
+            x = _bytes_as_half(tile_bytes, W0, i)
+        else:
+            x = _codes_as_float(_side_codes(data_ptr, blocks, i, c, TS, D, BS, BITS, W0, W1), HALF)
+        if SCALES == 1:  # per block and channel: (NB, 1, D)
+            scale = ch_scale
+            zero = ch_zero
         else:  # per token and group of GROUP channels: (NB, TS, NG) expanded over each group's channels
             NG: tl.constexpr = D // GROUP
+            t = i * TS + tl.arange(0, TS)
             g = tl.arange(0, NG)
             offs = blocks[:, None, None] * (BS * NG) + t[None, :, None] * NG + g[None, None, :]
-            scale = tl.load(scale_ptr + offs, mask=valid[:, None, None], other=0.0).to(tl.float32)
-            zero = tl.load(zero_ptr + offs, mask=valid[:, None, None], other=0.0).to(tl.float32)
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, :, None], (NB, TS, NG, GROUP)), (NB, TS, D))
-            zero = tl.reshape(tl.broadcast_to(zero[:, :, :, None], (NB, TS, NG, GROUP)), (NB, TS, D))
-            x = x * scale + zero
-    return x
+            scale = tl.reshape(tl.broadcast_to(tl.load(scale_ptr + offs)[:, :, :, None], (NB, TS, NG, GROUP)), (NB, TS, D))
+            zero = tl.reshape(tl.broadcast_to(tl.load(zero_ptr + offs)[:, :, :, None], (NB, TS, NG, GROUP)), (NB, TS, D))
+        if HALF:
+            x = x * scale + zero  # float16 arithmetic: the product's rounding, the model's own precision
+        else:
+            x = x * scale.to(tl.float32) + zero.to(tl.float32)
+    if HALF:
+        x = x.to(tl.float16)
+    else:
+        x = x.to(tl.float32)
+    return tl.reshape(x, (NB * TS, D))
 
 
 @triton.jit
-def _absorb(q, k, v, valid, m, l, acc, HALF: tl.constexpr, SOFTCAP: tl.constexpr, softcap):
-    """Online-softmax update of rows q (BR, D) with tokens k, v (T, D) float32, valid (T,)."""
+def _scores(q, k, m, valid, HALF: tl.constexpr, SOFTCAP: tl.constexpr, softcap):
+    """Online-softmax step for rows q (BR, D) over keys k (T, D), valid (T,): (m_new, rescale (BR,), p (BR, T))."""
     if HALF:
-        logits = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))  # (BR, T) float32 accumulation
+        logits = tl.dot(q.to(k.dtype), tl.trans(k))  # (BR, T) half operands, float32 accumulation
     else:
         logits = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     if SOFTCAP:
@@ -121,14 +208,16 @@ def _absorb(q, k, v, valid, m, l, acc, HALF: tl.constexpr, SOFTCAP: tl.constexpr
     logits = tl.where(valid[None, :], logits, float("-inf"))
     m_new = tl.maximum(m, tl.max(logits, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_safe)
-    p = tl.exp(logits - m_safe[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
+    return m_new, tl.exp(m - m_safe), tl.exp(logits - m_safe[:, None])
+
+
+@triton.jit
+def _weighted(p, v, HALF: tl.constexpr):
+    """p (BR, T) float32 @ v (T, D): (BR, D) float32."""
     if HALF:
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        return tl.dot(p.to(v.dtype), v)
     else:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
-    return m_new, l, acc
+        return tl.dot(p, v, input_precision="tf32x3")
 
 
 @triton.jit
@@ -136,7 +225,7 @@ def _uniform_partials(
     q_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr,
     kd_ptr, ks_ptr, kz_ptr, vd_ptr, vs_ptr, vz_ptr, m_out, l_out, acc_out, R, softcap, f_per, b_per, SPLITS,
     D: tl.constexpr, BR: tl.constexpr, FBS: tl.constexpr, NBF: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
-    TS: tl.constexpr, HAS_BODY: tl.constexpr, HALF: tl.constexpr, SOFTCAP: tl.constexpr,
+    TS: tl.constexpr, HAS_BODY: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, SOFTCAP: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr,
 ):
@@ -148,7 +237,7 @@ def _uniform_partials(
     m = tl.full((BR,), float("-inf"), tl.float32)
     l = tl.zeros((BR,), tl.float32)
     acc = tl.zeros((BR, D), tl.float32)
-    # float blocks f_per * split .. : NBF blocks of FBS tokens per step
+    # float blocks f_per * split ..: NBF blocks of FBS tokens per step, products in the pool's dtype (HALF)
     flen = tl.load(flen_ptr + s).to(tl.int32)
     f_end = tl.minimum(tl.cdiv(flen, FBS), (split + 1) * f_per)
     nbf = tl.arange(0, NBF)
@@ -158,10 +247,22 @@ def _uniform_partials(
         blocks = tl.load(ftable_ptr + s * ftable_stride + cols, mask=cols < f_end, other=0).to(tl.int64)
         valid = (cols[:, None] * FBS + tf[None, :]) < flen  # (NBF, FBS)
         offs = blocks[:, None, None] * (FBS * D) + tf[None, :, None] * D + c[None, None, :]
-        k = tl.load(fk_ptr + offs, mask=valid[:, :, None], other=0.0).to(tl.float32)
-        v = tl.load(fv_ptr + offs, mask=valid[:, :, None], other=0.0).to(tl.float32)
-        m, l, acc = _absorb(q, tl.reshape(k, (NBF * FBS, D)), tl.reshape(v, (NBF * FBS, D)), tl.reshape(valid, (NBF * FBS,)),
-                            m, l, acc, HALF, SOFTCAP, softcap)
+        k = tl.reshape(tl.load(fk_ptr + offs, mask=valid[:, :, None], other=0.0), (NBF * FBS, D))
+        if HALF:
+            if k.dtype == tl.float32:
+                k = k.to(tl.float16)
+        else:
+            k = k.to(tl.float32)
+        m_new, alpha, p = _scores(q, k, m, tl.reshape(valid, (NBF * FBS,)), HALF, SOFTCAP, softcap)
+        v = tl.reshape(tl.load(fv_ptr + offs, mask=valid[:, :, None], other=0.0), (NBF * FBS, D))
+        if HALF:
+            if v.dtype == tl.float32:
+                v = v.to(tl.float16)
+        else:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + _weighted(p, v, HALF)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
     if HAS_BODY:
         blen = tl.load(blen_ptr + s).to(tl.int32)
         b_end = tl.minimum(blen, (split + 1) * b_per)
@@ -169,23 +270,22 @@ def _uniform_partials(
         for start in range(split * b_per, b_end, NB):
             cols = start + nb  # (NB,)
             valid = cols < b_end
-            blocks = tl.load(btable_ptr + s * btable_stride + cols, mask=valid, other=0).to(tl.int64)
-            kbytes = tl.zeros((1, 1, 1), tl.int32)
-            vbytes = tl.zeros((1, 1, 1), tl.int32)
-            if K_BITS != 16:
-                kbytes = _first_slice(kd_ptr, blocks, valid, c, D, BS, K_BITS, TS)  # (NB, TS, D)
-            if V_BITS != 16:
-                vbytes = _first_slice(vd_ptr, blocks, valid, c, D, BS, V_BITS, TS)
-            k_scale, k_zero = _channel_params(ks_ptr, kz_ptr, blocks, valid, c, D, K_SCALES)  # (NB, 1, D)
-            v_scale, v_zero = _channel_params(vs_ptr, vz_ptr, blocks, valid, c, D, V_SCALES)
+            # past the range: the range's last block again (a real block: finite values, unmasked loads), masked below
+            blocks = tl.load(btable_ptr + s * btable_stride + tl.minimum(cols, b_end - 1)).to(tl.int64)
             token_valid = tl.reshape(tl.broadcast_to(valid[:, None], (NB, TS)), (NB * TS,))
+            k_scale, k_zero = _channel_params(ks_ptr, kz_ptr, blocks, c, D, K_SCALES)  # (NB, 1, D)
+            v_scale, v_zero = _channel_params(vs_ptr, vz_ptr, blocks, c, D, V_SCALES)
+            k_bytes = _tile_bytes(kd_ptr, blocks, c, TS, D, BS, K_BITS, K_W1, ASM)  # (NB, TS, D) uint8
+            v_bytes = _tile_bytes(vd_ptr, blocks, c, TS, D, BS, V_BITS, V_W1, ASM)
             for i in tl.static_range(BS // TS):  # sub-tile i: tokens i*TS .. of every block (bits i*W0 .. of the bytes)
-                k = _side_tokens(kd_ptr, ks_ptr, kz_ptr, kbytes, k_scale, k_zero, blocks, valid, i, c, NB, TS, D, BS,
-                                 K_BITS, K_W0, K_W1, K_SCALES, K_GROUP)
-                v = _side_tokens(vd_ptr, vs_ptr, vz_ptr, vbytes, v_scale, v_zero, blocks, valid, i, c, NB, TS, D, BS,
-                                 V_BITS, V_W0, V_W1, V_SCALES, V_GROUP)
-                m, l, acc = _absorb(q, tl.reshape(k, (NB * TS, D)), tl.reshape(v, (NB * TS, D)), token_valid, m, l, acc,
-                                    HALF, SOFTCAP, softcap)
+                k = _side_tile(kd_ptr, ks_ptr, kz_ptr, k_bytes, k_scale, k_zero, blocks, i, c, NB, TS, D, BS, K_BITS, K_W0, K_W1,
+                               K_SCALES, K_GROUP, HALF, ASM)  # (NB * TS, D)
+                m_new, alpha, p = _scores(q, k, m, token_valid, HALF, SOFTCAP, softcap)
+                v = _side_tile(vd_ptr, vs_ptr, vz_ptr, v_bytes, v_scale, v_zero, blocks, i, c, NB, TS, D, BS, V_BITS, V_W0, V_W1,
+                               V_SCALES, V_GROUP, HALF, ASM)
+                acc = acc * alpha[:, None] + _weighted(p, v, HALF)
+                l = l * alpha + tl.sum(p, axis=1)
+                m = m_new
     out = (s * SPLITS + split) * BR
     tl.store(m_out + out + r, m)
     tl.store(l_out + out + r, l)
@@ -313,6 +413,7 @@ def uniform_decode_attention(
         q, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen,
         *k_ptrs, *v_ptrs, m, l, acc, r, float(softcap or 0.0), f_per, b_per, splits,
         D=d, BR=br, FBS=fbs, NBF=nbf, BS=bs, NB=nb, TS=ts, HAS_BODY=has_body, HALF=precision == "half",
+        ASM=precision == "half" and q.is_cuda and not INTERPRETED,
         SOFTCAP=bool(softcap), **{f"K_{k}": v for k, v in _constants(kf).items()},
         **{f"V_{k}": v for k, v in _constants(vf).items()},
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
