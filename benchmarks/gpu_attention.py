@@ -195,8 +195,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--general", action="store_true", help="also time the general kernel on 4-bit blocks")
     parser.add_argument("--sweep", action="store_true", help="tune tile / warps / stages at Llama-3-8B 32K x 8 and stop")
+    parser.add_argument("--profile-one", action="store_true",
+                        help="run the 4-bit kernel a few times at Llama-3-8B 32K x 8 and stop (for a profiler such as ncu)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_attention.json"))
     args = parser.parse_args()
+    if args.profile_one:
+        from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+        hq, hkv, d = SHAPES["llama3-8b"]
+        kwargs, _ = _store(8, hkv, d, 32768, 4, "cuda", args.block_size)
+        qs, new = torch.randn(8 * hkv, hq // hkv, d, device="cuda") / d**0.5, torch.randn(8 * hkv, d, device="cuda")
+        for _ in range(5):
+            paged_decode_attention(qs, new, new, **kwargs, precision="half")
+        torch.cuda.synchronize()
+        return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_attention needs a CUDA GPU (the Triton kernels' correctness is tested on CPU by the test suite)")
     from kvtool.fileio import write_json_atomic

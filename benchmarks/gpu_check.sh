@@ -19,13 +19,18 @@ for step in $steps; do
   start=$(date +%s)
   case "$step" in
     tests) timeout "${TESTS_S:-120}" python3 -m pytest tests/test_kernels.py -m gpu -q -p no:cacheprovider \
-             -k "uniform_kernel and (128-4 or 256-8 or tiles)" > "$out/gpu_tests.log" 2>&1; tail -n 3 "$out/gpu_tests.log" ;;
+             -k "${TESTS_K:-uniform_kernel and (128-4 or 256-8 or tiles)}" > "$out/gpu_tests.log" 2>&1; tail -n 3 "$out/gpu_tests.log" ;;
     table) timeout "${TABLE_S:-200}" python3 -m benchmarks.gpu_attention --general --out "$out/gpu_attention.json" \
              > "$out/gpu_attention.log" 2>&1; grep -E "rror" "$out/gpu_attention.log" | cut -c1-300 | tail -n 4 ;;
     sweep) timeout "${SWEEP_S:-120}" python3 -m benchmarks.gpu_attention --sweep --out "$out/gpu_attention.json" \
              > "$out/gpu_sweep.log" 2>&1; grep -E "best|rror" "$out/gpu_sweep.log" | cut -c1-300 | tail -n 4 ;;
     generate) timeout "${GENERATE_S:-120}" python3 -m benchmarks.gpu_generate --random-weights --batch 32 --context 8192 \
              --recipes kivi-4bit kivi-2bit --out "$out/gpu_generate.json" > "$out/gpu_generate.log" 2>&1; tail -n 14 "$out/gpu_generate.log" ;;
+    ncu) timeout "${NCU_S:-60}" ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
+             --section ComputeWorkloadAnalysis --section LaunchStats -k regex:uniform_partials --launch-skip 3 -c 1 \
+             python3 -m benchmarks.gpu_attention --profile-one > "$out/ncu.txt" 2>&1
+           grep -E "Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Issue Slots|Warp Cycles Per Issued|Duration|Local Memory" \
+             "$out/ncu.txt" | cut -c1-110 | head -n 16 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "== $step: $(( $(date +%s) - start )) s"

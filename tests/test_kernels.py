@@ -258,7 +258,7 @@ def test_uniform_kernel_equals_the_dense_reference(side, head_dim, gqa, precisio
     out = uniform_decode_attention(**args, precision=precision).cpu()
     if precision == "exact":
         torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(paged_decode_attention(**args), out, rtol=0, atol=0)  # auto picks this kernel
+        torch.testing.assert_close(paged_decode_attention(**args).cpu(), out, rtol=0, atol=0)  # auto picks this kernel
     else:
         assert (out - reference).abs().max() <= 2e-3 * reference.abs().max()
         assert (out - reference).abs().max() > 0  # the products really were float16

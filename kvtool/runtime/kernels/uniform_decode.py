@@ -337,10 +337,17 @@ def _constants(fmt: BodyFormat) -> dict:
                 GROUP=fmt.group if fmt.scales == "token" else 1)
 
 
-def tile_for(head_dim: int) -> int:
-    """Tokens per product: 8192 values per tile (64 float32 registers a thread for keys and as many for values at
-    4 warps), 16 to 128 tokens."""
-    return max(16, min(128, 8192 // head_dim))
+def tile_for(head_dim: int, codes: bool) -> tuple[int, int]:
+    """(tokens per product, warps per program): 4096 values per tile at 2 warps for code blocks, 8192 at 4 warps for
+    float blocks; 16 to 128 tokens. Measured on an H100 (`benchmarks.gpu_attention --sweep`, Llama-3-8B heads at
+    32K x 8): 4-bit 323 us at 32 tokens x 2 warps against 338 at 64 x 4 and 485 at 16 x 2; 2-bit 268 against 305
+    and 446; float16 blocks 392-407 us for 16-64 tokens at 2 or 4 warps."""
+    if codes:
+        return max(16, min(128, 4096 // head_dim)), 2
+    return max(16, min(128, 8192 // head_dim)), 4
+
+
+CODE_STAGES = 2  # software-pipeline depth for code blocks: 2 beat 3 in every 4- and 2-bit row of the H100 sweep
 
 
 def splits_for(streams: int, tiles: int, programs: int = 1024) -> int:
@@ -367,7 +374,7 @@ def uniform_decode_attention(
     splits: int | None = None,
     precision: str = "exact",  # "exact": float32 products (tf32x3); "half": float16 operands, float32 accumulation
     tile_tokens: int | None = None,  # tokens per tensor-core product (NB blocks x sub-tile tokens); None: `tile_for`
-    num_warps: int = 4,
+    num_warps: int | None = None,  # None: `tile_for`
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store (see the module docstring)."""
@@ -382,7 +389,11 @@ def uniform_decode_attention(
     if not covers(formats if has_body else None, d, block_size if has_body else 16):
         raise ValueError(f"uniform_decode_attention: formats {formats} at head_dim {d} are the general kernel's")
     br, fbs = query_rows(r), float_k.shape[1]
-    tile_tokens = tile_tokens or tile_for(d)
+    codes = has_body and any(fmt.bits != 16 for fmt in formats)
+    tile_tokens = tile_tokens or tile_for(d, codes)[0]
+    num_warps = num_warps or tile_for(d, codes)[1]
+    if num_stages is None and codes:
+        num_stages = CODE_STAGES
     nbf = max(1, tile_tokens // fbs)
     dummy = zeros(1, torch.float32, device)
     dummy_table = zeros(s, torch.int32, device)[:, None]  # (S, 1)
