@@ -577,6 +577,31 @@ def test_triton_backend_generates_the_torch_backends_tokens(name, family, device
     torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "exact"), (torch.float16, "half")])
+def test_the_runtime_decodes_kivi_with_the_tiled_kernel_at_the_models_precision(dtype, precision, monkeypatch):
+    """Every decode step of a kivi store goes through the tiled kernel (if a change sent it back to the general
+    kernel, the GPU speed would be lost without any other test failing), with float16 products exactly when the
+    model computes in a 16-bit dtype."""
+    from kvtool.runtime.kernels import uniform_decode
+
+    calls = []
+    real = uniform_decode.uniform_decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("precision"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(uniform_decode, "uniform_decode_attention", spy)
+    model = tiny_model("llama", kv_heads=2).to(dtype)
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
+    out, cache = _generate(model, GENERATION_RECIPES["kivi"], "triton", ids, mask, tokens=4)
+    layers = model.config.num_hidden_layers
+    assert cache.memory_report()["kernel_steps"] == len(calls) >= 3 * layers
+    assert set(calls) == {precision}
+    assert out.sequences.shape[1] == 80 + 4
+
+
 def _body_bytes(cache) -> list[dict[str, torch.Tensor]]:
     """Every layer's body blocks in table order, {name: (S, nb, ...)} viewed as bytes."""
     out = []

@@ -68,7 +68,11 @@ def _from_transformers(config, num_layers: int) -> tuple[list[str], list[int | N
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         kinds, kwargs = get_layer_types_and_kwargs(config)
-        kinds, windows = list(kinds), [k.get("sliding_window") for k in kwargs]
+        kinds = list(kinds)
+        if isinstance(kwargs, dict):  # transformers < 5.2x: one kwargs dict shared by every layer (not per layer)
+            windows = [kwargs.get("sliding_window") if kind == SLIDING else None for kind in kinds]
+        else:
+            windows = [k.get("sliding_window") for k in kwargs]
     except (ImportError, AttributeError, TypeError):  # older transformers 5.x
         window = getattr(config, "sliding_window", None) or None
         kinds = list(getattr(config, "layer_types", None) or [SLIDING if window else FULL] * num_layers)

@@ -3,8 +3,9 @@
 Resolved once per runtime and reported in every memory report (``backend``):
 
 * ``torch``: the pure-torch reference (`paged_attention.py` and the methods' ``chunk_*``), any device;
-* ``triton``: the Triton decode kernel (`kernels/decode_attention.py`) reads the store in place for
-  every decode step it covers: float blocks and body blocks of the formats whose quantizer has
+* ``triton``: the Triton decode kernels read the store in place for every decode step they cover
+  (`kernels/uniform_decode.py` for float and uniform-code stores, in float16 products when the
+  model computes in fp16 / bf16; `kernels/decode_attention.py` for the rest): float blocks and body blocks of the formats whose quantizer has
   a `kernel_format` (none: float16 data; uniform 2/3/4/8-bit, KIVI-style; fp8 e4m3/e5m2 with
   per-block or calibrated per-layer / per-KV-head scales; int_static 2/3/4/8-bit with calibrated
   per-layer / per-head / per-channel ranges; nuq 2/3/4-bit codebook lookups with per-channel or

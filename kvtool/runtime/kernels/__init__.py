@@ -1,8 +1,12 @@
 """Triton kernels over the paged store, each tested against the torch path it replaces.
 
+* `uniform_decode.py`: one decode step's attention over float and uniform-code blocks (the stores
+  of kivi / int8 / uncompressed / float-eviction recipes) in tiles of several blocks, each packed
+  byte read once; the fast path `decode_attention.paged_decode_attention` takes for them;
+  reference: the store's torch path and the general kernel.
 * `decode_attention.py` (+ `body_block.py`, `body_format.py`, `body_rope.py`, `body_lowrank.py`,
   `body_rotated.py`, `body_split.py`, `body_qjl.py`): one decode step's attention over float and
-  body blocks read in place; reference: the store's torch path.
+  body blocks of every format, read in place one block at a time; reference: the store's torch path.
 * `sparse_decode.py`: RocketKV's stage-2 read of the selected float slots only (with the unread
   tokens' estimated term); reference: the torch sparse path.
 * `encode_blocks.py`: full float blocks -> uniform or fp8 body blocks written into their pool
