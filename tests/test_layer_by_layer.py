@@ -244,7 +244,10 @@ api.calibrate(sys.argv[1], sys.argv[2], sys.argv[3], "kvquant-3bit-1pct", sample
 def test_resume_after_sigkill(tmp_path):
     model = str(shared_path("models/kvref-5m"))
     out = tmp_path / "calib.safetensors"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    # the killed run uses this process's thread count: the layers it checkpoints must be bit-equal to the ones this
+    # process computes (with another count, torch's reductions round differently and the codebooks differ at 1e-7)
+    threads = str(torch.get_num_threads())
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": threads}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_KILLED_RUN), data(), str(out), model],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr
