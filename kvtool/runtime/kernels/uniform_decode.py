@@ -44,7 +44,9 @@ all three under ``TRITON_INTERPRET=1`` and on CUDA). Measured on an H100: `bench
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -362,6 +364,56 @@ def splits_for(streams: int, tiles: int, programs: int = 1024) -> int:
     return int(max(1, min(64, tiles // 2, triton.cdiv(programs, max(streams, 1)))))
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """How `_uniform_partials` is compiled and launched for one store shape: its constants, the float and body
+    blocks per tile (NBF, NB), warps and pipeline stages. Computed once per shape (`plan_tiles` is cached), so a
+    decode step spends no Python on it; `benchmarks.kernel_resources` compiles the same plans without a GPU."""
+
+    constants: tuple[tuple[str, object], ...]
+    nbf: int
+    nb: int
+    num_warps: int
+    num_stages: int | None
+
+    def kwargs(self) -> dict:
+        stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        return {**dict(self.constants), "num_warps": self.num_warps, **stages}
+
+
+@functools.lru_cache(maxsize=256)
+def plan_tiles(formats: tuple[BodyFormat, BodyFormat] | None, head_dim: int, block_size: int, rows: int, float_block: int,
+               precision: str = "exact", on_cuda: bool = False, softcap: bool = False, tile_tokens: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None) -> TilePlan:
+    """The `TilePlan` of a store: ``formats`` None for float blocks only; ``rows`` query rows per stream (the GQA
+    group); ``on_cuda`` enables the inline-PTX code path (float16 products on a GPU)."""
+    if precision not in ("exact", "half"):
+        raise ValueError(f"uniform_decode_attention: precision '{precision}' is not 'exact' or 'half'")
+    if not covers(formats, head_dim, block_size if formats else 16):
+        raise ValueError(f"uniform_decode_attention: formats {formats} at head_dim {head_dim} are the general kernel's")
+    from kvtool.runtime.kernels.decode_attention import query_rows
+
+    codes = formats is not None and any(fmt.bits != 16 for fmt in formats)
+    tile_tokens = tile_tokens or tile_for(head_dim, codes)[0]
+    num_warps = num_warps or tile_for(head_dim, codes)[1]
+    if num_stages is None and codes:
+        num_stages = CODE_STAGES
+    if formats is not None:
+        kf, vf = formats
+        ts = _sub_tile(formats, block_size, tile_tokens)
+        nb = max(triton.cdiv(16, ts), tile_tokens // ts)  # at least 16 tokens per product (tl.dot)
+    else:
+        kf = vf = BodyFormat(16, False, 1)
+        block_size, ts, nb = 16, 16, 1
+    nbf = max(1, tile_tokens // float_block)
+    constants = dict(
+        D=head_dim, BR=query_rows(rows), FBS=float_block, NBF=nbf, BS=block_size, NB=nb, TS=ts,
+        HAS_BODY=formats is not None, HALF=precision == "half", ASM=precision == "half" and on_cuda and not INTERPRETED,
+        SOFTCAP=softcap, **{f"K_{k}": v for k, v in _constants(kf).items()}, **{f"V_{k}": v for k, v in _constants(vf).items()},
+    )
+    return TilePlan(tuple(constants.items()), nbf, nb, num_warps, num_stages)
+
+
 def uniform_decode_attention(
     q: torch.Tensor,  # (S, R, D) float32, already multiplied by the softmax scale
     new_k: torch.Tensor,  # (S, D): this step's token
@@ -384,55 +436,36 @@ def uniform_decode_attention(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store (see the module docstring)."""
-    from kvtool.runtime.kernels.decode_attention import merge_partials, query_rows, zeros
+    from kvtool.runtime.kernels.decode_attention import merge_partials, zeros
 
-    if precision not in ("exact", "half"):
-        raise ValueError(f"uniform_decode_attention: precision '{precision}' is not 'exact' or 'half'")
     s, r, d = q.shape
     device = q.device
     q = q.contiguous().float()
     has_body = body is not None and body_table is not None and body_table.shape[1] > 0
-    if not covers(formats if has_body else None, d, block_size if has_body else 16):
-        raise ValueError(f"uniform_decode_attention: formats {formats} at head_dim {d} are the general kernel's")
-    br, fbs = query_rows(r), float_k.shape[1]
-    codes = has_body and any(fmt.bits != 16 for fmt in formats)
-    tile_tokens = tile_tokens or tile_for(d, codes)[0]
-    num_warps = num_warps or tile_for(d, codes)[1]
-    if num_stages is None and codes:
-        num_stages = CODE_STAGES
-    nbf = max(1, tile_tokens // fbs)
+    plan = plan_tiles(formats if has_body else None, d, block_size if has_body else 16, r, float_k.shape[1], precision,
+                      q.is_cuda, bool(softcap), tile_tokens, num_warps, num_stages)
     dummy = zeros(1, torch.float32, device)
     dummy_table = zeros(s, torch.int32, device)[:, None]  # (S, 1)
     ftable = float_table if float_table.shape[1] else dummy_table
-    f_tiles = triton.cdiv(int(float_table.shape[1]), nbf)
     if has_body:
         kf, vf = formats
-        bs = block_size
-        ts = _sub_tile(formats, bs, tile_tokens)
-        nb = max(triton.cdiv(16, ts), tile_tokens // ts)  # at least 16 tokens per product (tl.dot)
-        b_tiles = triton.cdiv(int(body_table.shape[1]), nb)
         kb, vb = body
         k_ptrs = (kb["data"] if kf.bits == 16 else kb["codes"], kb.get("scale", dummy), kb.get("zero", dummy))
         v_ptrs = (vb["data"] if vf.bits == 16 else vb["codes"], vb.get("scale", dummy), vb.get("zero", dummy))
         btable, blen = body_table, body_len
     else:
-        kf = vf = BodyFormat(16, False, 1)
-        bs, ts, nb, b_tiles = 16, 16, 1, 0
         k_ptrs = v_ptrs = (dummy, dummy, dummy)
         btable, blen = dummy_table, zeros(s, torch.int64, device)
-    splits = splits or splits_for(s, f_tiles + b_tiles)
-    f_per = triton.cdiv(triton.cdiv(int(float_table.shape[1]), splits), nbf) * nbf  # float blocks per split
-    b_per = triton.cdiv(triton.cdiv(int(btable.shape[1]) if has_body else 0, splits), nb) * nb
+    f_width, b_width = int(float_table.shape[1]), int(btable.shape[1]) if has_body else 0
+    splits = splits or splits_for(s, triton.cdiv(f_width, plan.nbf) + triton.cdiv(b_width, plan.nb))
+    f_per = triton.cdiv(triton.cdiv(f_width, splits), plan.nbf) * plan.nbf  # float blocks per split, whole tiles
+    b_per = triton.cdiv(triton.cdiv(b_width, splits), plan.nb) * plan.nb
+    br = dict(plan.constants)["BR"]
     m = torch.empty((s, splits, br), device=device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty((s, splits, br, d), device=device, dtype=torch.float32)
     _uniform_partials[(s, splits)](
         q, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen,
-        *k_ptrs, *v_ptrs, m, l, acc, r, float(softcap or 0.0), f_per, b_per, splits,
-        D=d, BR=br, FBS=fbs, NBF=nbf, BS=bs, NB=nb, TS=ts, HAS_BODY=has_body, HALF=precision == "half",
-        ASM=precision == "half" and q.is_cuda and not INTERPRETED,
-        SOFTCAP=bool(softcap), **{f"K_{k}": v for k, v in _constants(kf).items()},
-        **{f"V_{k}": v for k, v in _constants(vf).items()},
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        *k_ptrs, *v_ptrs, m, l, acc, r, float(softcap or 0.0), f_per, b_per, splits, **plan.kwargs(),
     )
     return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
