@@ -205,6 +205,19 @@ def _side_tile(data_ptr, scale_ptr, zero_ptr, tile_bytes, ch_scale, ch_zero, blo
 
 
 @triton.jit
+def _float_tile(ptr, offs, valid, T: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+    """Float-pool tokens at ``offs`` (NBF, FBS, D), valid (NBF, FBS), as (T, D): the pool's 16-bit dtype (float32
+    pools as float16) for half products, else float32."""
+    x = tl.reshape(tl.load(ptr + offs, mask=valid[:, :, None], other=0.0), (T, D))
+    if HALF:
+        if x.dtype == tl.float32:
+            x = x.to(tl.float16)
+    else:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _scores(q, k, m, valid, HALF: tl.constexpr, SOFTCAP: tl.constexpr, softcap):
     """Online-softmax step for rows q (BR, D) over keys k (T, D), valid (T,): (m_new, rescale (BR,), p (BR, T))."""
     if HALF:
@@ -255,20 +268,9 @@ def _uniform_partials(
         blocks = tl.load(ftable_ptr + s * ftable_stride + cols, mask=cols < f_end, other=0).to(tl.int64)
         valid = (cols[:, None] * FBS + tf[None, :]) < flen  # (NBF, FBS)
         offs = blocks[:, None, None] * (FBS * D) + tf[None, :, None] * D + c[None, None, :]
-        k = tl.reshape(tl.load(fk_ptr + offs, mask=valid[:, :, None], other=0.0), (NBF * FBS, D))
-        if HALF:
-            if k.dtype == tl.float32:
-                k = k.to(tl.float16)
-        else:
-            k = k.to(tl.float32)
+        k = _float_tile(fk_ptr, offs, valid, NBF * FBS, D, HALF)
         m_new, alpha, p = _scores(q, k, m, tl.reshape(valid, (NBF * FBS,)), HALF, SOFTCAP, softcap)
-        v = tl.reshape(tl.load(fv_ptr + offs, mask=valid[:, :, None], other=0.0), (NBF * FBS, D))
-        if HALF:
-            if v.dtype == tl.float32:
-                v = v.to(tl.float16)
-        else:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + _weighted(p, v, HALF)
+        acc = acc * alpha[:, None] + _weighted(p, _float_tile(fv_ptr, offs, valid, NBF * FBS, D, HALF), HALF)
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
     if HAS_BODY:
