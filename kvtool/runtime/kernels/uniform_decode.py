@@ -317,8 +317,10 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+@functools.lru_cache(maxsize=256)
 def covers(formats: tuple[BodyFormat, BodyFormat] | None, head_dim: int, block_size: int) -> bool:
-    """Whether `uniform_decode_attention` reads this store (formats None: float blocks only)."""
+    """Whether `uniform_decode_attention` reads this store (formats None: float blocks only; cached: asked at every
+    decode step)."""
     if not _pow2(head_dim) or head_dim < 16:
         return False
     if formats is None:
