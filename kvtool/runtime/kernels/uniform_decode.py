@@ -362,12 +362,6 @@ def tile_for(head_dim: int, codes: bool) -> tuple[int, int]:
 CODE_STAGES = 2  # software-pipeline depth for code blocks: 2 beat 3 in every 4- and 2-bit row of the H100 sweep
 
 
-def splits_for(streams: int, tiles: int, programs: int = 1024) -> int:
-    """Programs per stream: about ``programs`` in all (a memory-bound walk wants many warps on every SM: 132 on an
-    H100), at least two tiles each, at most 64 partials to merge."""
-    return int(max(1, min(64, tiles // 2, triton.cdiv(programs, max(streams, 1)))))
-
-
 @dataclass(frozen=True)
 class TilePlan:
     """How `_uniform_partials` is compiled and launched for one store shape: its constants, the float and body
@@ -440,7 +434,7 @@ def uniform_decode_attention(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store (see the module docstring)."""
-    from kvtool.runtime.kernels.decode_attention import merge_partials, zeros
+    from kvtool.runtime.kernels.decode_attention import merge_partials, splits_for, zeros
 
     s, r, d = q.shape
     device = q.device
@@ -461,7 +455,7 @@ def uniform_decode_attention(
         k_ptrs = v_ptrs = (dummy, dummy, dummy)
         btable, blen = dummy_table, zeros(s, torch.int64, device)
     f_width, b_width = int(float_table.shape[1]), int(btable.shape[1]) if has_body else 0
-    splits = splits or splits_for(s, triton.cdiv(f_width, plan.nbf) + triton.cdiv(b_width, plan.nb))
+    splits = splits or splits_for(s, triton.cdiv(f_width, plan.nbf) + triton.cdiv(b_width, plan.nb))  # units: tiles
     f_per = triton.cdiv(triton.cdiv(f_width, splits), plan.nbf) * plan.nbf  # float blocks per split, whole tiles
     b_per = triton.cdiv(triton.cdiv(b_width, splits), plan.nb) * plan.nb
     br = dict(plan.constants)["BR"]
