@@ -149,7 +149,6 @@ def peer_rows(model, tokenizer, task, log, args) -> list[dict]:
 def kvtool_rows(model, tokenizer, task, log, args) -> list[dict]:
     from kvtool.eval.baselines import sixteen_bit_recipe
     from kvtool.eval.retrieval import evaluate_grid
-    from kvtool.recipe import load_recipe
     from kvtool.runtime.attach import CompressedRuntime
 
     def grid(recipe) -> dict:
@@ -168,11 +167,24 @@ def kvtool_rows(model, tokenizer, task, log, args) -> list[dict]:
         log(rows[-1])
     for fraction in args.fractions:
         for name in args.methods or KVTOOL:
-            recipe = load_recipe(name)
-            recipe = dataclasses.replace(recipe, eviction=dataclasses.replace(recipe.eviction, budget=fraction))
+            recipe = _kvtool_recipe(name, fraction)
             rows.append({"side": "kvtool", "method": name, "kept": fraction, **grid(recipe)})
             log(rows[-1])
     return rows
+
+
+def _kvtool_recipe(name: str, fraction: float):
+    """A bundled recipe (or a recipe file) at ``fraction`` kept, else a variant of `benchmarks.eviction` (knorm, vatp, ...)."""
+    from kvtool.recipe import bundled_recipe_dir, load_recipe
+
+    if (bundled_recipe_dir() / f"{name}.yaml").exists() or name.endswith((".yaml", ".yml")):
+        recipe = load_recipe(name)
+        return dataclasses.replace(recipe, eviction=dataclasses.replace(recipe.eviction, budget=fraction))
+    from benchmarks.eviction import VARIANTS, eviction_recipe
+
+    if name not in VARIANTS:
+        raise SystemExit(f"{name!r} is neither a bundled recipe nor a variant of benchmarks.eviction ({', '.join(VARIANTS)})")
+    return eviction_recipe(name, fraction)
 
 
 def _grid(args) -> RetrievalGrid:
@@ -207,7 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=GRID.seeds)
     parser.add_argument("--facts", type=int, default=1, help="pass keys in the context (multi-fact retrieval: one is asked)")
     parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS, help="fractions of the prompt kept")
-    parser.add_argument("--methods", nargs="+", help="presses (peers) or recipes (kvtool); default: all of the side's")
+    parser.add_argument("--methods", nargs="+", help="presses (peers) or recipes / benchmarks.eviction variants such as knorm, vatp (kvtool); default: all of the side's")
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache row")
     parser.add_argument("--question-agnostic", action="store_true", help="compress the context before the question")
     parser.add_argument("--sliding", choices=SLIDING, default="global",

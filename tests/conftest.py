@@ -13,6 +13,26 @@ if not torch.cuda.is_available():
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
+MAX_TEST_WORKERS = 4  # `-n auto` (the README's test command): each worker loads its own real models (~1.5 GB)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at most MAX_TEST_WORKERS (memory), at least 1."""
+    return max(1, min(MAX_TEST_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _share_the_cores_among_workers() -> None:
+    """Under pytest-xdist each worker takes its share of the cores for torch (two workers x two threads on two cores
+    would each run slower than one thread: oversubscription), so a timing or thread-count-dependent test sees the
+    same machine as a serial run would give it per core."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
+
+
+_share_the_cores_among_workers()
+
 
 def shared_path(relative: str) -> Path:
     """A path under ../shared (a data slice suffix like ``[0:0.9]`` is kept).

@@ -136,3 +136,18 @@ def test_question_after_uneven_layers_is_fed_one_token_per_forward():
         result = press_accuracy(model, task, press, grid, question_agnostic=True)  # one forward fails when uneven
         assert press.lengths == [40 - q, *question_forwards, *[1] * (new - 1)]
         assert result["accuracy"] == 1.0 and task.generated[0].shape == (2, new)
+
+
+def test_kvtool_methods_take_recipes_and_benchmark_variants_at_the_fraction():
+    """``--methods knorm`` (a benchmarks.eviction variant, no bundled recipe) runs; a bundled recipe keeps its own
+    settings at the asked fraction; an unknown name stops with the names it knows."""
+    import pytest
+
+    from benchmarks.peers_passkey import _kvtool_recipe
+
+    knorm = _kvtool_recipe("knorm", 0.25)
+    assert knorm.eviction.policy == "knorm" and knorm.eviction.budget == 0.25
+    snapkv = _kvtool_recipe("snapkv", 0.125)
+    assert snapkv.eviction.policy == "snapkv" and snapkv.eviction.budget == 0.125 and snapkv.eviction.pooling == 7
+    with pytest.raises(SystemExit, match="vatp"):
+        _kvtool_recipe("no-such-policy", 0.5)
