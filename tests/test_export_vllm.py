@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from kvtool import api
 from kvtool.cli import app
 from kvtool.errors import ArtifactError
-from kvtool.export_vllm import check_vllm_recipe
+from kvtool.export_vllm import attention_prefixes, check_vllm_recipe
 from kvtool.methods.quant.fp8 import Fp8Quantizer
 from kvtool.models.adapter import adapter_for
 from kvtool.models.loading import load_model
@@ -121,3 +121,23 @@ def test_cli_export_vllm_into_a_non_empty_folder_fails_cleanly(exported, tmp_pat
     result = CliRunner().invoke(app, ["export", "-c", str(calib), "-o", str(tmp_path), "-m", stories(), "--format", "vllm"])
     assert result.exit_code != 0 and "not empty" in result.output and "Traceback" not in result.output
     assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_the_real_vllm_check_matches_every_layer_and_flags_a_scale_vllm_did_not_load(exported):
+    """benchmarks/vllm_load.py (run in vLLM's own environment) reads the folder's scales and compares them with what
+    vLLM's attention layers hold after loading; here its comparison runs on what a load gives: every scale as exported
+    (equal), one left at vLLM's 1.0 default, one layer vLLM did not build."""
+    from benchmarks.vllm_load import compare, exported_scales
+
+    _, folder, _ = exported
+    scales = exported_scales(folder)
+    model, _ = load_model(stories())
+    assert set(scales) == set(attention_prefixes(model, adapter_for(model)))
+    loaded = {f"{prefix}.attn": {"k_scale": s["k_scale"], "v_scale": s["v_scale"], "kv_cache_dtype": "fp8"} for prefix, s in scales.items()}
+    assert all(row["equal"] for row in compare(scales, loaded))
+    first, last = sorted(scales)[0], sorted(scales)[-1]
+    loaded[f"{first}.attn"]["v_scale"] = [1.0] * len(scales[first]["v_scale"])  # not loaded: vLLM's default
+    del loaded[f"{last}.attn"]
+    rows = {row["layer"]: row for row in compare(scales, loaded)}
+    assert not rows[first]["equal"] and not rows[last]["equal"] and rows[last]["vllm_module"] is None
+    assert sum(row["equal"] for row in rows.values()) == len(scales) - 2
