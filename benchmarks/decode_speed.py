@@ -152,18 +152,7 @@ def measure_interleaved(model_name: str, labels: list[str], context: int, batch:
     model, tokenizer = load_model(model_path(model_name))
     context = min(context, model.config.max_position_embeddings - steps)
     ids = torch.randint(100, min(model.config.vocab_size, 20000), (batch, context + steps), generator=torch.Generator().manual_seed(0))
-    caches, times = {}, {label: [] for label in labels}
-    with torch.no_grad():
-        for label in labels:
-            caches[label], _ = make_cache(label, model, tokenizer)
-            for start in range(0, context, 1024):
-                model(ids[:, start:min(context, start + 1024)], **with_cache(caches[label]), use_cache=True)
-        for step in range(steps):
-            token = ids[:, context + step:context + step + 1]
-            for label in labels if step % 2 == 0 else labels[::-1]:
-                begin = time.perf_counter()
-                model(token, **with_cache(caches[label]), use_cache=True)
-                times[label].append(time.perf_counter() - begin)
+    times = interleaved_step_times(model, {label: make_cache(label, model, tokenizer)[0] for label in labels}, ids, context, steps)
     rows = []
     for label in labels:
         timed = times[label][2:]
@@ -171,6 +160,27 @@ def measure_interleaved(model_name: str, labels: list[str], context: int, batch:
         rows.append({"cache": label, "ms_per_step": 1e3 * median, "best_ms_per_step": 1e3 * min(timed), "tokens_per_s": batch / median,
                      "context_used": context, "interleaved": True})
     return rows
+
+
+def interleaved_step_times(model, caches: dict, ids, context: int, steps: int) -> dict[str, list[float]]:
+    """Seconds of each decode step of each cache {label: cache}: every cache prefilled with ids[:, :context] (chunks of
+    1024), then step s of every cache before step s + 1 (order reversed every other step), so a change in machine load
+    slows every cache alike."""
+    import torch
+
+    times = {label: [] for label in caches}
+    labels = list(caches)
+    with torch.no_grad():
+        for cache in caches.values():
+            for start in range(0, context, 1024):
+                model(ids[:, start:min(context, start + 1024)], **with_cache(cache), use_cache=True)
+        for step in range(steps):
+            token = ids[:, context + step:context + step + 1]
+            for label in labels if step % 2 == 0 else labels[::-1]:
+                begin = time.perf_counter()
+                model(token, **with_cache(caches[label]), use_cache=True)
+                times[label].append(time.perf_counter() - begin)
+    return times
 
 
 def run_row(model_name: str, label: str, context: int, batch: int, steps: int, threads: int) -> dict:

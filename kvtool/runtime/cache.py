@@ -16,6 +16,7 @@ constants the cache reads but does not own (codebooks, Palu bases, a FastGen pro
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,23 @@ class CacheContext:
     # PyramidInfer's prefill (`prefill_shrink`): (true positions (B, t) of the rows this layer computes, tokens T of the
     # forward) while a layer computes only some of the prompt's tokens, else None
     shrink: tuple[torch.Tensor, int] | None = field(default=None, init=False)
+    # (id of a forward's attention mask, t) -> (weak reference to that mask, every new token real): see `all_real`
+    _all_real: dict = field(default_factory=dict, init=False, repr=False)
+
+    def all_real(self, attention_mask: torch.Tensor, t: int, real: torch.Tensor) -> bool:
+        """``bool(real.all())`` for the real-token flags (B, t) read from ``attention_mask``, once per forward: every
+        layer of a forward gets the same mask object, and on a GPU each reading is a host sync (one per forward
+        instead of one per layer). Keyed on the mask's identity through a weak reference (a later mask that reuses
+        the address is a different object) and holds no tensor."""
+        key = (id(attention_mask), t)
+        held = self._all_real.get(key)
+        if held is not None and held[0]() is attention_mask:
+            return held[1]
+        value = bool(real.all())
+        if len(self._all_real) >= 8:  # masks of finished forwards (Gemma 3 has two per forward)
+            self._all_real.clear()
+        self._all_real[key] = (weakref.ref(attention_mask), value)
+        return value
 
     def count_sparse_reads(self, read: int, held: int) -> None:
         self.sparse_read_tokens += read

@@ -103,20 +103,37 @@ def token_sum_layout(recipe: Recipe, window: int | None) -> dict[str, bool]:
     return {"token_sums": sums, "key_squares": sums and sparse.channel_score == "query_key"}
 
 
-def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def new_token_mask(attention_mask: torch.Tensor | None, b: int, t: int, device, all_real=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """((B, t, t) bool: which new tokens each new query may see, (B, t) bool real tokens or None = all).
 
     kvtool's cache asks transformers for a mask over the new tokens only (`get_mask_sizes`);
     padding tokens see nothing, not even themselves, so the diagonal marks the real ones.
+    ``all_real(attention_mask, t, real)``: how to read whether every token is real (`CacheContext.all_real`, once
+    per forward); default ``bool(real.all())``.
     """
     if attention_mask is None:
-        return torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t), None
+        return _causal(t, device).expand(b, t, t), None
     mask = attention_mask[:, 0, :, -t:]
     if mask.dtype != torch.bool:  # additive float mask
         mask = mask == 0
     mask = mask.expand(b, t, t)
     real = mask.diagonal(dim1=1, dim2=2)
-    return mask, (None if bool(real.all()) else real)
+    every = all_real(attention_mask, t, real) if all_real is not None else bool(real.all())
+    return mask, (None if every else real)
+
+
+_CAUSAL: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _causal(t: int, device) -> torch.Tensor:
+    """(t, t) bool lower-triangular mask, read only; kept for short forwards (every decode step of every layer asks)."""
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    held = _CAUSAL.get((t, device))
+    if held is None:
+        held = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        if t <= 64:
+            _CAUSAL[(t, device)] = held
+    return held
 
 
 def _stream_mask(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
@@ -125,12 +142,14 @@ def _stream_mask(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     return mask[:, None].expand(b, heads, t, t).reshape(b, heads * t, t).repeat_interleave(groups, dim=0)
 
 
-def _decoding_real_tokens(attention_mask: torch.Tensor | None) -> bool:
-    """A one-token forward whose new token is real in every sequence (no padding column at the end)."""
+def _decoding_real_tokens(attention_mask: torch.Tensor | None, all_real=None) -> bool:
+    """A one-token forward whose new token is real in every sequence (no padding column at the end); ``all_real`` as
+    in `new_token_mask`."""
     if attention_mask is None:
         return True
     last = attention_mask[:, 0, 0, -1]
-    return bool((last if last.dtype == torch.bool else last == 0).all())
+    real = last if last.dtype == torch.bool else last == 0  # (B,)
+    return all_real(attention_mask, 1, real) if all_real is not None else bool(real.all())
 
 
 class KvtoolLayer(CacheLayerMixin):
@@ -161,6 +180,7 @@ class KvtoolLayer(CacheLayerMixin):
         recipe, context = self.plan.recipe, self.context
         store_dtype = storage_dtype(recipe, key_states.dtype)
         self.key_format, self.value_format, self.g = context.formats(self.index, self.plan, d, h, store_dtype)
+        self.__dict__.pop("_kernel_formats_held", None)  # `_kernel_formats` of the formats and device chosen here
         self.heads, self.groups = h, h // self.g
         policy, self.budget = context.policy, context.budget
         window = context.sliding_window(self.index)
@@ -259,7 +279,7 @@ class KvtoolLayer(CacheLayerMixin):
         nv = new_v.float().reshape(b, groups, g, t, d).reshape(s, g, t, d)
         if (
             t == 1 and not self._empty() and not self._kernel_covers(1, scoring, options, None)
-            and self._stores_first(options, s * g * r) and _decoding_real_tokens(attention_mask)
+            and self._stores_first(options, s * g * r) and _decoding_real_tokens(attention_mask, self.context.all_real)
         ):  # a decode step that evicts and encodes nothing: store the token, then attend over the store alone
             self._store_new(nk, nv, None, positions, None, 1)
             q = (query.float() * scaling).reshape(s, g, r, d)
@@ -268,7 +288,7 @@ class KvtoolLayer(CacheLayerMixin):
             if scoring:
                 self._accumulate(Received(chunks=chunks))
             return out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
-        mask, real = new_token_mask(attention_mask, b, t, query.device)
+        mask, real = new_token_mask(attention_mask, b, t, query.device, self.context.all_real)
         received = None
         if self._empty() and not scoring and options.softcap is None and options.sinks is None:
             out = _sdpa(query, new_k, new_v, mask, scaling)
@@ -465,11 +485,8 @@ class KvtoolLayer(CacheLayerMixin):
         float_pool = store.float_pool.tensors
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:
-            body = tuple(
-                {**store.body_pool_side(part), **fmt.kernel_tensors(self.device)}
-                for part, fmt in (("k", self.key_format), ("v", self.value_format))
-            )
-            formats = (self.key_format.kernel_format(), self.value_format.kernel_format())
+            formats, constants = self._kernel_formats()
+            body = ({**store.body_pool_side("k"), **constants[0]}, {**store.body_pool_side("v"), **constants[1]})
             body_table, body_len = store.body_table, store.lengths("body_len")
         rope = self._kernel_rope() if body is not None and self.plan.recipe.keys.pre_rope else None
         self.context.kernel_steps += 1
@@ -478,6 +495,17 @@ class KvtoolLayer(CacheLayerMixin):
             body, body_table, body_len, formats, store.bs, options.softcap, sink_logits, stream_group=self.group_of_stream,
             rope=rope, precision=precision,
         )
+
+    def _kernel_formats(self):
+        """((key, value) `BodyFormat`, (key, value) per-model constants on this device) the kernels read: fixed for the
+        layer's life, built once (a decode step asks in every layer)."""
+        held = self.__dict__.get("_kernel_formats_held")
+        if held is None:
+            held = self._kernel_formats_held = (
+                (self.key_format.kernel_format(), self.value_format.kernel_format()),
+                (self.key_format.kernel_tensors(self.device), self.value_format.kernel_tensors(self.device)),
+            )
+        return held
 
     def _kernel_rope(self):
         """This layer's RoPE and where the kernel reads the true positions of pre-RoPE body keys (`BodyRope`)."""

@@ -42,6 +42,7 @@ class BlockPool:
     def tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._tensors = tensors
         self._flat_views: dict[str, torch.Tensor] = {}  # views of these tensors only: no old storage stays alive
+        self._sides: dict[str, dict[str, torch.Tensor]] = {}
 
     def flat(self, name: str) -> torch.Tensor:
         """Tensor ``name`` viewed per slot, (capacity x tokens per block, ...): one view per pool size, reused
@@ -51,6 +52,14 @@ class BlockPool:
             t = self._tensors[name]
             view = self._flat_views[name] = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
         return view
+
+    def side(self, prefix: str) -> dict[str, torch.Tensor]:
+        """{name without ``prefix``: tensor} of the tensors whose name starts with ``prefix`` (e.g. a body pool's
+        keys ``k.``): built once per pool size, reused (the kernels ask for it in every layer at every step)."""
+        side = self._sides.get(prefix)
+        if side is None:
+            side = self._sides[prefix] = {name[len(prefix):]: t for name, t in self._tensors.items() if name.startswith(prefix)}
+        return side
 
     # --- sizes ---------------------------------------------------------------------------------
     @property

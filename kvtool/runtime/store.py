@@ -230,8 +230,7 @@ class LayerStore:
 
     def body_pool_side(self, part: str) -> dict[str, torch.Tensor]:
         """{name: (cap, *shape)} body pool tensors of part ``k`` or ``v`` (what the kernels read in place)."""
-        prefix = f"{part}."
-        return {name[2:]: t for name, t in self.body_pool.tensors.items() if name.startswith(prefix)}
+        return self.body_pool.side(f"{part}.")
 
     def read_body(self, part: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """{name: (S, nb, *shape)} of part ``k`` or ``v`` for block ids (S, nb)."""

@@ -246,7 +246,7 @@ _ZEROS: dict[tuple, torch.Tensor] = {}
 def zeros(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A read-only (n,) zero tensor, kept per (dtype, device) and grown as needed: dummies and empty tables the kernels
     never write cost no allocation or fill at every decode step."""
-    key = (dtype, torch.device(device))
+    key = (dtype, device if isinstance(device, torch.device) else torch.device(device))
     held = _ZEROS.get(key)
     if held is None or held.numel() < n:
         held = _ZEROS[key] = torch.zeros(max(n, 64), dtype=dtype, device=device)
@@ -315,7 +315,12 @@ def splits_for(streams: int, blocks: int) -> int:
     SM: 132 on an H100), at least two blocks to walk each, at most 64 partials to merge."""
     if blocks <= 4:
         return 1
-    return int(max(1, min(64, blocks // 2, triton.cdiv(1024, max(streams, 1)))))
+    return int(max(1, min(64, blocks // 2, cdiv(1024, max(streams, 1)))))
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host integers (`triton.cdiv` is a constexpr function: each host call costs its wrapper)."""
+    return -(-a // b)
 
 
 def paged_decode_attention(

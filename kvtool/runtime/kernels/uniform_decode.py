@@ -374,9 +374,16 @@ class TilePlan:
     num_warps: int
     num_stages: int | None
 
+    @functools.cached_property
     def kwargs(self) -> dict:
+        """The launch's keyword arguments (constants, warps, stages), built once per plan."""
         stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
         return {**dict(self.constants), "num_warps": self.num_warps, **stages}
+
+    @functools.cached_property
+    def br(self) -> int:
+        """Query rows per program (the ``BR`` constant)."""
+        return dict(self.constants)["BR"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -434,7 +441,7 @@ def uniform_decode_attention(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store (see the module docstring)."""
-    from kvtool.runtime.kernels.decode_attention import merge_partials, splits_for, zeros
+    from kvtool.runtime.kernels.decode_attention import cdiv, merge_partials, splits_for, zeros
 
     s, r, d = q.shape
     device = q.device
@@ -455,15 +462,14 @@ def uniform_decode_attention(
         k_ptrs = v_ptrs = (dummy, dummy, dummy)
         btable, blen = dummy_table, zeros(s, torch.int64, device)
     f_width, b_width = int(float_table.shape[1]), int(btable.shape[1]) if has_body else 0
-    splits = splits or splits_for(s, triton.cdiv(f_width, plan.nbf) + triton.cdiv(b_width, plan.nb))  # units: tiles
-    f_per = triton.cdiv(triton.cdiv(f_width, splits), plan.nbf) * plan.nbf  # float blocks per split, whole tiles
-    b_per = triton.cdiv(triton.cdiv(b_width, splits), plan.nb) * plan.nb
-    br = dict(plan.constants)["BR"]
-    m = torch.empty((s, splits, br), device=device, dtype=torch.float32)
+    splits = splits or splits_for(s, cdiv(f_width, plan.nbf) + cdiv(b_width, plan.nb))  # units: tiles
+    f_per = cdiv(cdiv(f_width, splits), plan.nbf) * plan.nbf  # float blocks per split, whole tiles
+    b_per = cdiv(cdiv(b_width, splits), plan.nb) * plan.nb
+    m = torch.empty((s, splits, plan.br), device=device, dtype=torch.float32)
     l = torch.empty_like(m)
-    acc = torch.empty((s, splits, br, d), device=device, dtype=torch.float32)
+    acc = torch.empty((s, splits, plan.br, d), device=device, dtype=torch.float32)
     _uniform_partials[(s, splits)](
         q, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen,
-        *k_ptrs, *v_ptrs, m, l, acc, r, float(softcap or 0.0), f_per, b_per, splits, **plan.kwargs(),
+        *k_ptrs, *v_ptrs, m, l, acc, r, float(softcap or 0.0), f_per, b_per, splits, **plan.kwargs,
     )
     return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
