@@ -67,7 +67,8 @@ def _launched(module, name: str) -> bool:
     """A kernel the module launches from the host (``name[grid](``), not a device helper called inside kernels."""
     import inspect
 
-    return f"{name}[(" in inspect.getsource(module) or f"{name}[grid" in inspect.getsource(module)
+    source = inspect.getsource(module)
+    return f"{name}[(" in source or f"{name}[grid" in source
 
 
 def small_model(path: Path, intermediate: int, vocab: int):

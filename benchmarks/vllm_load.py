@@ -36,8 +36,8 @@ SCALES_FILE = "kv_cache_scales.safetensors"  # kvtool/export_vllm.py
 PROMPTS = ["Once upon a time", "The history of the city", "In 1990, the company"]
 
 
-def exported_scales(folder: Path) -> dict[str, list[float]]:
-    """{attention prefix P: [k_scale..., v_scale...]} as the folder stores them (float32, (1,) or (H_kv,))."""
+def exported_scales(folder: Path) -> dict[str, dict[str, list[float]]]:
+    """{attention prefix P: {"k_scale": [...], "v_scale": [...]}} as the folder stores them (float32, (1,) or (H_kv,))."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(folder / SCALES_FILE))

@@ -16,9 +16,13 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 MAX_TEST_WORKERS = 4  # `-n auto` (the README's test command): each worker loads its own real models (~1.5 GB)
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker per core, at most MAX_TEST_WORKERS (memory), at least 1."""
-    return max(1, min(MAX_TEST_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return max(1, min(MAX_TEST_WORKERS, _cores()))
 
 
 def _share_the_cores_among_workers() -> None:
@@ -27,8 +31,7 @@ def _share_the_cores_among_workers() -> None:
     same machine as a serial run would give it per core."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // workers))
+        torch.set_num_threads(max(1, _cores() // workers))
 
 
 _share_the_cores_among_workers()
