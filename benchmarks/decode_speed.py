@@ -4,6 +4,7 @@
     python -m benchmarks.decode_speed --quick              # kvref-5m and SmolLM2 at 512/2K, batch 1
     python -m benchmarks.decode_speed --models smollm2-135m --contexts 2048 --batches 1 --recipes kivi-4bit h2o
     python -m benchmarks.decode_speed --interleaved --models smollm2-135m --contexts 2048 --batches 1 --steps 40
+    python -m benchmarks.decode_speed --interleaved --models kvref-5m --contexts 512 --recipes kivi-4bit@torch kivi-4bit@numba
 
 Every row runs in its own subprocess, so its peak RSS is its own: the model is loaded, a random-token
 context of `context` tokens is prefilled (in chunks of 1024, as a server would), then `steps` decode
@@ -87,14 +88,16 @@ def make_cache(label: str, model, tokenizer):
     from kvtool.recipe import load_recipe
     from kvtool.runtime.attach import CompressedRuntime
 
+    label, _, backend = label.partition("@")  # "kivi-4bit@torch": a recipe on one backend (default auto)
+    backend = backend or "auto"
     recipe = fixed_budget_recipe() if label == "budget-256" else load_recipe(label)
     if label in CALIBRATED_RECIPES:
         import dataclasses
 
         recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=4, seq_len=512))
-        runtime = CompressedRuntime.from_artifact(model, calibrate_loaded(model, tokenizer, str(CALIBRATION_TEXT), recipe))
+        runtime = CompressedRuntime.from_artifact(model, calibrate_loaded(model, tokenizer, str(CALIBRATION_TEXT), recipe), backend)
     else:
-        runtime = CompressedRuntime.from_recipe(model, recipe)
+        runtime = CompressedRuntime.from_recipe(model, recipe, backend=backend)
     return runtime.new_cache(), runtime
 
 
@@ -230,7 +233,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES + CALIBRATED_RECIPES)
+    parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES + CALIBRATED_RECIPES,
+                        help="recipes; NAME@BACKEND runs one on a given backend (kivi-4bit@torch kivi-4bit@numba)")
     parser.add_argument("--steps", type=int, default=10, help="decode steps per row (the first two are warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch-tokens", type=int, default=16384,

@@ -22,6 +22,7 @@ from kvtool.methods.quant.fp8 import fp8_max
 from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime
+from kvtool.runtime.kernels.cpu_decode import numba_available
 from tests.tiny_models import featured_model, tiny_model, tiny_tokenizer_free_inputs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -647,7 +648,8 @@ def test_triton_backend_refuses_formats_the_kernel_cannot_read_and_auto_stays_on
     with pytest.raises(RuntimeConfigError, match="before RoPE .* changes its frequencies"):
         CompressedRuntime.from_recipe(dynamic, pre_rope, backend="triton")
     assert CompressedRuntime.from_recipe(dynamic, Recipe(name="q4"), backend="triton").backend == "triton"  # post-RoPE
-    assert CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="auto").backend == "torch"  # CPU
+    on_cpu = "numba" if numba_available() else "torch"  # auto on CPU: the Numba kernel, never Triton
+    assert CompressedRuntime.from_recipe(model, Recipe(name="q4"), backend="auto").backend == on_cpu
 
 
 @needs_interpreter

@@ -1,4 +1,4 @@
-"""Which implementation computes attention over the store: ``auto``, ``torch`` or ``triton``.
+"""Which implementation computes attention over the store: ``auto``, ``torch``, ``triton`` or ``numba``.
 
 Resolved once per runtime and reported in every memory report (``backend``):
 
@@ -29,9 +29,16 @@ Resolved once per runtime and reported in every memory report (``backend``):
   `cache.memory_report()["kernel_steps"]` counts the layer steps the decode kernel ran and
   ``["kernel_encodes"]`` the body blocks the encode kernel wrote (keys and values counted apart).
   Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU tensors (slow; for tests);
+* ``numba``: on CPU, one decode step's attention of a layer is one compiled call
+  (`kernels/cpu_decode.py`) that reads float blocks (float16 / bfloat16) and uniform (KIVI) body
+  blocks in place, for the steps the Triton kernel would cover (one token, full-attention layers,
+  policies that do not score by attention, keys after RoPE); the rest stays on the torch path.
+  Needs the ``numba`` package (a dependency of kvtool);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
-  decode kernel reads, else ``torch`` (so always ``torch`` on CPU). What the encode kernel writes
-  never decides the backend: a format it does not write is encoded by torch under ``triton``.
+  decode kernel reads; on CPU ``numba`` when Numba is installed, the recipe stores packed codes
+  and the CPU kernel reads them (for float-only stores the torch path measured as fast or faster);
+  else ``torch``. What the encode kernel writes never decides the backend: a
+  format it does not write is encoded by torch under ``triton``.
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ import torch
 
 from kvtool.errors import RuntimeConfigError
 from kvtool.recipe import Recipe
+from kvtool.runtime.kernels.cpu_decode import numba_available
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "numba")
 KERNEL_READS = (
     "the kernel reads none, uniform, fp8, int_static and nuq blocks, palu latents with group_heads 1 and turboquant "
     "(qjl included)"
@@ -82,6 +90,30 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     return None
 
 
+def cpu_kernel_unsupported(recipe: Recipe, quantizers=()) -> str | None:
+    """Why the CPU (Numba) decode kernel cannot read this recipe's blocks (None when it can); the float dtype of the
+    blocks is checked by each layer (``cache.float_dtype: model`` is only known there)."""
+    from kvtool.runtime.kernels.cpu_decode import covers
+
+    if recipe.keys.pre_rope:
+        return "keys are stored before RoPE (the CPU kernel reads keys after RoPE)"
+    if recipe.sparse_attention.enabled:
+        return "RocketKV's sparse read is not in the CPU kernel"
+    formats = []
+    for quantizer in quantizers:
+        if quantizer.spec.method == "none":
+            continue
+        try:
+            formats.append(quantizer.kernel_format())
+        except RuntimeConfigError as exc:
+            return f"method '{quantizer.spec.method}': {exc}"
+    if not formats:
+        return None
+    if len(formats) != 2:
+        return "one side is float and the other quantized (the CPU kernel reads float-only or uniform-only bodies)"
+    return covers(tuple(formats), torch.float16, quantizers[0].head_dim)
+
+
 def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None = None, quantizers=(), ropes=()) -> str:
     """The backend a runtime on ``device`` uses for ``requested``; RuntimeConfigError when impossible."""
     if requested not in BACKENDS:
@@ -99,4 +131,19 @@ def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None 
         if reason:
             raise RuntimeConfigError(f"--backend triton: recipe '{recipe.name}': {reason}; use --backend torch or auto")
         return "triton"
-    return "triton" if device.type == "cuda" and triton_available(device) and not reason else "torch"
+    cpu_reason = cpu_kernel_unsupported(recipe, quantizers) if recipe is not None else None
+    if requested == "numba":
+        if device.type != "cpu" or not numba_available():
+            raise RuntimeConfigError(
+                "--backend numba runs on CPU tensors and needs the `numba` package (pip install numba); "
+                "use --backend torch or auto"
+            )
+        if cpu_reason:
+            raise RuntimeConfigError(f"--backend numba: recipe '{recipe.name}': {cpu_reason}; use --backend torch or auto")
+        return "numba"
+    if device.type == "cuda":
+        return "triton" if triton_available(device) and not reason else "torch"
+    # on CPU, auto takes the kernel where it measured faster: stores of packed codes (float-only stores: the torch
+    # path's matmuls were as fast or faster, benchmarks/RESULTS.md "A compiled CPU decode kernel")
+    quantized = recipe is not None and recipe.quantizes
+    return "numba" if device.type == "cpu" and quantized and numba_available() and not cpu_reason else "torch"

@@ -44,7 +44,7 @@ class CacheContext:
     backend: str = "torch"
     shared_formats: dict = field(default_factory=dict)  # (layer, head_dim, heads, dtype) -> formats, shared by a runtime's caches
     sequence_positions: SequencePositions | None = field(default=None, init=False)
-    kernel_steps: int = field(default=0, init=False)  # layer decode steps the Triton kernel ran
+    kernel_steps: int = field(default=0, init=False)  # layer decode steps a decode kernel ran (Triton or Numba)
     kernel_encodes: int = field(default=0, init=False)  # body blocks (keys and values counted apart) the encode kernel wrote
     sparse_read_tokens: int = field(default=0, init=False)  # stored tokens sparse decode steps read (whole groups)
     sparse_held_tokens: int = field(default=0, init=False)  # stored tokens those steps could have read

@@ -296,10 +296,17 @@ class KvtoolLayer(CacheLayerMixin):
             q = (query.float() * scaling).reshape(s, G, d)  # (S, R, D): g = 1, t = 1
             sink_logits = self._sink_logits(options.sinks, b, t)
             precision = "half" if query.dtype in (torch.float16, torch.bfloat16) else "exact"  # the model's own products
+            writes = self._kernel_writes(real)
             out = self._kernel_decode(
-                q, nk[:, 0, 0], nv[:, 0, 0], options, None if sink_logits is None else sink_logits[:, 0], precision
+                q, nk[:, 0, 0], nv[:, 0, 0], options, None if sink_logits is None else sink_logits[:, 0], precision, writes
             )
             out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
+            if writes:  # the kernel stored the token: count it
+                self.store.appended_one()
+                self.lengths = self.lengths + 1
+                if self.index == 0:
+                    self.context.record(positions, torch.ones(b, dtype=torch.int64, device=self.device))
+                return out
         else:
             q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
             query_pos = positions[:, None].expand(b, G, t).reshape(b, r).repeat_interleave(groups, dim=0)
@@ -346,11 +353,34 @@ class KvtoolLayer(CacheLayerMixin):
         return window.repeat_interleave(self.groups)  # (S,)
 
     def _kernel_covers(self, t: int, scoring: bool, options: LayerOptions, real) -> bool:
-        """The Triton decode kernel runs this step (see `backend.py` for what it covers)."""
+        """The Triton (CUDA) or Numba (CPU) decode kernel runs this step (see `backend.py` for what each covers)."""
+        backend = self.context.backend
         return (
-            self.context.backend == "triton" and t == 1 and not scoring and not options.sliding_window
+            backend != "torch" and t == 1 and not scoring and not options.sliding_window
             and self.g == 1 and (real is None or bool(real.all()))
+            and (backend == "triton" or self._cpu_kernel_reads())
         )
+
+    def _kernel_writes(self, real) -> bool:
+        """The CPU kernel also stores this decode step's token: a plain append (no policy, no per-slot metadata, every
+        token real) into float slots the streams already have (`LayerStore.quiet_appends`)."""
+        return (
+            self.context.backend == "numba" and self.policy is None and real is None and not self.store.layout.meta
+            and self.context.shrink is None and self.store.quiet_appends() > 0
+        )
+
+    def _cpu_kernel_reads(self) -> bool:
+        """The CPU kernel reads this layer's store (its float dtype and formats; fixed for the layer's life)."""
+        held = self.__dict__.get("_cpu_kernel_held")
+        if held is None:
+            from kvtool.runtime.kernels.cpu_decode import covers
+
+            store = self.store
+            formats = self._kernel_formats()[0] if store.layout.quantized else None
+            held = self._cpu_kernel_held = (
+                covers(formats, store.layout.float_dtype, store.layout.head_dim) is None and not store.layout.summary_tokens
+            )
+        return held
 
     def _stores_first(self, options: LayerOptions, rows: int) -> bool:
         """This decode step may write its token into the store before attending (`attend_stored`): no eviction
@@ -453,7 +483,9 @@ class KvtoolLayer(CacheLayerMixin):
                 valid=(unread > 0)[:, None], positions=None, region="unread", start=0,
             )
 
-    def _kernel_decode(self, q, new_k, new_v, options: LayerOptions, sink_logits, precision: str = "exact") -> torch.Tensor:
+    def _kernel_decode(
+        self, q, new_k, new_v, options: LayerOptions, sink_logits, precision: str = "exact", write: bool = False
+    ) -> torch.Tensor:
         """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place
         (``precision`` "half" for float16 / bfloat16 models: float16 operands in the fast kernel's products)."""
         from kvtool.runtime.kernels.decode_attention import paged_decode_attention
@@ -483,6 +515,17 @@ class KvtoolLayer(CacheLayerMixin):
 
         store = self.store
         float_pool = store.float_pool.tensors
+        if self.context.backend == "numba":
+            from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+
+            has_body = store.body_pool is not None and int(store.body_len.max()) > 0
+            self.context.kernel_steps += 1
+            return cpu_decode_attention(
+                q, new_k, new_v, float_pool["k"][:, :, 0], float_pool["v"][:, :, 0], store.float_table, store.float_len,
+                (store.body_pool_side("k"), store.body_pool_side("v")) if has_body else None,
+                store.body_table if has_body else None, store.body_len if has_body else None,
+                self._kernel_formats()[0] if has_body else None, store.bs, options.softcap, sink_logits, write,
+            )
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:
             formats, constants = self._kernel_formats()

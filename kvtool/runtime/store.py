@@ -141,6 +141,27 @@ class LayerStore:
         """Replace a host length array (never mutated in place: device copies may share its memory)."""
         setattr(self, name, np.asarray(values, dtype=np.int64).copy())
         self._device.pop(name, None)
+        self._quiet = None
+
+    def quiet_appends(self) -> int:
+        """Decode steps (one token per stream) from now on that only write the next float slot of each stream, in a
+        float block it already has: no sink made, no block encoded, no float block allocated (`appended_one`). Cached
+        until a length changes any other way."""
+        quiet = self.__dict__.get("_quiet")
+        if quiet is None:
+            room = self.float_blocks() * self.fbs - self.float_len  # free slots in the streams' last float blocks
+            if self.layout.quantized:
+                new_sinks, _ = self._append_split(np.ones_like(self.float_len))
+                flush_room = self.layout.recent_tokens + self.bs - 1 - (self.float_len - self.n_sink)
+                room = np.zeros_like(room) if new_sinks.any() else np.minimum(room, flush_room)
+            quiet = self._quiet = int(room.min()) if room.shape[0] else 0
+        return quiet
+
+    def appended_one(self) -> None:
+        """Every stream's next float slot was written in place (a kernel did it; `quiet_appends` > 0 allowed it)."""
+        quiet = self.quiet_appends()
+        self._set("float_len", self.float_len + 1)
+        self._quiet = quiet - 1
 
     def lengths(self, name: str) -> torch.Tensor:
         """Device copy (S,) int64 of a host length array, cached until it changes."""

@@ -1,4 +1,4 @@
-"""Triton kernels over the paged store, each tested against the torch path it replaces.
+"""Kernels over the paged store (Triton on CUDA, Numba on CPU), each tested against the torch path it replaces.
 
 * `uniform_decode.py`: one decode step's attention over float and uniform-code blocks (the stores
   of kivi / int8 / uncompressed / float-eviction recipes) in tiles of several blocks, each packed
@@ -11,7 +11,11 @@
   tokens' estimated term); reference: the torch sparse path.
 * `encode_blocks.py`: full float blocks -> uniform or fp8 body blocks written into their pool
   rows; reference: the quantizer's ``encode_blocks`` (byte-identical).
+* `cpu_decode.py` (+ `cpu_decode_kernel.py`, Numba): one decode step's attention over float and
+  uniform-code blocks on CPU in one compiled call per layer, optionally writing the step's token;
+  the ``numba`` backend; reference: the same dense reference as the Triton kernels.
 
-Imported only when the ``triton`` backend is used, so CPU-only installs never need Triton
-(set ``TRITON_INTERPRET=1`` to run them on CPU tensors, as the tests do).
+The Triton modules are imported only when the ``triton`` backend is used, so CPU-only installs never
+need Triton (set ``TRITON_INTERPRET=1`` to run them on CPU tensors, as the tests do); the Numba kernel
+only when the ``numba`` backend runs.
 """
