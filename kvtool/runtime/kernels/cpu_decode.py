@@ -65,8 +65,10 @@ def _half_table() -> np.ndarray:
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
+@functools.lru_cache(maxsize=None)
 def _widths(bits: int) -> np.ndarray:
-    """(4,) int64 slice widths of ``bits``-bit codes, lowest bits first, padded with 0."""
+    """(4,) int64 slice widths of ``bits``-bit codes, lowest bits first, padded with 0 (built once per width: asked
+    at every decode step; never written)."""
     out = np.zeros(4, dtype=np.int64)
     widths = slice_widths(bits)
     out[: len(widths)] = widths
