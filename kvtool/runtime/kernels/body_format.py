@@ -74,6 +74,15 @@ class BodyFormat:
         if self.qjl and not (self.scales == "norm" and (self.rotated or self.split)):
             raise ValueError("BodyFormat.qjl: the QJL residual is TurboQuant's: needs scales 'norm' and rotated or split")
 
+    @property
+    def uniform(self) -> bool:
+        """Plain uniform (KIVI) codes: integer codes with an fp16 scale and zero per channel or per token group, and
+        nothing else (no fp8, codebook, outliers, latents, rotation, split or QJL residual)."""
+        return (
+            self.bits < 16 and not self.fp8 and self.levels == 0 and self.outliers == 0 and self.rank == 0
+            and not self.rotated and self.split == 0 and not self.qjl and self.zero and self.scales in ("channel", "token")
+        )
+
     def widths(self, bits: int | None = None) -> tuple[int, int, int]:
         """Slice widths of the packed codes (of ``bits``, default the format's), lowest bits first, padded with 0
         (float data and fp8 -> none)."""

@@ -51,8 +51,7 @@ def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
     if formats is None:
         return None
     for fmt, side in zip(formats, ("keys", "values")):
-        plain = not (fmt.fp8 or fmt.levels or fmt.outliers or fmt.rank or fmt.rotated or fmt.split or fmt.qjl)
-        if not (plain and fmt.bits < 16 and fmt.scales in ("channel", "token") and fmt.zero):
+        if not fmt.uniform:
             return f"{side}: the CPU kernel reads uniform (KIVI) codes only"
         if fmt.scales == "token" and head_dim % fmt.group:
             return f"{side}: per-token groups of {fmt.group} channels do not tile head_dim {head_dim}"
@@ -112,11 +111,17 @@ def _follow_torch_threads() -> None:
         _THREADS[0] = want
 
 
+@functools.lru_cache(maxsize=None)
+def _no_side() -> tuple:
+    """The placeholder arguments of a store with no body (never read, never written; built once)."""
+    empty8, empty16 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16)
+    return empty8, empty16, empty16, _widths(8), True, 1
+
+
 def _side_arrays(side: dict | None, fmt):
     """(codes uint8 3-D, scale uint16 2-D, zero uint16 2-D, widths, per_channel, group) of one body side."""
     if side is None:
-        empty8, empty16 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16)
-        return empty8, empty16, empty16, _widths(8), True, 1
+        return _no_side()
     codes = side["codes"].numpy()
     cap = codes.shape[0]
     scale = _u16(side["scale"]).reshape(cap, -1)

@@ -307,10 +307,7 @@ def _reads(fmt: BodyFormat) -> bool:
     per channel or per token group."""
     if fmt.bits == 16:
         return fmt.scales == "none" and not fmt.rank and not fmt.rotated and not fmt.split
-    return (
-        not fmt.fp8 and fmt.levels == 0 and fmt.outliers == 0 and fmt.rank == 0 and not fmt.rotated and fmt.split == 0
-        and not fmt.qjl and fmt.zero and fmt.scales in ("channel", "token") and fmt.widths()[2] == 0
-    )
+    return fmt.uniform and fmt.widths()[2] == 0
 
 
 def _pow2(n: int) -> bool:
