@@ -48,6 +48,52 @@ def test_cpu_kernel_equals_the_dense_reference(side, head_dim, gqa):
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("parts", [2, 3, 7])
+@pytest.mark.parametrize("side", ["uniform-4", "uniform-4-token-keys-channel-values", "float"])
+def test_cpu_kernel_split_into_parts_on_threads_equals_the_dense_reference(side, parts):
+    """Each stream's tokens cut into ``parts`` pieces of whole blocks (more pieces than some streams have blocks:
+    empty pieces), run on two threads and merged by their softmax maxima and sums: the same attention, soft-capped
+    and with learned sinks too."""
+    from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for softcap, sinks in ((None, False), (4.0, True)):
+            args, reference = build_case(side, 64, 4, "cpu", softcap=softcap, sinks=sinks, seed=parts + 17)
+            if side == "float":  # a float-only store: the float region alone
+                names = ("q", "new_k", "new_v", "float_k", "float_v", "float_table")
+                reference = _float_only_reference(args, softcap, args["sink_logits"])
+                out = cpu_decode_attention(*(args[n] for n in names), args["float_len"].numpy(), softcap=softcap,
+                                           sink_logits=args["sink_logits"], parallel=True, parts=parts)
+            else:
+                out = cpu_decode_attention(**_cpu_args(args), parallel=True, parts=parts)
+            torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_both_float16_widenings_are_exact_for_every_bit_pattern():
+    """The kernel widens float16 by LLVM's ``fpext`` (F16C / ARM) or, on CPUs without it, by bit arithmetic: both give
+    numpy's float32 for all 65536 patterns (subnormals, infinities and nans included)."""
+    from numba import njit
+
+    from kvtool.runtime.kernels.cpu_decode_kernel import _fpext_half, half_bits_to_float
+
+    @njit
+    def widen(bits, native, out):
+        for i in range(bits.shape[0]):
+            out[i] = _fpext_half(bits[i]) if native else half_bits_to_float(bits[i])
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    expected = bits.view(np.float16).astype(np.float32)
+    for native in (True, False):
+        out = np.empty(65536, np.float32)
+        widen(bits, native, out)
+        assert np.array_equal(out.view(np.uint32)[~np.isnan(expected)], expected.view(np.uint32)[~np.isnan(expected)])
+        assert np.isnan(out[np.isnan(expected)]).all()
+
+
 def _float_only_reference(args: dict, softcap=None, sink_logits=None) -> torch.Tensor:
     """Dense attention over each stream's float tokens and the new token (a store with no body: float recipes)."""
     out = []
@@ -127,18 +173,68 @@ def test_cpu_kernel_writes_the_new_token_where_the_store_would_and_nowhere_else(
         assert torch.equal(float_v.view(torch.int16), before_v.view(torch.int16))
 
 
-def test_auto_is_numba_on_cpu_for_packed_codes_the_kernel_reads():
+@pytest.mark.parametrize("parts", [1, 2])
+def test_cpu_kernel_adds_the_attention_each_held_slot_received_to_its_score(parts):
+    """``scores`` + ``scoring``: each held float slot's score grows by its probability summed over its stream's rows
+    (the dense reference's), the written slot gets its own sum and position; slots nobody holds keep their bytes. (Body
+    blocks' scores: `test_numba_backend_generates_the_torch_backends_tokens_and_store[h2o-4bit]`.)"""
+    from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+
+    g = torch.Generator().manual_seed(3)
+    fbs, d, rows, lengths = 16, 64, 4, np.array([1, 17, 5])
+    table = torch.tensor([[3, 0], [1, 4], [2, 5]], dtype=torch.int32)
+    float_k, float_v = torch.randn(6, fbs, d, generator=g).half(), torch.randn(6, fbs, d, generator=g).half()
+    q, new_k, new_v = torch.randn(3, rows, d, generator=g) * 0.3, torch.randn(3, d, generator=g), torch.randn(3, d, generator=g)
+    score = torch.rand(6, fbs, generator=g)
+    pos = torch.zeros(6, fbs, dtype=torch.int32)
+    before = score.clone()
+    cpu_decode_attention(q, new_k, new_v, float_k, float_v, table, lengths, write=True, scores=(score, None), scoring=True,
+                         positions=(pos, np.array([7, 30, 11])), parallel=parts > 1, parts=parts)
+    for s, n in enumerate(lengths.tolist()):
+        ids = table[s, : -(-n // fbs)].long()
+        keys = torch.cat([float_k[ids].reshape(-1, d)[:n].float(), new_k[s : s + 1]])
+        p = torch.softmax(q[s] @ keys.T, -1).sum(0)  # (n + 1,) summed over the rows
+        slot = torch.arange(n + 1)
+        block, offset = table[s, slot // fbs].long(), slot % fbs
+        expected = torch.cat([before[block[:n], offset[:n]] + p[:n], p[n:]])
+        torch.testing.assert_close(score[block, offset], expected, rtol=1e-5, atol=1e-6)
+        assert int(pos[block[n], offset[n]]) == [7, 30, 11][s]
+        score[block, offset] = before[block, offset]
+    assert torch.equal(score, before)  # nothing else moved
+
+
+def test_a_full_float_block_is_reserved_for_the_kernels_write_and_counted_with_it():
+    """`LayerStore.can_append_one` / `reserve_one`: a stream whose last float block is full gets its next one right
+    before the kernel writes the step's token (the append would allocate it too) and the bytes stay what the lengths
+    say; a quantized store due to encode a block cannot take the token in place (the torch path encodes it)."""
+    model = tiny_model("llama", kv_heads=2)
+    # float16: 32 tokens fill two float blocks; kivi-3bit: 2 sinks + 39 tokens, one short of encoding a 32-token block
+    for recipe, seq, in_place in ((RECIPES["float16"], 32, True), (RECIPES["kivi-3bit"], 41, False)):
+        ids, _ = tiny_tokenizer_free_inputs(batch=2, seq=seq)
+        cache = CompressedRuntime.from_recipe(model, recipe, backend="torch").new_cache()
+        with torch.no_grad():
+            model(ids, **with_cache(cache), use_cache=True)
+        store = cache.layers[0].store
+        assert store.quiet_appends() == 0
+        assert store.can_append_one() is in_place
+        if in_place:
+            blocks = store.float_blocks().copy()
+            store.reserve_one()
+            store.appended_one()  # as after the kernel's write
+            assert (store.float_blocks() == blocks + 1).all() and store.quiet_appends() == 15
+            assert store.used_nbytes() == store.expected_nbytes()
+
+
+def test_auto_is_numba_on_cpu_for_every_store_the_kernel_reads():
     from kvtool.calibration import build_quantizers
 
     def backend(recipe, requested="auto"):
         return resolve_backend(requested, torch.device("cpu"), recipe, build_quantizers(recipe, 64, torch.float32, {}))
 
-    for name in ("kivi-4bit", "kivi-2bit", "int8"):
+    for name in ("kivi-4bit", "kivi-2bit", "int8", "uncompressed", "h2o", "tova", "streamingllm"):  # codes, float-only
         assert backend(load_recipe(name)) == "numba", name
-    for name in ("uncompressed", "h2o", "streamingllm", "uniform-3bit-prerope"):  # float-only stores; pre-RoPE keys
-        assert backend(load_recipe(name)) == "torch", name
-    for name in ("uncompressed", "h2o", "streamingllm"):  # the kernel reads float-only stores when asked
         assert backend(load_recipe(name), "numba") == "numba", name
+    assert backend(load_recipe("uniform-3bit-prerope")) == "torch"  # keys before RoPE
     assert backend(load_recipe("kivi-4bit"), "torch") == "torch"
     for name in ("turboquant-3bit", "fp8-e4m3"):  # formats the CPU kernel does not read
         assert backend(load_recipe(name)) == "torch"
@@ -161,6 +257,15 @@ RECIPES = {
         name="sl4", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
         eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
     ),
+    "h2o": Recipe(  # scored eviction of a float store: between cuts the kernel stores the token and adds the scores
+        name="h2o", keys=QuantSpec(method="none", bits=16, path="keys"),
+        values=QuantSpec(method="none", bits=16, axis="token", path="values"), cache=CacheSpec(float_dtype="float16"),
+        eviction=EvictionSpec(policy="h2o", budget_tokens=48, sink_tokens=2, window=8),
+    ),
+    "h2o-4bit": Recipe(  # ... and of a quantized store: scores of body blocks too
+        name="h2o4", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+        eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8),
+    ),
 }
 
 
@@ -179,21 +284,29 @@ def _held(store) -> tuple:
     slots = torch.arange(width)[None].expand(store.streams, width)
     valid = slots < torch.from_numpy(store.float_len)[:, None]
     ids = store.float_slot_ids(slots)
-    floats = [take_rows(store.float_flat(name), ids)[valid] for name in ("k", "v")]
+    names = ("k", "v") + tuple(name for name in ("pos", "score") if name in store.layout.meta)
+    floats = [take_rows(store.float_flat(name), ids)[valid] for name in names]
+    if store.body_pool is not None and "score" in store.layout.meta:  # the body blocks' scores too
+        blocks = int(store.body_len.max())
+        body_ids = store.body_block_ids(0, blocks)
+        body_valid = torch.arange(blocks)[None] < torch.from_numpy(store.body_len)[:, None]
+        floats.append(take_rows(store.body_pool.tensors["score"], body_ids)[body_valid])
     return store.float_len.tolist(), store.body_len.tolist(), store.n_sink.tolist(), floats
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_numba_backend_generates_the_torch_backends_tokens_and_store(name):
     """Batch of two, row 1 left-padded (ragged streams), GQA 4:2; 24 tokens cross block flushes and float-block
-    boundaries, so the kernel's own writes (`LayerStore.quiet_appends`) and the torch path's alternate."""
+    boundaries, so the kernel's own writes (`LayerStore.quiet_appends`) and the torch path's alternate; with scored
+    eviction the kernel's steps (stores, positions, scores) and the torch path's cuts alternate too."""
     model = tiny_model("llama", kv_heads=2)
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=70)
     by_torch, torch_cache = _generate(model, RECIPES[name], "torch", ids, mask)
     by_numba, numba_cache = _generate(model, RECIPES[name], "numba", ids, mask)
     report = numba_cache.memory_report()
     assert report["backend"] == "numba"
-    assert report["kernel_steps"] >= 20 * model.config.num_hidden_layers  # the kernel really ran
+    steps = {"float16": 23, "h2o-4bit": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
+    assert report["kernel_steps"] >= steps * model.config.num_hidden_layers  # the kernel really ran
     assert torch.equal(by_torch.sequences, by_numba.sequences)
     torch.testing.assert_close(torch.stack(by_numba.logits), torch.stack(by_torch.logits), rtol=2e-3, atol=2e-3)
     assert report["cache_bytes"] == torch_cache.memory_report()["cache_bytes"]

@@ -31,13 +31,15 @@ Resolved once per runtime and reported in every memory report (``backend``):
   Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU tensors (slow; for tests);
 * ``numba``: on CPU, one decode step's attention of a layer is one compiled call
   (`kernels/cpu_decode.py`) that reads float blocks (float16 / bfloat16) and uniform (KIVI) body
-  blocks in place, for the steps the Triton kernel would cover (one token, full-attention layers,
-  policies that do not score by attention, keys after RoPE); the rest stays on the torch path.
-  Needs the ``numba`` package (a dependency of kvtool);
+  blocks in place, for one-token steps of full-attention layers with keys after RoPE. On a step
+  that only appends (no block to encode or allocate, no eviction due) the same call stores the
+  token, its position and its score, and adds the attention every held token received to its
+  score, so attention-scored policies (h2o, tova, snapkv, ...) run on it between their cuts; the
+  rest (cuts, flushes, prefill, sliding-window layers) stays on the torch path. Needs the
+  ``numba`` package (a dependency of kvtool);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
-  decode kernel reads; on CPU ``numba`` when Numba is installed, the recipe stores packed codes
-  and the CPU kernel reads them (for float-only stores the torch path measured as fast or faster);
-  else ``torch``. What the encode kernel writes never decides the backend: a
+  decode kernel reads; on CPU ``numba`` when Numba is installed and the CPU kernel reads the
+  recipe's store (float-only or uniform codes, keys after RoPE); else ``torch``. What the encode kernel writes never decides the backend: a
   format it does not write is encoded by torch under ``triton``.
 """
 
@@ -143,7 +145,6 @@ def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None 
         return "numba"
     if device.type == "cuda":
         return "triton" if triton_available(device) and not reason else "torch"
-    # on CPU, auto takes the kernel where it measured faster: stores of packed codes (float-only stores: the torch
-    # path's matmuls were as fast or faster, benchmarks/RESULTS.md "A compiled CPU decode kernel")
-    quantized = recipe is not None and recipe.quantizes
-    return "numba" if device.type == "cpu" and quantized and numba_available() and not cpu_reason else "torch"
+    # on CPU, auto takes the kernel wherever it reads the store: it measured faster than the torch path for packed
+    # codes, float-only stores and scored eviction alike (benchmarks/RESULTS.md, "The CPU kernel rewritten")
+    return "numba" if device.type == "cpu" and numba_available() and not cpu_reason else "torch"

@@ -298,14 +298,17 @@ class KvtoolLayer(CacheLayerMixin):
             precision = "half" if query.dtype in (torch.float16, torch.bfloat16) else "exact"  # the model's own products
             writes = self._kernel_writes(real)
             out = self._kernel_decode(
-                q, nk[:, 0, 0], nv[:, 0, 0], options, None if sink_logits is None else sink_logits[:, 0], precision, writes
+                q, nk[:, 0, 0], nv[:, 0, 0], options, None if sink_logits is None else sink_logits[:, 0], precision, writes,
+                positions[:, 0] if writes else None, scoring,
             )
             out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
-            if writes:  # the kernel stored the token: count it
+            if writes:  # the kernel stored the token (and its position and score): count it
                 self.store.appended_one()
                 self.lengths = self.lengths + 1
                 if self.index == 0:
                     self.context.record(positions, torch.ones(b, dtype=torch.int64, device=self.device))
+                if policy is not None and policy.evicts_while_decoding:  # one of the steps no stream can be due in
+                    self._quiet_steps -= 1
                 return out
         else:
             q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
@@ -353,21 +356,35 @@ class KvtoolLayer(CacheLayerMixin):
         return window.repeat_interleave(self.groups)  # (S,)
 
     def _kernel_covers(self, t: int, scoring: bool, options: LayerOptions, real) -> bool:
-        """The Triton (CUDA) or Numba (CPU) decode kernel runs this step (see `backend.py` for what each covers)."""
+        """The Triton (CUDA) or Numba (CPU) decode kernel runs this step (see `backend.py` for what each covers). A
+        scored step runs on the CPU kernel when it also stores the token (`_kernel_writes`): it adds the attention to
+        the held slots' scores in the same pass."""
         backend = self.context.backend
-        return (
-            backend != "torch" and t == 1 and not scoring and not options.sliding_window
-            and self.g == 1 and (real is None or bool(real.all()))
-            and (backend == "triton" or self._cpu_kernel_reads())
-        )
+        if backend == "torch" or t != 1 or options.sliding_window or self.g != 1 or not (real is None or bool(real.all())):
+            return False
+        if backend == "triton":
+            return not scoring
+        return self._cpu_kernel_reads() and (not scoring or self._kernel_writes(real))
 
     def _kernel_writes(self, real) -> bool:
-        """The CPU kernel also stores this decode step's token: a plain append (no policy, no per-slot metadata, every
-        token real) into float slots the streams already have (`LayerStore.quiet_appends`)."""
+        """The CPU kernel also stores this decode step's token: a plain append (every token real, per-slot metadata no
+        more than positions and scores) into float slots the streams have (the next float block allocated first where
+        only that is missing: `LayerStore.can_append_one`), on a step where the policy cannot cut (`_policy_quiet`)."""
         return (
-            self.context.backend == "numba" and self.policy is None and real is None and not self.store.layout.meta
-            and self.context.shrink is None and self.store.quiet_appends() > 0
+            self.context.backend == "numba" and real is None and set(self.store.layout.meta) <= {"pos", "score"}
+            and not self.store.layout.token_sums and self.context.shrink is None and self._policy_quiet()
+            and self.store.can_append_one()
         )
+
+    def _policy_quiet(self) -> bool:
+        """This decode step only appends, as `_evict` decides it: no policy; one that never cuts while decoding (and
+        no sliding-window rule); or a budgeted one within the steps no stream can be due in (`_quiet_steps`)."""
+        policy = self.policy
+        if policy is None:
+            return True
+        if self.window_rule is not None:
+            return False
+        return not policy.evicts_while_decoding or (policy.budgeted and self._quiet_steps > 0)
 
     def _cpu_kernel_reads(self) -> bool:
         """The CPU kernel reads this layer's store (its float dtype and formats; fixed for the layer's life)."""
@@ -484,7 +501,8 @@ class KvtoolLayer(CacheLayerMixin):
             )
 
     def _kernel_decode(
-        self, q, new_k, new_v, options: LayerOptions, sink_logits, precision: str = "exact", write: bool = False
+        self, q, new_k, new_v, options: LayerOptions, sink_logits, precision: str = "exact", write: bool = False,
+        positions: torch.Tensor | None = None, scoring: bool = False,
     ) -> torch.Tensor:
         """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place
         (``precision`` "half" for float16 / bfloat16 models: float16 operands in the fast kernel's products)."""
@@ -518,13 +536,22 @@ class KvtoolLayer(CacheLayerMixin):
         if self.context.backend == "numba":
             from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
 
+            if write:  # the next float block of streams whose last one is full (`LayerStore.can_append_one`)
+                store.reserve_one()
+                float_pool = store.float_pool.tensors  # a grown pool has new tensors
             has_body = store.body_pool is not None and int(store.body_len.max()) > 0
+            meta = store.layout.meta if write else ()  # written with the token: its position, its score
+            scores = None
+            if "score" in meta:
+                scores = (float_pool["score"], store.body_pool.tensors["score"] if has_body else None)
+            positions = (float_pool["pos"], positions.cpu().numpy()) if "pos" in meta else None  # per sequence (B,)
             self.context.kernel_steps += 1
             return cpu_decode_attention(
-                q, new_k, new_v, float_pool["k"][:, :, 0], float_pool["v"][:, :, 0], store.float_table, store.float_len,
+                q, new_k, new_v, float_pool["k"], float_pool["v"], store.float_table, store.float_len,
                 (store.body_pool_side("k"), store.body_pool_side("v")) if has_body else None,
                 store.body_table if has_body else None, store.body_len if has_body else None,
                 self._kernel_formats()[0] if has_body else None, store.bs, options.softcap, sink_logits, write,
+                scores, scoring, positions,
             )
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:

@@ -157,11 +157,32 @@ class LayerStore:
             quiet = self._quiet = int(room.min()) if room.shape[0] else 0
         return quiet
 
+    def can_append_one(self) -> bool:
+        """A decode step may write each stream's next float slot in place (then `appended_one`): room in the streams'
+        float blocks (`quiet_appends`), or only a full last float block, which `reserve_one` allocates right before
+        the write (as the append would); False when a sink is due or a block must be encoded."""
+        if self.quiet_appends() > 0:
+            return True
+        if not self.streams:
+            return False
+        if self.layout.quantized:
+            new_sinks, _ = self._append_split(np.ones_like(self.float_len))
+            flush_room = self.layout.recent_tokens + self.bs - 1 - (self.float_len - self.n_sink)
+            return not new_sinks.any() and int(flush_room.min()) > 0
+        return True
+
+    def reserve_one(self) -> None:
+        """Allocate the next float block of every stream whose last one is full, right before a kernel writes the
+        step's token (`can_append_one`); `appended_one` then counts the token, and the block with it."""
+        if self.quiet_appends() == 0:
+            self._ensure_float_blocks(self.float_len + 1)
+
     def appended_one(self) -> None:
-        """Every stream's next float slot was written in place (a kernel did it; `quiet_appends` > 0 allowed it)."""
+        """Every stream's next float slot was written in place (a kernel did it; `can_append_one` allowed it)."""
         quiet = self.quiet_appends()
         self._set("float_len", self.float_len + 1)
-        self._quiet = quiet - 1
+        if quiet > 0:  # still counted down; after a reserved block it is recomputed
+            self._quiet = quiet - 1
 
     def lengths(self, name: str) -> torch.Tensor:
         """Device copy (S,) int64 of a host length array, cached until it changes."""

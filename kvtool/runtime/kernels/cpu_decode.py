@@ -12,15 +12,18 @@ What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
 * body blocks of **uniform** codes (KIVI): ``codes`` (cap, BS * bits / 8, D) uint8, bit-sliced and token-split
   (`kvtool.methods.quant.packing`), fp16 ``scale`` / ``zero`` per channel ((cap, D): ``x = code * scale + zero``
   per channel of a block) or per token group ((cap, BS, D / group)); ``body_table`` (S, Bn) int32, ``body_len``
-  (S,) blocks. Keys after RoPE only (pre-RoPE keys, other formats, scored eviction, sliding windows: torch).
+  (S,) blocks; ``score`` (cap, FBS) / (cap, BS) float32 and ``pos`` (cap, FBS) int32 per slot when the store
+  keeps them (evicting recipes). Keys after RoPE only (pre-RoPE keys, other formats, sliding windows: torch).
 
 Per stream (one sequence x one KV head): R query rows (its GQA group, already scaled), two passes over the held
 tokens (body blocks, then the float region's slots, then this step's own token: the order does not change the
-sums); optional soft-capping (Gemma 2) and learned sink logits (gpt-oss). Scores of a stream are kept whole
-(R x tokens float32), so the softmax is not online; its exp is a vectorized polynomial (about 1 ulp) and weights
-under e^-60 of the largest are dropped (relative contribution < 1e-26). With ``write`` the call also stores the
-step's token in each stream's next float slot. Streams run in parallel (`prange`, one stream per task) on as
-many threads as torch uses.
+sums); optional soft-capping (Gemma 2) and learned sink logits (gpt-oss). A stream's tokens may be cut into parts
+of whole blocks (flash-decoding: each part's softmax maximum, sum and weighted values, merged per stream), which
+only matters with ``parallel``. Exp is a vectorized polynomial (about 1 ulp); weights under e^-60 of a part's
+largest are dropped (relative contribution < 1e-26). With ``write`` the call also stores the step's token in each
+stream's next float slot (with its position, and its score when the store keeps scores); with ``scoring`` every
+held slot's score grows by the attention it received (H2O, TOVA, SnapKV, ... between their cuts). Serial unless
+``parallel`` (see `cpu_decode_attention`).
 
 The pure-torch reference is the store's torch path; `tests/test_cpu_decode.py` compares the two over formats,
 bits, GQA ratios and ragged lengths (empty and one-token streams included).
@@ -31,6 +34,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -59,12 +63,6 @@ def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _half_table() -> np.ndarray:
-    """(65536,) float32: the value of every float16 bit pattern."""
-    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-@functools.lru_cache(maxsize=None)
 def _widths(bits: int) -> np.ndarray:
     """(4,) int64 slice widths of ``bits``-bit codes, lowest bits first, padded with 0 (built once per width: asked
     at every decode step; never written)."""
@@ -79,6 +77,30 @@ def _u16(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16)
 
 
+_VIEWS: dict[tuple[int, str], tuple] = {}  # (id(tensor), kind) -> (weak reference to the tensor, its numpy view)
+
+
+def _held_view(t: torch.Tensor, kind: str = "") -> np.ndarray:
+    """The numpy view of a store tensor (a pool tensor, a block table), made once per tensor object: they live for
+    many steps (a pool that grows gets new tensors), and making views costs microseconds per call and layer.
+    ``kind``: "" as is, "u16" the bit patterns of a 16-bit float tensor, "rows" the same flattened per pool row,
+    "3d" a float pool (cap, FBS, 1, D) as (cap, FBS, D)."""
+    key = (id(t), kind)
+    entry = _VIEWS.get(key)
+    if entry is not None and entry[0]() is t:
+        return entry[1]
+    view = _u16(t) if kind in ("u16", "rows", "3d") else t.numpy()
+    if kind == "rows":
+        view = view.reshape(view.shape[0], -1)
+    elif kind == "3d":
+        view = view.reshape(view.shape[0], view.shape[1], -1)
+    if len(_VIEWS) > 1024:  # forget tensors that are gone
+        for stale in [k for k, (ref, _) in _VIEWS.items() if ref() is None]:
+            del _VIEWS[stale]
+    _VIEWS[key] = (weakref.ref(t), view)
+    return view
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
     """The compiled kernel (Numba imported on first use; compiled once, then loaded from the on-disk cache).
@@ -91,9 +113,9 @@ def _kernel():
 
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER = "workqueue"
-    from kvtool.runtime.kernels.cpu_decode_kernel import decode
+    from kvtool.runtime.kernels.cpu_decode_kernel import decode_parallel, decode_serial
 
-    return decode
+    return decode_serial, decode_parallel
 
 
 _THREADS = [0]  # the thread count last given to Numba
@@ -122,10 +144,8 @@ def _side_arrays(side: dict | None, fmt):
     """(codes uint8 3-D, scale uint16 2-D, zero uint16 2-D, widths, per_channel, group) of one body side."""
     if side is None:
         return _no_side()
-    codes = side["codes"].numpy()
-    cap = codes.shape[0]
-    scale = _u16(side["scale"]).reshape(cap, -1)
-    zero = _u16(side["zero"]).reshape(cap, -1)
+    codes = _held_view(side["codes"])
+    scale, zero = _held_view(side["scale"], "rows"), _held_view(side["zero"], "rows")
     return codes, scale, zero, _widths(fmt.bits), fmt.scales == "channel", int(fmt.group)
 
 
@@ -133,7 +153,7 @@ def cpu_decode_attention(
     q: torch.Tensor,  # (S, R, D) float32, already multiplied by the softmax scale
     new_k: torch.Tensor,  # (S, D) float32: this step's token, attended to by every row
     new_v: torch.Tensor,  # (S, D) float32
-    float_k: torch.Tensor,  # (cap, FBS, D) float16 / bfloat16 float pool (one head per stream)
+    float_k: torch.Tensor,  # (cap, FBS, D) or (cap, FBS, 1, D) float16 / bfloat16 float pool (one head per stream)
     float_v: torch.Tensor,
     float_table: torch.Tensor,  # (S, F) int32
     float_len: np.ndarray,  # (S,) int64 tokens (the store's host lengths)
@@ -145,18 +165,35 @@ def cpu_decode_attention(
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,  # (S, R) learned sink logits
     write: bool = False,  # also write new_k / new_v (rounded to the pool's dtype) into each stream's next float slot
+    scores: tuple | None = None,  # (float pool score (cap, FBS), body pool score (cap, BS) or None) float32
+    scoring: bool = False,  # add this step's attention to the held slots' scores (else the new slot's score is 0)
+    positions: tuple | None = None,  # (float pool pos (cap, FBS) int32, this step's position per sequence (B,))
+    parallel: bool = False,  # spread the work over as many threads as torch uses (see below)
+    parts: int | None = None,  # pieces each stream's tokens are cut into (None: 1; with ``parallel``, enough for
+    # every thread)
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store, on CPU tensors.
 
     With ``write`` the caller guarantees that slot ``float_len[s]`` of every stream lies in a float block the stream
-    already has (`LayerStore.quiet_appends`), and counts the token afterwards (`LayerStore.appended_one`)."""
+    already has (`LayerStore.can_append_one`, `reserve_one`), and counts the token afterwards (`appended_one`).
+    ``scores`` (a store that keeps scores, with ``write``): with ``scoring`` every held slot's score grows by the
+    attention it received, summed over its stream's rows, and the new slot's score is set to its own (as the torch
+    path's `attend_stored` with `_accumulate` leaves them); without, the new slot's score is 0. ``positions`` (an
+    evicting store, with ``write``): the new slot's position.
+
+    Serial by default: inside a model's decode step the parallel call measured slower end to end on a 2-core machine
+    (SmolLM2-135M, kivi-4bit at 2K tokens 1.36x `DynamicCache`'s step time against 1.16x serial; batch 8 at 1K 1.53x
+    against 1.27x): torch's OpenMP threads spin between operations and take the cores back from Numba's.
+    ``parallel`` is there for machines with cores to spare."""
     s, r, d = q.shape
+    if (scores is not None or positions is not None) and not write:
+        raise ValueError("scores and positions are written with the new token: pass write=True")
     q_np = q.contiguous().float().numpy()
     out = np.empty((s, r, d), dtype=np.float32)
     has_body = body is not None and body_table is not None and body_table.shape[1] > 0 and body_len is not None
-    ftable = float_table.numpy() if float_table.shape[1] else np.zeros((s, 1), np.int32)
+    ftable = _held_view(float_table) if float_table.shape[1] else np.zeros((s, 1), np.int32)
     if has_body:
-        btable, blen = body_table.numpy(), np.ascontiguousarray(body_len, dtype=np.int64)
+        btable, blen = _held_view(body_table), np.ascontiguousarray(body_len, dtype=np.int64)
         k_side, v_side = _side_arrays(body[0], formats[0]), _side_arrays(body[1], formats[1])
     else:
         btable, blen = np.zeros((s, 1), np.int32), np.zeros(s, np.int64)
@@ -166,16 +203,37 @@ def cpu_decode_attention(
     if not write:
         new_bits = np.zeros((2, 1, 1), np.uint16)
     elif float_k.dtype == torch.float16:  # numpy rounds to nearest even, as torch's cast does
-        new_bits = np.stack((new_k_np, new_v_np)).astype(np.float16).view(np.uint16)
+        halves = np.empty((2, s, d), np.float16)
+        halves[0], halves[1] = new_k_np, new_v_np
+        new_bits = halves.view(np.uint16)
     else:
         new_bits = _u16(torch.stack((new_k, new_v)).to(float_k.dtype))
-    kernel = _kernel()
+    no_score, no_pos = _no_meta()
+    float_score = _held_view(scores[0]) if scores is not None else no_score
+    body_score = _held_view(scores[1]) if scores is not None and scores[1] is not None and has_body else no_score
+    new_score = np.zeros(s if scores is not None else 1, np.float32)
+    score_mode = 0 if scores is None else (2 if scoring else 1)
+    float_pos = _held_view(positions[0]) if positions is not None else no_pos
+    new_pos = np.zeros(1, np.int32)
+    if positions is not None:  # a sequence's streams are consecutive
+        new_pos = np.repeat(np.asarray(positions[1], dtype=np.int32), s // len(positions[1]))
+    serial_kernel, parallel_kernel = _kernel()
     with _ONE_AT_A_TIME:
         _follow_torch_threads()
-        kernel(
-            q_np, new_k_np, new_v_np, _u16(float_k), _u16(float_v),
+        spread = parallel and _THREADS[0] > 1
+        if parts is None:
+            parts = -(-2 * _THREADS[0] // s) if spread and s < 2 * _THREADS[0] else 1  # few streams: split their tokens
+        (parallel_kernel if spread else serial_kernel)(
+            q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"),
             ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen,
-            *k_side, *v_side, int(block_size or 1), int(float_k.shape[1]), _half_table(), float_k.dtype == torch.bfloat16,
-            float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write), out,
+            *k_side, *v_side, int(block_size or 1), float_k.dtype == torch.bfloat16,
+            float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write),
+            float_score, body_score, new_score, score_mode, float_pos, new_pos, positions is not None, parts, out,
         )
     return torch.from_numpy(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_meta() -> tuple:
+    """Placeholder score (float32) and position (int32) pools of a call that writes neither (built once)."""
+    return np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int32)

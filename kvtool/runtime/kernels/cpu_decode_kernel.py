@@ -1,48 +1,136 @@
 """The Numba-compiled CPU decode kernel of `cpu_decode.py` (imported only when the ``numba`` backend runs; compiled once
-and cached on disk beside this file). See `cpu_decode.py` for the layout it reads and what it computes."""
+and cached on disk beside this file). See `cpu_decode.py` for the layout it reads and what it computes.
+
+How it is written for speed (the compiler vectorizes simple loops over contiguous 1-D rows, not much else):
+* every inner loop runs over one contiguous row of ``D`` channels (a key or value row, a query row, an accumulator);
+* 16-bit floats are widened in registers where they are read (`half_to_float`: one ``vcvtph2ps`` per 8 values on
+  x86 with F16C, a native conversion on ARM, exact bit arithmetic elsewhere), so no float copy of a block is made;
+* exp is a vectorized polynomial (`exp_shifted`), since ``np.exp`` does not vectorize without Intel SVML;
+* a stream's held tokens are cut into ``parts`` (whole blocks each; flash-decoding): each part is one work item with
+  its own softmax maximum, sum and weighted values (`attend_part`), and `combine` merges the parts of every stream
+  with this step's own token. `decode_serial` runs the items on one thread (the default: in a model's step torch's
+  spinning OpenMP threads made the parallel call slower end to end on 2 cores), `decode_parallel` spreads them over
+  Numba's threads (``prange``; a batch-1 step has few streams, 3 on SmolLM2, so their tokens are split).
+"""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 TINY_LOGIT = np.float32(-60.0)  # relative weights under e^-60 are dropped (subnormal products are ~100x slower)
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized) and fused; no assumption about inf / nan
 
 
+def _native_half() -> bool:
+    """The CPU widens float16 in hardware (x86 F16C, or ARM), so LLVM's ``fpext half`` needs no library call."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    try:
+        import llvmlite.binding as llvm
+
+        return "+f16c" in llvm.get_host_cpu_features().flatten()
+    except Exception:  # noqa: BLE001  unknown host: the portable bit arithmetic
+        return False
+
+
+NATIVE_HALF = _native_half()  # a compile-time constant of the kernel (the on-disk cache is per CPU)
 HALF_MAGIC = np.float32(2.0**112)  # 2^(127 - 15): rebias a float16 exponent placed in a float32
 HALF_WAS_INF_NAN = np.float32(2.0**16)  # 2^(143 - 127): at or above this the float16 was inf / nan
 
 
+@intrinsic
+def _fpext_half(typingctx, bits):
+    """uint16 bit pattern of an IEEE float16 -> float32 by LLVM's ``fpext half`` (exact)."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
 @njit(cache=True, inline="always", fastmath=FAST)
-def load_floats(src, block, count, bf16, buf):
-    """buf[:count] (FBS, D) float32 <- the first ``count`` rows of float block ``block`` (uint16 bit patterns of float16
-    or bfloat16), by bit operations that vectorize (float16: the magnitude bits shifted into a float32 and multiplied
-    by 2^112, which also scales subnormals exactly; inf / nan keep an all-ones exponent; then the sign)."""
-    d = buf.shape[1]
-    bits = buf.view(np.uint32)
-    for t in range(count):
-        row, out = src[block, t], bits[t]
-        if bf16:
-            for c in range(d):
-                out[c] = np.uint32(row[c]) << np.uint32(16)
-        else:
-            values = buf[t]
-            for c in range(d):
-                out[c] = (np.uint32(row[c]) & np.uint32(0x7FFF)) << np.uint32(13)
-            for c in range(d):
-                values[c] *= HALF_MAGIC
-            for c in range(d):
-                if values[c] >= HALF_WAS_INF_NAN:
-                    out[c] |= np.uint32(0x7F800000)
-                out[c] |= (np.uint32(row[c]) & np.uint32(0x8000)) << np.uint32(16)
+def half_to_float(h):
+    """float16 bits (uint16) -> float32, exactly (subnormals, inf and nan included)."""
+    if NATIVE_HALF:
+        return _fpext_half(h)
+    return half_bits_to_float(h)
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def half_bits_to_float(h):
+    """`half_to_float` by integer and float arithmetic that vectorizes anywhere: the magnitude bits shifted into a
+    float32 and multiplied by 2^112 (which also scales subnormals exactly), an all-ones exponent for inf / nan, then
+    the sign."""
+    u = np.uint32(h)
+    magnitude = np.float32(np.uint32((u & np.uint32(0x7FFF)) << np.uint32(13)).view(np.float32) * HALF_MAGIC)
+    inf_nan = np.uint32(0x7F800000) if magnitude >= HALF_WAS_INF_NAN else np.uint32(0)
+    sign = np.uint32((u & np.uint32(0x8000)) << np.uint32(16))
+    return np.uint32(np.uint32(np.float32(magnitude).view(np.uint32) | sign) | inf_nan).view(np.float32)
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def bf16_to_float(h):
+    return np.uint32(np.uint32(h) << np.uint32(16)).view(np.float32)
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def to_float(h, bf16):
+    return bf16_to_float(h) if bf16 else half_to_float(h)
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def dot(a, b):
+    """a . b over two float32 rows."""
+    acc = np.float32(0.0)
+    for c in range(a.shape[0]):
+        acc += a[c] * b[c]
+    return acc
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def dot_half(a, h, bf16):
+    """a . h: a float32 row and a 16-bit float row, widened as it is read."""
+    acc = np.float32(0.0)
+    if bf16:
+        for c in range(a.shape[0]):
+            acc += a[c] * bf16_to_float(h[c])
+    else:
+        for c in range(a.shape[0]):
+            acc += a[c] * half_to_float(h[c])
+    return acc
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def axpy(acc, p, x):
+    """acc += p * x over float32 rows."""
+    for c in range(acc.shape[0]):
+        acc[c] += p * x[c]
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def axpy_half(acc, p, h, bf16):
+    """acc += p * h: h a 16-bit float row, widened as it is read."""
+    if bf16:
+        for c in range(acc.shape[0]):
+            acc[c] += p * bf16_to_float(h[c])
+    else:
+        for c in range(acc.shape[0]):
+            acc[c] += p * half_to_float(h[c])
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
 def unpack_block(codes, block, widths, buf):
     """buf (BS, D) float32 <- the integer codes of body block ``block`` (bit-sliced, token-split: byte row j of a
     w-bit slice holds tokens j, j + BS/k, ... at bits 0, w, ...; k = 8 / w)."""
-    bs, d = buf.shape
+    bs = buf.shape[0]
+    rows = codes[block]  # (BS * bits / 8, D) uint8
     row, low = 0, 0
     for i in range(widths.shape[0]):
         w = widths[i]
@@ -53,29 +141,31 @@ def unpack_block(codes, block, widths, buf):
         mask = np.int32((1 << w) - 1)
         weight = np.float32(1 << low)
         for j in range(sub):
+            src = rows[row + j]
             for part in range(k):
-                t = j + part * sub
+                dst = buf[j + part * sub]
                 shift = np.int32(part * w)
                 if low == 0:
-                    for c in range(d):
-                        buf[t, c] = np.float32((np.int32(codes[block, row + j, c]) >> shift) & mask)
+                    for c in range(dst.shape[0]):
+                        dst[c] = np.float32((np.int32(src[c]) >> shift) & mask)
                 else:
-                    for c in range(d):
-                        buf[t, c] += np.float32((np.int32(codes[block, row + j, c]) >> shift) & mask) * weight
+                    for c in range(dst.shape[0]):
+                        dst[c] += np.float32((np.int32(src[c]) >> shift) & mask) * weight
         row += sub
         low += w
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def dequantize_groups(buf, scale, zero, block, group, half):
-    """buf (BS, D) codes -> values in place: code * scale + zero per token and group of ``group`` channels."""
+def dequantize_groups(buf, scale, zero, block, group):
+    """buf (BS, D) codes -> values in place: code * scale + zero per token and group of ``group`` channels
+    (scale / zero (cap, BS * D / group) float16 bits)."""
     bs, d = buf.shape
     groups = d // group
     for t in range(bs):
         row = buf[t]
         for gi in range(groups):
-            sc = half[scale[block, t * groups + gi]]
-            zr = half[zero[block, t * groups + gi]]
+            sc = half_to_float(scale[block, t * groups + gi])
+            zr = half_to_float(zero[block, t * groups + gi])
             for c in range(gi * group, (gi + 1) * group):
                 row[c] = row[c] * sc + zr
 
@@ -112,121 +202,242 @@ def exp_shifted(row, m, exponents):
         bits[x] = bits[x] + (e << np.int32(23)) if e != DROPPED else np.int32(0)  # times 2^k (k >= -87: normal); 0.0
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
-def dot(a, b):
-    acc = np.float32(0.0)
-    for c in range(a.shape[0]):
-        acc += a[c] * b[c]
-    return acc
+@njit(cache=True, inline="always")
+def part_units(s, part, parts, float_len, body_len, fbs):
+    """Units (body blocks, then float blocks) [u0, u1) of stream ``s``'s part ``part`` of ``parts``."""
+    units = body_len[s] + (float_len[s] + fbs - 1) // fbs
+    return units * part // parts, units * (part + 1) // parts
+
+
+@njit(cache=True, fastmath=FAST)
+def attend_part(
+    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len,
+    k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
+    bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+):
+    """One work item: the held tokens of stream ``s`` in its part ``part`` (whole blocks). Leaves, per query row,
+    exp(logit - m) in ``weights[s]`` (R, tokens; token order body blocks, then float slots), m in
+    ``part_max[s, part]``, the sum of the weights in ``part_sum[s, part]`` and the weighted values in
+    ``part_acc[s, part]`` (R, D). An empty part: m = -inf, sums 0."""
+    rows, d = q.shape[1], q.shape[2]
+    fbs = float_k.shape[1]
+    n_blocks = body_len[s]
+    n_body = n_blocks * bs
+    n_float = float_len[s]
+    u0, u1 = part_units(s, part, parts, float_len, body_len, fbs)
+    qs = q[s]
+    scores = weights[s]
+    acc = part_acc[s, part]
+    acc[:] = 0.0
+    if u0 >= u1:
+        part_max[s, part, :] = -np.inf
+        part_sum[s, part, :] = 0.0
+        return
+    first = u0 * bs if u0 <= n_blocks else n_body + (u0 - n_blocks) * fbs  # token range [first, last) of the part
+    last = u1 * bs if u1 <= n_blocks else min(n_body + (u1 - n_blocks) * fbs, n_body + n_float)
+    # pass 1: logits
+    body_buf = np.empty((bs, d), dtype=np.float32)
+    q_block = np.empty(d, dtype=np.float32)  # a query row with a block's per-channel key scales folded in
+    for j in range(u0, min(u1, n_blocks)):
+        block = body_table[s, j]
+        unpack_block(k_codes, block, k_widths, body_buf)
+        if k_channel:  # q . (scale * code + zero) = (q * scale) . code + q . zero
+            for r in range(rows):
+                z = np.float32(0.0)
+                qr = qs[r]
+                for c in range(d):
+                    q_block[c] = qr[c] * half_to_float(k_scale[block, c])
+                    z += qr[c] * half_to_float(k_zero[block, c])
+                for t in range(bs):
+                    scores[r, j * bs + t] = dot(q_block, body_buf[t]) + z
+        else:
+            dequantize_groups(body_buf, k_scale, k_zero, block, k_group)
+            for t in range(bs):
+                for r in range(rows):
+                    scores[r, j * bs + t] = dot(qs[r], body_buf[t])
+    for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
+        keys = float_k[float_table[s, fb]]  # (FBS, D) 16-bit
+        base = n_body + fb * fbs
+        for t in range(min(fbs, n_float - fb * fbs)):
+            for r in range(rows):
+                scores[r, base + t] = dot_half(qs[r], keys[t], bf16)
+    # the part's softmax terms per row (soft-capped logits)
+    exponents = np.empty(last - first, dtype=np.int32)
+    for r in range(rows):
+        row = scores[r, first:last]
+        if softcap > 0.0:
+            for x in range(row.shape[0]):
+                row[x] = np.float32(softcap * np.tanh(row[x] / softcap))
+        m = np.float32(-np.inf)
+        for x in range(row.shape[0]):
+            m = max(m, row[x])
+        exp_shifted(row, m, exponents)
+        total = np.float32(0.0)
+        for x in range(row.shape[0]):
+            total += row[x]
+        part_max[s, part, r] = m
+        part_sum[s, part, r] = total
+    # pass 2: values
+    part_v = np.empty(d, dtype=np.float32)
+    for j in range(u0, min(u1, n_blocks)):
+        block = body_table[s, j]
+        unpack_block(v_codes, block, v_widths, body_buf)
+        if v_channel:  # sum_t p_t (scale * code_t + zero) = scale * sum_t p_t code_t + zero * sum_t p_t
+            for r in range(rows):
+                part_v[:] = 0.0
+                mass = np.float32(0.0)
+                for t in range(bs):
+                    p = scores[r, j * bs + t]
+                    mass += p
+                    axpy(part_v, p, body_buf[t])
+                acc_r = acc[r]
+                for c in range(d):
+                    acc_r[c] += part_v[c] * half_to_float(v_scale[block, c]) + mass * half_to_float(v_zero[block, c])
+        else:
+            dequantize_groups(body_buf, v_scale, v_zero, block, v_group)
+            for r in range(rows):
+                acc_r = acc[r]
+                for t in range(bs):
+                    p = scores[r, j * bs + t]
+                    if p != 0.0:
+                        axpy(acc_r, p, body_buf[t])
+    for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
+        values = float_v[float_table[s, fb]]
+        base = n_body + fb * fbs
+        for r in range(rows):
+            acc_r = acc[r]
+            for t in range(min(fbs, n_float - fb * fbs)):
+                p = scores[r, base + t]
+                if p != 0.0:
+                    axpy_half(acc_r, p, values[t], bf16)
+
+
+@njit(cache=True, fastmath=FAST)
+def combine(
+    s, q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
+    new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts,
+    weights, part_max, part_sum, part_acc, out,
+):
+    """Stream ``s``: its parts merged with this step's own token (and a learned sink) into out[s] (R, D); the scores
+    (``score_mode`` 2: each held token's grows by the attention its rows gave it, summed over the rows; the written
+    slot's is its own; 1: the written slot's is 0; 0: no scores); with ``write`` the token stored in the stream's
+    next float slot, after the read (never read back rounded), with its position when ``write_pos``."""
+    rows, d = q.shape[1], q.shape[2]
+    fbs = float_k.shape[1]
+    scale = np.empty((rows, parts), dtype=np.float32)  # exp(m_part - M) / L per row and part
+    new_p = np.empty(rows, dtype=np.float32)
+    for r in range(rows):
+        logit = dot(q[s, r], new_k[s])
+        if softcap > 0.0:
+            logit = np.float32(softcap * np.tanh(logit / softcap))
+        m = logit
+        for part in range(parts):
+            m = max(m, part_max[s, part, r])
+        if has_sink:
+            m = max(m, np.float32(sink_logits[s, r]))
+        total = np.exp(logit - m)
+        for part in range(parts):
+            scale[r, part] = np.exp(part_max[s, part, r] - m) if part_sum[s, part, r] > 0.0 else np.float32(0.0)
+            total += part_sum[s, part, r] * scale[r, part]
+        if has_sink:
+            total += np.exp(np.float32(sink_logits[s, r]) - m)
+        inv = np.float32(1.0) / total
+        new_p[r] = np.exp(logit - m) * inv
+        acc_r = out[s, r]
+        for c in range(d):
+            acc_r[c] = new_p[r] * new_v[s, c]
+        for part in range(parts):
+            scale[r, part] *= inv
+            axpy(acc_r, scale[r, part], part_acc[s, part, r])
+    if score_mode == 2:  # the attention each held token received: its weight times its part's scale, over the rows
+        n_blocks = body_len[s]
+        n_body = n_blocks * bs
+        n_float = float_len[s]
+        scores = weights[s]
+        for part in range(parts):
+            u0, u1 = part_units(s, part, parts, float_len, body_len, fbs)
+            for j in range(u0, min(u1, n_blocks)):
+                block = body_table[s, j]
+                for t in range(bs):
+                    total_p = np.float32(0.0)
+                    for r in range(rows):
+                        total_p += scores[r, j * bs + t] * scale[r, part]
+                    body_score[block, t] += total_p
+            for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
+                block = float_table[s, fb]
+                base = n_body + fb * fbs
+                for t in range(min(fbs, n_float - fb * fbs)):
+                    total_p = np.float32(0.0)
+                    for r in range(rows):
+                        total_p += scores[r, base + t] * scale[r, part]
+                    float_score[block, t] += total_p
+        total_p = np.float32(0.0)
+        for r in range(rows):
+            total_p += new_p[r]
+        new_score[s] = total_p
+    if write:  # this step's token into the stream's next float slot (after the held tokens: not read above)
+        n_float = float_len[s]
+        block, offset = float_table[s, n_float // fbs], n_float % fbs
+        for c in range(d):
+            float_k[block, offset, c] = new_bits[0, s, c]
+            float_v[block, offset, c] = new_bits[1, s, c]
+        if write_pos:
+            float_pos[block, offset] = new_pos[s]
+        if score_mode > 0:
+            float_score[block, offset] = new_score[s] if score_mode == 2 else np.float32(0.0)
+
+
+@njit(cache=True, fastmath=FAST)
+def decode_serial(
+    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len,
+    k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
+    bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    float_pos, new_pos, write_pos, parts, out,
+):
+    """One decode step of a layer on this thread: every (stream, part) item, then every stream's `combine`."""
+    streams, rows = q.shape[0], q.shape[1]
+    widest = np.max(float_len + body_len * bs) if streams else 0
+    weights = np.empty((streams, rows, max(widest, 1)), dtype=np.float32)
+    part_max = np.empty((streams, parts, rows), dtype=np.float32)
+    part_sum = np.empty((streams, parts, rows), dtype=np.float32)
+    part_acc = np.empty((streams, parts, rows, q.shape[2]), dtype=np.float32)
+    for item in range(streams * parts):
+        attend_part(
+            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len,
+            k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
+            bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+        )
+    for s in range(streams):
+        combine(
+            s, q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
+            has_sink, new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos,
+            parts, weights, part_max, part_sum, part_acc, out,
+        )
 
 
 @njit(cache=True, parallel=True, fastmath=FAST)
-def decode(
+def decode_parallel(
     q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len,
-    k_codes, k_scale, k_zero, k_widths, k_channel, k_group,
-    v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
-    bs, fbs, half, bf16, softcap, sink_logits, has_sink, new_bits, write, out,
+    k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
+    bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    float_pos, new_pos, write_pos, parts, out,
 ):
-    streams, rows, d = q.shape
-    for s in prange(streams):
-        if write:  # this step's token into the stream's next float slot (after the held tokens: never read here)
-            slot = float_len[s]
-            block, offset = float_table[s, slot // fbs], slot % fbs
-            for c in range(d):
-                float_k[block, offset, c] = new_bits[0, s, c]
-                float_v[block, offset, c] = new_bits[1, s, c]
-        n_float = float_len[s]
-        n_blocks = body_len[s]
-        n_body = n_blocks * bs
-        total = n_float + n_body + 1
-        scores = np.empty((rows, total), dtype=np.float32)
-        body_buf = np.empty((bs, d), dtype=np.float32)
-        float_buf = np.empty((fbs, d), dtype=np.float32)
-        q_block = np.empty((rows, d), dtype=np.float32)  # the query with a block's per-channel key scales folded in
-        acc = np.zeros((rows, d), dtype=np.float32)
-        # pass 1: scores, token order = body blocks then float slots (order does not change the result)
-        for j in range(n_blocks):
-            block = body_table[s, j]
-            unpack_block(k_codes, block, k_widths, body_buf)
-            if k_channel:  # q . (scale * code + zero) = (q * scale) . code + q . zero
-                for r in range(rows):
-                    z = np.float32(0.0)
-                    for c in range(d):
-                        q_block[r, c] = q[s, r, c] * half[k_scale[block, c]]
-                        z += q[s, r, c] * half[k_zero[block, c]]
-                    for t in range(bs):
-                        scores[r, j * bs + t] = dot(q_block[r], body_buf[t]) + z
-            else:
-                dequantize_groups(body_buf, k_scale, k_zero, block, k_group, half)
-                for t in range(bs):
-                    for r in range(rows):
-                        scores[r, j * bs + t] = dot(q[s, r], body_buf[t])
-        for fb in range((n_float + fbs - 1) // fbs):
-            count = min(fbs, n_float - fb * fbs)
-            load_floats(float_k, float_table[s, fb], count, bf16, float_buf)
-            for r in range(rows):
-                for t in range(count):
-                    scores[r, n_body + fb * fbs + t] = dot(q[s, r], float_buf[t])
-        for r in range(rows):
-            scores[r, total - 1] = dot(q[s, r], new_k[s])
-        # softmax per row (soft-capped logits; a learned sink adds a term with no value)
-        exponents = np.empty(total, dtype=np.int32)
-        for r in range(rows):
-            row = scores[r]
-            if softcap > 0.0:
-                for x in range(total):
-                    row[x] = np.float32(softcap * np.tanh(row[x] / softcap))
-            m = np.float32(-np.inf)
-            for x in range(total):
-                m = max(m, row[x])
-            if has_sink:
-                m = max(m, np.float32(sink_logits[s, r]))
-            exp_shifted(row, m, exponents)
-            l = np.float32(0.0)
-            for x in range(total):
-                l += row[x]
-            if has_sink:
-                l += np.exp(np.float32(sink_logits[s, r]) - m)
-            inv = np.float32(1.0) / l
-            for x in range(total):
-                row[x] *= inv
-        # pass 2: values
-        for j in range(n_blocks):
-            block = body_table[s, j]
-            unpack_block(v_codes, block, v_widths, body_buf)
-            if v_channel:  # sum_t p_t (scale * code_t + zero) = scale * sum_t p_t code_t + zero * sum_t p_t
-                for r in range(rows):
-                    q_block[r, :] = 0.0
-                    mass = np.float32(0.0)
-                    for t in range(bs):
-                        p = scores[r, j * bs + t]
-                        mass += p
-                        for c in range(d):
-                            q_block[r, c] += p * body_buf[t, c]
-                    for c in range(d):
-                        acc[r, c] += q_block[r, c] * half[v_scale[block, c]] + mass * half[v_zero[block, c]]
-            else:
-                dequantize_groups(body_buf, v_scale, v_zero, block, v_group, half)
-                for r in range(rows):
-                    acc_r = acc[r]
-                    for t in range(bs):
-                        p = scores[r, j * bs + t]
-                        if p != 0.0:
-                            row = body_buf[t]
-                            for c in range(d):
-                                acc_r[c] += p * row[c]
-        for fb in range((n_float + fbs - 1) // fbs):
-            count = min(fbs, n_float - fb * fbs)
-            load_floats(float_v, float_table[s, fb], count, bf16, float_buf)
-            for r in range(rows):
-                acc_r = acc[r]
-                for t in range(count):
-                    p = scores[r, n_body + fb * fbs + t]
-                    if p != 0.0:
-                        row = float_buf[t]
-                        for c in range(d):
-                            acc_r[c] += p * row[c]
-        for r in range(rows):
-            p = scores[r, total - 1]
-            for c in range(d):
-                out[s, r, c] = acc[r, c] + p * new_v[s, c]
+    """As `decode_serial`, the (stream, part) items spread over Numba's threads; the merge stays on this thread."""
+    streams, rows = q.shape[0], q.shape[1]
+    widest = np.max(float_len + body_len * bs) if streams else 0
+    weights = np.empty((streams, rows, max(widest, 1)), dtype=np.float32)
+    part_max = np.empty((streams, parts, rows), dtype=np.float32)
+    part_sum = np.empty((streams, parts, rows), dtype=np.float32)
+    part_acc = np.empty((streams, parts, rows, q.shape[2]), dtype=np.float32)
+    for item in prange(streams * parts):
+        attend_part(
+            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len,
+            k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
+            bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+        )
+    for s in range(streams):
+        combine(
+            s, q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
+            has_sink, new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos,
+            parts, weights, part_max, part_sum, part_acc, out,
+        )
