@@ -19,7 +19,7 @@ interleaved tables); peak RSS and bytes are not reported in that mode.
 
 Baselines: `DynamicCache` (transformers' default cache, in the model's dtype) and,
 when `optimum-quanto` imports, transformers' `QuantizedCache` (quanto, 4-bit), the peer users compare with.
-Recipes that need calibration (kvquant, palu, fastgen) are fitted on 4 windows of WikiText-2 first
+Recipes that need calibration (kvquant, palu, static fp8 / int scales) are fitted on 4 windows of WikiText-2 first
 (that time is not part of the decode figures).
 """
 
@@ -91,7 +91,9 @@ def make_cache(label: str, model, tokenizer):
     label, _, backend = label.partition("@")  # "kivi-4bit@torch": a recipe on one backend (default auto)
     backend = backend or "auto"
     recipe = fixed_budget_recipe() if label == "budget-256" else load_recipe(label)
-    if label in CALIBRATED_RECIPES:
+    from kvtool.calibration import needs_fit
+
+    if needs_fit(recipe):  # kvquant, palu, static fp8 / int scales: fitted on a little text first
         import dataclasses
 
         recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=4, seq_len=512))

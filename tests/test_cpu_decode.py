@@ -24,16 +24,19 @@ from tests.tiny_models import tiny_model, tiny_tokenizer_free_inputs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
 
-SIDES = ["uniform-2", "uniform-3", "uniform-4", "uniform-8", "uniform-4-token-keys-channel-values"]
+SIDES = [
+    "uniform-2", "uniform-3", "uniform-4", "uniform-8", "uniform-4-token-keys-channel-values", "fp8-dynamic", "fp8-static",
+    "int8-static-channel-int4-layer", "int3-static-head-int2-channel",
+]
 SHAPES = [(64, 1), (64, 4), (128, 8), (256, 1)]  # (head_dim, GQA ratio)
 
 
 def _cpu_args(args: dict) -> dict:
-    """`build_case`'s Triton arguments as `cpu_decode_attention` takes them (host lengths, no static tables)."""
+    """`build_case`'s Triton arguments as `cpu_decode_attention` takes them (host lengths, each stream's KV head)."""
     out = {k: v for k, v in args.items() if k not in ("stream_group",)}
     out["float_len"] = args["float_len"].numpy()
     out["body_len"] = args["body_len"].numpy()
-    out["body"] = tuple({n: t for n, t in side.items() if n in ("codes", "scale", "zero")} for side in args["body"])
+    out["stream_head"] = args["stream_group"]  # streams alternate between two KV heads (per-head tables)
     return out
 
 
@@ -94,6 +97,22 @@ def test_both_float16_widenings_are_exact_for_every_bit_pattern():
         assert np.isnan(out[np.isnan(expected)]).all()
 
 
+def test_held_numpy_views_go_with_their_tensors():
+    """The kernel's cached numpy views of pool tensors hold their memory: each goes when its tensor object goes, so a
+    grown pool's old tensors and a deleted cache's blocks are freed (nothing kept until some later call)."""
+    import gc
+
+    from kvtool.runtime.kernels import cpu_decode
+
+    pool = torch.zeros(64, 16, 1, 8, dtype=torch.float16)
+    view = cpu_decode._held_view(pool, "3d")
+    assert view.shape == (64, 16, 8) and cpu_decode._held_view(pool, "3d") is view  # made once
+    key = (id(pool), "3d")
+    del pool, view
+    gc.collect()
+    assert key not in cpu_decode._VIEWS
+
+
 def _float_only_reference(args: dict, softcap=None, sink_logits=None) -> torch.Tensor:
     """Dense attention over each stream's float tokens and the new token (a store with no body: float recipes)."""
     out = []
@@ -142,7 +161,7 @@ def test_cpu_kernel_soft_caps_and_adds_learned_sinks():
 def test_cpu_kernel_refuses_what_it_cannot_read():
     from kvtool.runtime.kernels.cpu_decode import covers
 
-    for side in ("fp8-dynamic", "nuq-3-1pct", "turboquant-3", "palu-fp16", "float"):
+    for side in ("nuq-3-1pct", "turboquant-3", "palu-fp16", "turboquant-2.5-3.5", "float"):
         args, _ = build_case(side, 64, 1, "cpu")
         assert covers(args["formats"], torch.float16, 64) is not None, side
     assert "float32" in covers(None, torch.float32, 64)
@@ -236,7 +255,8 @@ def test_auto_is_numba_on_cpu_for_every_store_the_kernel_reads():
         assert backend(load_recipe(name), "numba") == "numba", name
     assert backend(load_recipe("uniform-3bit-prerope")) == "torch"  # keys before RoPE
     assert backend(load_recipe("kivi-4bit"), "torch") == "torch"
-    for name in ("turboquant-3bit", "fp8-e4m3"):  # formats the CPU kernel does not read
+    assert backend(load_recipe("fp8-e4m3")) == "numba"  # fp8 bytes with a float32 scale per block
+    for name in ("turboquant-3bit", "turboquant-2.5bit"):  # formats the CPU kernel does not read (rotated codes)
         assert backend(load_recipe(name)) == "torch"
         with pytest.raises(RuntimeConfigError, match="--backend numba: recipe"):
             backend(load_recipe(name), "numba")
@@ -256,6 +276,11 @@ RECIPES = {
     "streamingllm-4bit": Recipe(  # an evicting store: the kernel reads it, the torch path stores and evicts
         name="sl4", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
         eviction=EvictionSpec(policy="streamingllm", budget_tokens=64, sink_tokens=4, window=16),
+    ),
+    "fp8-e4m3": Recipe(  # fp8 bytes with a float32 scale per block
+        name="fp8", keys=QuantSpec(method="fp8", bits=8, granularity="block", path="keys"),
+        values=QuantSpec(method="fp8", bits=8, granularity="block", axis="token", path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
     ),
     "h2o": Recipe(  # scored eviction of a float store: between cuts the kernel stores the token and adds the scores
         name="h2o", keys=QuantSpec(method="none", bits=16, path="keys"),

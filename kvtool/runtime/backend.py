@@ -30,8 +30,9 @@ Resolved once per runtime and reported in every memory report (``backend``):
   ``["kernel_encodes"]`` the body blocks the encode kernel wrote (keys and values counted apart).
   Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU tensors (slow; for tests);
 * ``numba``: on CPU, one decode step's attention of a layer is one compiled call
-  (`kernels/cpu_decode.py`) that reads float blocks (float16 / bfloat16) and uniform (KIVI) body
-  blocks in place, for one-token steps of full-attention layers with keys after RoPE. On a step
+  (`kernels/cpu_decode.py`) that reads float blocks (float16 / bfloat16) and uniform (KIVI),
+  int_static and fp8 body blocks in place, for one-token steps of full-attention layers with keys
+  after RoPE. On a step
   that only appends (no block to encode or allocate, no eviction due) the same call stores the
   token, its position and its score, and adds the attention every held token received to its
   score, so attention-scored policies (h2o, tova, snapkv, ...) run on it between their cuts; the
@@ -39,7 +40,7 @@ Resolved once per runtime and reported in every memory report (``backend``):
   ``numba`` package (a dependency of kvtool);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
   decode kernel reads; on CPU ``numba`` when Numba is installed and the CPU kernel reads the
-  recipe's store (float-only or uniform codes, keys after RoPE); else ``torch``. What the encode kernel writes never decides the backend: a
+  recipe's store (float-only, uniform, int_static or fp8 codes, keys after RoPE); else ``torch``. What the encode kernel writes never decides the backend: a
   format it does not write is encoded by torch under ``triton``.
 """
 
@@ -112,7 +113,7 @@ def cpu_kernel_unsupported(recipe: Recipe, quantizers=()) -> str | None:
     if not formats:
         return None
     if len(formats) != 2:
-        return "one side is float and the other quantized (the CPU kernel reads float-only or uniform-only bodies)"
+        return "one side is float and the other quantized (the CPU kernel reads float-only stores or bodies quantized on both sides)"
     return covers(tuple(formats), torch.float16, quantizers[0].head_dim)
 
 

@@ -546,12 +546,14 @@ class KvtoolLayer(CacheLayerMixin):
                 scores = (float_pool["score"], store.body_pool.tensors["score"] if has_body else None)
             positions = (float_pool["pos"], positions.cpu().numpy()) if "pos" in meta else None  # per sequence (B,)
             self.context.kernel_steps += 1
+            body = formats = None
+            if has_body:  # the pool's block tensors and the formats' calibrated tables (int_static, static fp8)
+                formats, constants = self._kernel_formats()
+                body = ({**store.body_pool_side("k"), **constants[0]}, {**store.body_pool_side("v"), **constants[1]})
             return cpu_decode_attention(
-                q, new_k, new_v, float_pool["k"], float_pool["v"], store.float_table, store.float_len,
-                (store.body_pool_side("k"), store.body_pool_side("v")) if has_body else None,
-                store.body_table if has_body else None, store.body_len if has_body else None,
-                self._kernel_formats()[0] if has_body else None, store.bs, options.softcap, sink_logits, write,
-                scores, scoring, positions,
+                q, new_k, new_v, float_pool["k"], float_pool["v"], store.float_table, store.float_len, body,
+                store.body_table if has_body else None, store.body_len if has_body else None, formats,
+                self.group_of_stream, store.bs, options.softcap, sink_logits, write, scores, scoring, positions,
             )
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:

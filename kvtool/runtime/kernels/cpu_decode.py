@@ -9,9 +9,11 @@ What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
 
 * float blocks: ``float_k`` / ``float_v`` (cap, FBS, D) float16 or bfloat16 bit patterns (uint16), ``float_table``
   (S, F) int32 block ids, ``float_len`` (S,) tokens;
-* body blocks of **uniform** codes (KIVI): ``codes`` (cap, BS * bits / 8, D) uint8, bit-sliced and token-split
-  (`kvtool.methods.quant.packing`), fp16 ``scale`` / ``zero`` per channel ((cap, D): ``x = code * scale + zero``
-  per channel of a block) or per token group ((cap, BS, D / group)); ``body_table`` (S, Bn) int32, ``body_len``
+* body blocks of integer codes: ``codes`` (cap, BS * bits / 8, D) uint8, bit-sliced and token-split
+  (`kvtool.methods.quant.packing`), with fp16 ``scale`` / ``zero`` per channel ((cap, D): ``x = code * scale +
+  zero`` per channel of a block) or per token group ((cap, BS, D / group)) (uniform, KIVI), or calibrated float32
+  tables ``static_scale`` / ``static_zero`` (rows 1 or H_kv, columns 1 or D; int_static); or fp8 e4m3 / e5m2 bytes
+  (cap, BS, D) with one float32 ``scale`` per block or a calibrated table (fp8); ``body_table`` (S, Bn) int32, ``body_len``
   (S,) blocks; ``score`` (cap, FBS) / (cap, BS) float32 and ``pos`` (cap, FBS) int32 per slot when the store
   keeps them (evicting recipes). Keys after RoPE only (pre-RoPE keys, other formats, sliding windows: torch).
 
@@ -48,6 +50,14 @@ def numba_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+def reads(fmt) -> bool:
+    """The kernel reads this body format: integer codes (uniform / KIVI with fp16 scale and zero per channel or per
+    token group; int_static with calibrated tables) or fp8 e4m3 / e5m2 bytes (one float32 scale per block, or
+    calibrated per layer / KV head), with no codebook, outliers, latents, rotation, split or QJL residual."""
+    plain = not fmt.levels and not fmt.outliers and not fmt.rank and not fmt.rotated and not fmt.split and not fmt.qjl
+    return plain and fmt.bits < 16 and (fmt.uniform or fmt.scales in ("block", "static"))
+
+
 def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
     """Why this kernel cannot read a store (None when it can): formats None = float blocks only."""
     if float_dtype not in FLOAT_DTYPES:
@@ -55,8 +65,8 @@ def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
     if formats is None:
         return None
     for fmt, side in zip(formats, ("keys", "values")):
-        if not fmt.uniform:
-            return f"{side}: the CPU kernel reads uniform (KIVI) codes only"
+        if not reads(fmt):
+            return f"{side}: the CPU kernel reads uniform (KIVI), int_static and fp8 codes only"
         if fmt.scales == "token" and head_dim % fmt.group:
             return f"{side}: per-token groups of {fmt.group} channels do not tile head_dim {head_dim}"
     return None
@@ -84,20 +94,25 @@ def _held_view(t: torch.Tensor, kind: str = "") -> np.ndarray:
     """The numpy view of a store tensor (a pool tensor, a block table), made once per tensor object: they live for
     many steps (a pool that grows gets new tensors), and making views costs microseconds per call and layer.
     ``kind``: "" as is, "u16" the bit patterns of a 16-bit float tensor, "rows" the same flattened per pool row,
-    "3d" a float pool (cap, FBS, 1, D) as (cap, FBS, D)."""
+    "2d" any other tensor flattened per row, "3d" a float pool (cap, FBS, 1, D) as (cap, FBS, D).
+
+    A view holds the tensor's memory, so its entry goes the moment the tensor object does (a weak reference's
+    callback): a grown pool's old rows and a finished cache's blocks are freed as before."""
     key = (id(t), kind)
     entry = _VIEWS.get(key)
     if entry is not None and entry[0]() is t:
         return entry[1]
     view = _u16(t) if kind in ("u16", "rows", "3d") else t.numpy()
-    if kind == "rows":
+    if kind in ("rows", "2d"):
         view = view.reshape(view.shape[0], -1)
     elif kind == "3d":
         view = view.reshape(view.shape[0], view.shape[1], -1)
-    if len(_VIEWS) > 1024:  # forget tensors that are gone
-        for stale in [k for k, (ref, _) in _VIEWS.items() if ref() is None]:
-            del _VIEWS[stale]
-    _VIEWS[key] = (weakref.ref(t), view)
+
+    def forget(ref, key=key):
+        if _VIEWS.get(key, (None,))[0] is ref:
+            _VIEWS.pop(key, None)
+
+    _VIEWS[key] = (weakref.ref(t, forget), view)
     return view
 
 
@@ -133,20 +148,37 @@ def _follow_torch_threads() -> None:
         _THREADS[0] = want
 
 
+MODES = {"channel": 1, "token": 2, "block": 3, "static": 4}  # the kernel's scale modes (`side_vectors`)
+
+
 @functools.lru_cache(maxsize=None)
 def _no_side() -> tuple:
-    """The placeholder arguments of a store with no body (never read, never written; built once)."""
-    empty8, empty16 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16)
-    return empty8, empty16, empty16, _widths(8), True, 1
+    """The placeholder side of a store with no body (never read; built once)."""
+    empty8, empty16, empty32 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.float32)
+    return (empty8, empty16, empty16, _widths(8), 1, 1, 0, 0, empty32, empty32, True)
 
 
-def _side_arrays(side: dict | None, fmt):
-    """(codes uint8 3-D, scale uint16 2-D, zero uint16 2-D, widths, per_channel, group) of one body side."""
+def _side_arrays(side: dict | None, fmt) -> tuple:
+    """One body side as the kernel takes it: (codes uint8 (cap, rows, D), fp16 scale / zero bits (cap, n) or
+    placeholders, slice widths, scale mode, token group, fp8 mantissa bits and bias (0, 0: integer codes), float32
+    table (block scales (cap, 1), or the calibrated scale table), float32 zero table, has zero)."""
     if side is None:
         return _no_side()
+    _, empty16, _, _, _, _, _, _, empty32, _, _ = _no_side()
+    mode = MODES[fmt.scales]
+    mantissa, bias = fmt.fp8_layout()
     codes = _held_view(side["codes"])
-    scale, zero = _held_view(side["scale"], "rows"), _held_view(side["zero"], "rows")
-    return codes, scale, zero, _widths(fmt.bits), fmt.scales == "channel", int(fmt.group)
+    scale16 = _held_view(side["scale"], "rows") if mode in (1, 2) else empty16
+    zero16 = _held_view(side["zero"], "rows") if mode in (1, 2) else empty16
+    if mode == 3:
+        table = _held_view(side["scale"], "2d")  # (cap, 1)
+    elif mode == 4:
+        table = _held_view(side["static_scale"], "2d")  # (1 or H_kv, 1 or D)
+    else:
+        table = empty32
+    table_zero = _held_view(side["static_zero"], "2d") if mode == 4 and fmt.zero else empty32
+    return (codes, scale16, zero16, _widths(fmt.bits if not mantissa else 8), mode, int(fmt.group), int(mantissa),
+            int(bias), table, table_zero, bool(fmt.zero))
 
 
 def cpu_decode_attention(
@@ -157,10 +189,11 @@ def cpu_decode_attention(
     float_v: torch.Tensor,
     float_table: torch.Tensor,  # (S, F) int32
     float_len: np.ndarray,  # (S,) int64 tokens (the store's host lengths)
-    body: tuple[dict, dict] | None = None,  # key and value body-pool tensors {name: (cap, ...)}
+    body: tuple[dict, dict] | None = None,  # key and value body-pool tensors {name: (cap, ...)} and static tables
     body_table: torch.Tensor | None = None,  # (S, Bn) int32
     body_len: np.ndarray | None = None,  # (S,) int64 blocks
     formats=None,  # (key, value) `BodyFormat`
+    stream_head: torch.Tensor | None = None,  # (S,) KV head of each stream (per-head calibrated tables; default 0)
     block_size: int = 0,
     softcap: float | None = None,
     sink_logits: torch.Tensor | None = None,  # (S, R) learned sink logits
@@ -198,6 +231,7 @@ def cpu_decode_attention(
     else:
         btable, blen = np.zeros((s, 1), np.int32), np.zeros(s, np.int64)
         k_side = v_side = _side_arrays(None, None)
+    heads = _held_view(stream_head) if stream_head is not None else np.zeros(s, np.int64)
     sinks = sink_logits.float().contiguous().numpy() if sink_logits is not None else np.zeros((1, 1), np.float32)
     new_k_np, new_v_np = new_k.contiguous().float().numpy(), new_v.contiguous().float().numpy()
     if not write:
@@ -225,8 +259,8 @@ def cpu_decode_attention(
             parts = -(-2 * _THREADS[0] // s) if spread and s < 2 * _THREADS[0] else 1  # few streams: split their tokens
         (parallel_kernel if spread else serial_kernel)(
             q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"),
-            ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen,
-            *k_side, *v_side, int(block_size or 1), float_k.dtype == torch.bfloat16,
+            ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen, heads, k_side, v_side,
+            int(block_size or 1), float_k.dtype == torch.bfloat16,
             float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write),
             float_score, body_score, new_score, score_mode, float_pos, new_pos, positions is not None, parts, out,
         )

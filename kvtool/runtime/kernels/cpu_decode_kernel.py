@@ -156,6 +156,63 @@ def unpack_block(codes, block, widths, buf):
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
+def fp8_to_float(byte, mantissa, bias):
+    """An fp8 bit pattern (e4m3fn: 3, 7; e5m2: 2, 15) -> float32, exactly (the saturating encoder stores no nan/inf)."""
+    b = np.int32(byte)
+    exponent = (b >> mantissa) & ((np.int32(1) << (np.int32(7) - mantissa)) - np.int32(1))
+    frac = b & ((np.int32(1) << mantissa) - np.int32(1))
+    normal = np.uint32(((exponent + np.int32(127) - bias) << np.int32(23)) | (frac << (np.int32(23) - mantissa))).view(
+        np.float32
+    )
+    unit = np.uint32((np.int32(128) - bias - mantissa) << np.int32(23)).view(np.float32)  # 2^(1 - bias - mantissa)
+    magnitude = np.float32(frac) * unit if exponent == 0 else normal
+    return -magnitude if b >= 128 else magnitude
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def load_codes(codes, block, widths, fp8_mantissa, fp8_bias, buf):
+    """buf (BS, D) float32 <- body block ``block``'s codes: fp8 bytes (cap, BS, D) decoded to floats when
+    ``fp8_mantissa`` > 0, else bit-sliced integer codes (`unpack_block`)."""
+    if fp8_mantissa > 0:
+        rows = codes[block]
+        for t in range(buf.shape[0]):
+            src, dst = rows[t], buf[t]
+            for c in range(dst.shape[0]):
+                dst[c] = fp8_to_float(src[c], fp8_mantissa, fp8_bias)
+    else:
+        unpack_block(codes, block, widths, buf)
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def side_vectors(mode, scale16, zero16, table_scale, table_zero, has_zero, block, head, scale, zero):
+    """Per-channel scale and zero (D,) of a block whose parameters do not vary by token: mode 1 fp16 per block and
+    channel; 4 calibrated tables (rows 1 or H_kv, columns 1 or D) read at the stream's KV head; 3 one float32 per
+    block (no zero)."""
+    d = scale.shape[0]
+    if mode == 1:
+        for c in range(d):
+            scale[c] = half_to_float(scale16[block, c])
+            zero[c] = half_to_float(zero16[block, c]) if has_zero else np.float32(0.0)
+    elif mode == 4:
+        row = head if table_scale.shape[0] > 1 else 0
+        wide = table_scale.shape[1] > 1
+        for c in range(d):
+            scale[c] = table_scale[row, c if wide else 0]
+        if has_zero:
+            zrow = head if table_zero.shape[0] > 1 else 0
+            zwide = table_zero.shape[1] > 1
+            for c in range(d):
+                zero[c] = table_zero[zrow, c if zwide else 0]
+        else:
+            zero[:] = 0.0
+    else:
+        sc = table_scale[block, 0]
+        for c in range(d):
+            scale[c] = sc
+        zero[:] = 0.0
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
 def dequantize_groups(buf, scale, zero, block, group):
     """buf (BS, D) codes -> values in place: code * scale + zero per token and group of ``group`` channels
     (scale / zero (cap, BS * D / group) float16 bits)."""
@@ -211,8 +268,7 @@ def part_units(s, part, parts, float_len, body_len, fbs):
 
 @njit(cache=True, fastmath=FAST)
 def attend_part(
-    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len,
-    k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
+    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side,
     bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
     """One work item: the held tokens of stream ``s`` in its part ``part`` (whole blocks). Leaves, per query row,
@@ -236,18 +292,24 @@ def attend_part(
     first = u0 * bs if u0 <= n_blocks else n_body + (u0 - n_blocks) * fbs  # token range [first, last) of the part
     last = u1 * bs if u1 <= n_blocks else min(n_body + (u1 - n_blocks) * fbs, n_body + n_float)
     # pass 1: logits
+    k_codes, k_scale, k_zero, k_widths, k_mode, k_group, k_mantissa, k_bias, k_table, k_table_zero, k_has_zero = k_side
+    v_codes, v_scale, v_zero, v_widths, v_mode, v_group, v_mantissa, v_bias, v_table, v_table_zero, v_has_zero = v_side
+    head = stream_head[s]
     body_buf = np.empty((bs, d), dtype=np.float32)
     q_block = np.empty(d, dtype=np.float32)  # a query row with a block's per-channel key scales folded in
+    scale_vec = np.empty(d, dtype=np.float32)
+    zero_vec = np.empty(d, dtype=np.float32)
     for j in range(u0, min(u1, n_blocks)):
         block = body_table[s, j]
-        unpack_block(k_codes, block, k_widths, body_buf)
-        if k_channel:  # q . (scale * code + zero) = (q * scale) . code + q . zero
+        load_codes(k_codes, block, k_widths, k_mantissa, k_bias, body_buf)
+        if k_mode != 2:  # q . (scale * code + zero) = (q * scale) . code + q . zero, scale and zero per channel
+            side_vectors(k_mode, k_scale, k_zero, k_table, k_table_zero, k_has_zero, block, head, scale_vec, zero_vec)
             for r in range(rows):
                 z = np.float32(0.0)
                 qr = qs[r]
                 for c in range(d):
-                    q_block[c] = qr[c] * half_to_float(k_scale[block, c])
-                    z += qr[c] * half_to_float(k_zero[block, c])
+                    q_block[c] = qr[c] * scale_vec[c]
+                    z += qr[c] * zero_vec[c]
                 for t in range(bs):
                     scores[r, j * bs + t] = dot(q_block, body_buf[t]) + z
         else:
@@ -281,8 +343,9 @@ def attend_part(
     part_v = np.empty(d, dtype=np.float32)
     for j in range(u0, min(u1, n_blocks)):
         block = body_table[s, j]
-        unpack_block(v_codes, block, v_widths, body_buf)
-        if v_channel:  # sum_t p_t (scale * code_t + zero) = scale * sum_t p_t code_t + zero * sum_t p_t
+        load_codes(v_codes, block, v_widths, v_mantissa, v_bias, body_buf)
+        if v_mode != 2:  # sum_t p_t (scale * code_t + zero) = scale * sum_t p_t code_t + zero * sum_t p_t
+            side_vectors(v_mode, v_scale, v_zero, v_table, v_table_zero, v_has_zero, block, head, scale_vec, zero_vec)
             for r in range(rows):
                 part_v[:] = 0.0
                 mass = np.float32(0.0)
@@ -292,7 +355,7 @@ def attend_part(
                     axpy(part_v, p, body_buf[t])
                 acc_r = acc[r]
                 for c in range(d):
-                    acc_r[c] += part_v[c] * half_to_float(v_scale[block, c]) + mass * half_to_float(v_zero[block, c])
+                    acc_r[c] += part_v[c] * scale_vec[c] + mass * zero_vec[c]
         else:
             dequantize_groups(body_buf, v_scale, v_zero, block, v_group)
             for r in range(rows):
@@ -389,8 +452,7 @@ def combine(
 
 @njit(cache=True, fastmath=FAST)
 def decode_serial(
-    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len,
-    k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
+    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side,
     bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
@@ -403,9 +465,8 @@ def decode_serial(
     part_acc = np.empty((streams, parts, rows, q.shape[2]), dtype=np.float32)
     for item in range(streams * parts):
         attend_part(
-            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len,
-            k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
-            bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
+            k_side, v_side, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     for s in range(streams):
         combine(
@@ -417,8 +478,7 @@ def decode_serial(
 
 @njit(cache=True, parallel=True, fastmath=FAST)
 def decode_parallel(
-    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len,
-    k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
+    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side,
     bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
@@ -431,9 +491,8 @@ def decode_parallel(
     part_acc = np.empty((streams, parts, rows, q.shape[2]), dtype=np.float32)
     for item in prange(streams * parts):
         attend_part(
-            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len,
-            k_codes, k_scale, k_zero, k_widths, k_channel, k_group, v_codes, v_scale, v_zero, v_widths, v_channel, v_group,
-            bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
+            k_side, v_side, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     for s in range(streams):
         combine(
