@@ -505,7 +505,9 @@ class KvtoolLayer(CacheLayerMixin):
         positions: torch.Tensor | None = None, scoring: bool = False,
     ) -> torch.Tensor:
         """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place
-        (``precision`` "half" for float16 / bfloat16 models: float16 operands in the fast kernel's products)."""
+        (``precision`` "half" for float16 / bfloat16 models: float16 operands in the fast kernel's products), or by
+        the CPU kernel, which with ``write`` also stores the token (its position: ``positions`` (B,)) and with
+        ``scoring`` adds the step's attention to the held slots' scores."""
         from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
@@ -544,7 +546,7 @@ class KvtoolLayer(CacheLayerMixin):
             scores = None
             if "score" in meta:
                 scores = (float_pool["score"], store.body_pool.tensors["score"] if has_body else None)
-            positions = (float_pool["pos"], positions.cpu().numpy()) if "pos" in meta else None  # per sequence (B,)
+            written_positions = (float_pool["pos"], positions.cpu().numpy()) if "pos" in meta else None  # per sequence
             self.context.kernel_steps += 1
             body = formats = None
             if has_body:  # the pool's block tensors and the formats' calibrated tables (int_static, static fp8)
@@ -553,7 +555,7 @@ class KvtoolLayer(CacheLayerMixin):
             return cpu_decode_attention(
                 q, new_k, new_v, float_pool["k"], float_pool["v"], store.float_table, store.float_len, body,
                 store.body_table if has_body else None, store.body_len if has_body else None, formats,
-                self.group_of_stream, store.bs, options.softcap, sink_logits, write, scores, scoring, positions,
+                self.group_of_stream, store.bs, options.softcap, sink_logits, write, scores, scoring, written_positions,
             )
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:

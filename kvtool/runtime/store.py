@@ -151,9 +151,8 @@ class LayerStore:
         if quiet is None:
             room = self.float_blocks() * self.fbs - self.float_len  # free slots in the streams' last float blocks
             if self.layout.quantized:
-                new_sinks, _ = self._append_split(np.ones_like(self.float_len))
-                flush_room = self.layout.recent_tokens + self.bs - 1 - (self.float_len - self.n_sink)
-                room = np.zeros_like(room) if new_sinks.any() else np.minimum(room, flush_room)
+                flush_room = self._flush_room()
+                room = np.zeros_like(room) if flush_room is None else np.minimum(room, flush_room)
             quiet = self._quiet = int(room.min()) if room.shape[0] else 0
         return quiet
 
@@ -166,10 +165,17 @@ class LayerStore:
         if not self.streams:
             return False
         if self.layout.quantized:
-            new_sinks, _ = self._append_split(np.ones_like(self.float_len))
-            flush_room = self.layout.recent_tokens + self.bs - 1 - (self.float_len - self.n_sink)
-            return not new_sinks.any() and int(flush_room.min()) > 0
+            flush_room = self._flush_room()
+            return flush_room is not None and int(flush_room.min()) > 0
         return True
+
+    def _flush_room(self) -> np.ndarray | None:
+        """(S,) one-token appends each stream of a quantized store takes before its oldest float block is encoded;
+        None when the next token of some stream becomes a sink."""
+        new_sinks, _ = self._append_split(np.ones_like(self.float_len))
+        if new_sinks.any():
+            return None
+        return self.layout.recent_tokens + self.bs - 1 - (self.float_len - self.n_sink)
 
     def reserve_one(self) -> None:
         """Allocate the next float block of every stream whose last one is full, right before a kernel writes the
