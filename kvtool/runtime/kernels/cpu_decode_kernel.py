@@ -450,6 +450,34 @@ def combine(
             float_score[block, offset] = new_score[s] if score_mode == 2 else np.float32(0.0)
 
 
+@njit(cache=True)
+def part_scratch(q, float_len, body_len, bs, parts):
+    """The items' outputs: weights (S, R, tokens of the widest stream), softmax maxima and sums (S, parts, R) and
+    weighted values (S, parts, R, D), float32."""
+    streams, rows = q.shape[0], q.shape[1]
+    widest = np.max(float_len + body_len * bs) if streams else 0
+    weights = np.empty((streams, rows, max(widest, 1)), dtype=np.float32)
+    part_max = np.empty((streams, parts, rows), dtype=np.float32)
+    part_sum = np.empty((streams, parts, rows), dtype=np.float32)
+    part_acc = np.empty((streams, parts, rows, q.shape[2]), dtype=np.float32)
+    return weights, part_max, part_sum, part_acc
+
+
+@njit(cache=True, fastmath=FAST)
+def combine_streams(
+    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
+    new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
+    part_max, part_sum, part_acc, out,
+):
+    """`combine` for every stream, on this thread."""
+    for s in range(q.shape[0]):
+        combine(
+            s, q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
+            has_sink, new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos,
+            parts, weights, part_max, part_sum, part_acc, out,
+        )
+
+
 @njit(cache=True, fastmath=FAST)
 def decode_serial(
     q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side,
@@ -457,23 +485,18 @@ def decode_serial(
     float_pos, new_pos, write_pos, parts, out,
 ):
     """One decode step of a layer on this thread: every (stream, part) item, then every stream's `combine`."""
-    streams, rows = q.shape[0], q.shape[1]
-    widest = np.max(float_len + body_len * bs) if streams else 0
-    weights = np.empty((streams, rows, max(widest, 1)), dtype=np.float32)
-    part_max = np.empty((streams, parts, rows), dtype=np.float32)
-    part_sum = np.empty((streams, parts, rows), dtype=np.float32)
-    part_acc = np.empty((streams, parts, rows, q.shape[2]), dtype=np.float32)
+    streams = q.shape[0]
+    weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
     for item in range(streams * parts):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
             k_side, v_side, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
         )
-    for s in range(streams):
-        combine(
-            s, q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
-            has_sink, new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos,
-            parts, weights, part_max, part_sum, part_acc, out,
-        )
+    combine_streams(
+        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
+        new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
+        part_max, part_sum, part_acc, out,
+    )
 
 
 @njit(cache=True, parallel=True, fastmath=FAST)
@@ -483,20 +506,15 @@ def decode_parallel(
     float_pos, new_pos, write_pos, parts, out,
 ):
     """As `decode_serial`, the (stream, part) items spread over Numba's threads; the merge stays on this thread."""
-    streams, rows = q.shape[0], q.shape[1]
-    widest = np.max(float_len + body_len * bs) if streams else 0
-    weights = np.empty((streams, rows, max(widest, 1)), dtype=np.float32)
-    part_max = np.empty((streams, parts, rows), dtype=np.float32)
-    part_sum = np.empty((streams, parts, rows), dtype=np.float32)
-    part_acc = np.empty((streams, parts, rows, q.shape[2]), dtype=np.float32)
+    streams = q.shape[0]
+    weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
     for item in prange(streams * parts):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
             k_side, v_side, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
         )
-    for s in range(streams):
-        combine(
-            s, q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
-            has_sink, new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos,
-            parts, weights, part_max, part_sum, part_acc, out,
-        )
+    combine_streams(
+        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
+        new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
+        part_max, part_sum, part_acc, out,
+    )
