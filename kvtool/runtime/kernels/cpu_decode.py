@@ -164,7 +164,8 @@ def _side_arrays(side: dict | None, fmt) -> tuple:
     table (block scales (cap, 1), or the calibrated scale table), float32 zero table, has zero)."""
     if side is None:
         return _no_side()
-    _, empty16, _, _, _, _, _, _, empty32, _, _ = _no_side()
+    placeholder = _no_side()
+    empty16, empty32 = placeholder[1], placeholder[8]
     mode = MODES[fmt.scales]
     mantissa, bias = fmt.fp8_layout()
     codes = _held_view(side["codes"])
