@@ -2,7 +2,8 @@
 
     python -m benchmarks.gpu_attention            # needs CUDA; table + benchmarks/results/gpu_attention.json
     python -m benchmarks.gpu_attention --quick    # 8K and 32K, batch 1 and 8
-    python -m benchmarks.gpu_attention --sweep    # tile / warps / pipeline stages of the tiled kernel, one shape
+    python -m benchmarks.gpu_attention --sweep    # walk / tile / warps / pipeline stages / register caps of the fast kernel, 4 shapes
+    python -m benchmarks.gpu_attention --walk blocks   # the table with the block walk
     python -m benchmarks.gpu_attention --general  # also the general kernel (one block at a time) on 4-bit blocks
 
 For each head shape (Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128; Gemma-3: 8 query
@@ -29,6 +30,7 @@ import torch
 
 SHAPES = {"llama3-8b": (32, 8, 128), "gemma3": (8, 1, 256)}
 FBS = 16
+SWEEP_SHAPES = [("llama3-8b", 32768, 8), ("gemma3", 32768, 8), ("llama3-8b", 8192, 32), ("gemma3", 131072, 1)]  # (shape, context, batch)
 
 
 def _time(fn, repeats: int = 20) -> float:
@@ -158,8 +160,16 @@ def row(shape, context, batch, device, block_size=32, general=False):
     return out
 
 
-def sweep(shape: str, context: int, batch: int, block_size: int, device) -> list[dict]:
-    """Kernel time of the tiled kernel per (tokens per tile, warps, pipeline stages, bits) at one shape."""
+# tried by `--sweep`: the tiled walk at its default tile with register caps (Triton's maxnreg: more programs per SM
+# for some spills; uncapped it holds 255 registers, 12.5% occupancy), the block walk at 16 and 32 tokens per product
+SWEEP = [("tiles", 0, 2, 2, None), ("tiles", 0, 2, 2, 192), ("tiles", 0, 2, 2, 168), ("tiles", 0, 2, 2, 128),
+         ("tiles", 0, 4, 2, None), ("tiles", 0, 4, 2, 128), ("tiles", 0, 2, 3, 168), ("blocks", 16, 4, 2, None),
+         ("blocks", 32, 4, 2, None)]  # (walk, tokens per product (0: the walk's default), warps, stages, register cap)
+
+
+def sweep(shape: str, context: int, batch: int, block_size: int, device, configs=SWEEP) -> list[dict]:
+    """Kernel time of the fast kernel per (walk, tokens per product, warps, pipeline stages, bits) at one shape;
+    walk "folded" is the block walk with the per-channel key parameters on the query."""
     from kvtool.runtime.kernels.uniform_decode import uniform_decode_attention
 
     hq, hkv, d = SHAPES[shape]
@@ -168,19 +178,26 @@ def sweep(shape: str, context: int, batch: int, block_size: int, device) -> list
     rows = []
     for bits in (4, 2, 16):
         kwargs, held = _store(batch, hkv, d, context, bits, device, block_size)
-        for tile in (16, 32, 64):
-            for warps in (2, 4):
-                for stages in (2, 3):
-                    call = lambda: uniform_decode_attention(qs, new, new, **kwargs, precision="half", tile_tokens=tile,  # noqa: E731
-                                                            num_warps=warps, num_stages=stages)
-                    try:
-                        seconds = _kernel_time(call)
-                    except Exception as exc:
-                        rows.append({"bits": bits, "tile": tile, "warps": warps, "stages": stages, "error": str(exc)[:120]})
-                        continue
-                    rows.append({"bits": bits, "tile": tile, "warps": warps, "stages": stages, "us": seconds * 1e6,
-                                 "gbps": held / seconds / 1e9})
-                    print(json.dumps(rows[-1]), flush=True)
+        reference = _stream0_reference(kwargs, qs, new, bits)
+        for walk, tile, warps, stages, cap in configs:
+            if walk == "folded" and bits == 16:
+                continue
+            config = {"shape": shape, "context": context, "batch": batch, "bits": bits, "walk": walk, "tile": tile,
+                      "warps": warps, "stages": stages, "max_registers": cap}
+            call = lambda: uniform_decode_attention(  # noqa: E731
+                qs, new, new, **kwargs, precision="half", tile_tokens=tile or None, num_warps=warps, num_stages=stages,
+                walk="blocks" if walk == "folded" else walk, fold_keys=walk == "folded", max_registers=cap)
+            try:
+                error = float((call()[0] - reference).abs().max() / reference.abs().max())
+                seconds = _kernel_time(call)
+            except Exception as exc:
+                rows.append({**config, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            rows.append({**config, "us": seconds * 1e6, "gbps": held / seconds / 1e9, "max_error": error})
+            if error > 5e-3:
+                rows[-1]["error"] = f"stream 0 differs from the dense reference by {error:.2e} of its largest value"
+            print(json.dumps(rows[-1]), flush=True)
         kwargs = None
         torch.cuda.empty_cache()
     return rows
@@ -194,7 +211,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32, help="tokens per body block (bundled kivi recipes: 32)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--general", action="store_true", help="also time the general kernel on 4-bit blocks")
-    parser.add_argument("--sweep", action="store_true", help="tune tile / warps / stages at Llama-3-8B 32K x 8 and stop")
+    parser.add_argument("--sweep", action="store_true", help="tune walk / tile / warps / stages at SWEEP_SHAPES and stop")
+    parser.add_argument("--sweep-shapes", type=int, default=len(SWEEP_SHAPES), help="sweep the first N of SWEEP_SHAPES")
+    parser.add_argument("--walk", choices=["tiles", "blocks"], help="how the fast kernel walks body blocks (default: "
+                        "uniform_decode.DEFAULT_WALK)")
     parser.add_argument("--profile-one", action="store_true",
                         help="run the 4-bit kernel a few times at Llama-3-8B 32K x 8 and stop (for a profiler such as ncu)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_attention.json"))
@@ -214,11 +234,22 @@ def main() -> None:
     from kvtool.fileio import write_json_atomic
 
     machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}
+    if args.walk:
+        from kvtool.runtime.kernels import uniform_decode
+
+        uniform_decode.DEFAULT_WALK = args.walk  # before the first plan (`plan_tiles` is cached per store shape)
     if args.sweep:
-        rows = sweep("llama3-8b", 32768, 8, args.block_size, "cuda")
-        best = {bits: min((r for r in rows if r.get("bits") == bits and "us" in r), key=lambda r: r["us"], default=None)
-                for bits in (4, 2, 16)}
-        print("best:", json.dumps(best))
+        rows = []
+        for shape, context, batch in SWEEP_SHAPES[: args.sweep_shapes]:
+            rows += sweep(shape, context, batch, args.block_size, "cuda")
+        for shape, context, batch in SWEEP_SHAPES[: args.sweep_shapes]:
+            for bits in (4, 2, 16):
+                timed = [r for r in rows if (r["shape"], r["context"], r["batch"], r["bits"]) == (shape, context, batch, bits)
+                         and "us" in r and "error" not in r]
+                if timed:
+                    best, tiles = min(timed, key=lambda r: r["us"]), min((r for r in timed if r["walk"] == "tiles"),
+                                                                       key=lambda r: r["us"], default=None)
+                    print("best:", json.dumps({**best, "tiles_us": tiles and tiles["us"]}))
         write_json_atomic(args.out.with_name("gpu_attention_sweep.json"), {"machine": machine, "rows": rows})
         return
     if args.quick:

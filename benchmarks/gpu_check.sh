@@ -19,11 +19,11 @@ for step in $steps; do
   start=$(date +%s)
   case "$step" in
     tests) timeout "${TESTS_S:-120}" python3 -m pytest tests/test_kernels.py -m gpu -q -p no:cacheprovider \
-             -k "${TESTS_K:-uniform_kernel and (128-4 or 256-8 or tiles)}" > "$out/gpu_tests.log" 2>&1; tail -n 3 "$out/gpu_tests.log" ;;
-    table) timeout "${TABLE_S:-200}" python3 -m benchmarks.gpu_attention --general --out "$out/gpu_attention.json" \
+             -k "${TESTS_K:-uniform_kernel and (128-4 or 256-8 or tiles_of_any)}" > "$out/gpu_tests.log" 2>&1; tail -n 3 "$out/gpu_tests.log" ;;
+    table) timeout "${TABLE_S:-200}" python3 -m benchmarks.gpu_attention ${TABLE_ARGS:---general} --out "$out/gpu_attention.json" \
              > "$out/gpu_attention.log" 2>&1; grep -E "rror" "$out/gpu_attention.log" | cut -c1-300 | tail -n 4 ;;
-    sweep) timeout "${SWEEP_S:-120}" python3 -m benchmarks.gpu_attention --sweep --out "$out/gpu_attention.json" \
-             > "$out/gpu_sweep.log" 2>&1; grep -E "best|rror" "$out/gpu_sweep.log" | cut -c1-300 | tail -n 4 ;;
+    sweep) timeout "${SWEEP_S:-240}" python3 -m benchmarks.gpu_attention --sweep ${SWEEP_ARGS:-} --out "$out/gpu_attention.json" \
+             > "$out/gpu_sweep.log" 2>&1; grep -E "best|rror" "$out/gpu_sweep.log" | cut -c1-400 | tail -n 12 ;;
     generate) timeout "${GENERATE_S:-120}" python3 -m benchmarks.gpu_generate --random-weights --batch 32 --context 8192 \
              --recipes kivi-4bit kivi-2bit --out "$out/gpu_generate.json" > "$out/gpu_generate.log" 2>&1; tail -n 14 "$out/gpu_generate.log" ;;
     ncu) timeout "${NCU_S:-60}" ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \

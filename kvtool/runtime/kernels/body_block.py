@@ -58,7 +58,9 @@ def _fp8_value(byte, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     normal = (((exponent + (127 - BIAS)) << 23) | (mantissa << (23 - MANTISSA))).to(tl.float32, bitcast=True)
     subnormal_unit = tl.full((), (128 - BIAS - MANTISSA) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2**(1-bias-m)
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * subnormal_unit, normal)
-    return tl.where((byte >> 7) != 0, -magnitude, magnitude)
+    # the sign bit ORed into the float's bits (the magnitude's is 0): with a select of ``-magnitude`` the H100 read
+    # some negative zeros back as +0.0 (tests/test_kernels.py's signbit check, 2026-11-27); an OR keeps every sign
+    return (magnitude.to(tl.int32, bitcast=True) | ((byte >> 7) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
