@@ -2,8 +2,7 @@
 
     python -m benchmarks.gpu_attention            # needs CUDA; table + benchmarks/results/gpu_attention.json
     python -m benchmarks.gpu_attention --quick    # 8K and 32K, batch 1 and 8
-    python -m benchmarks.gpu_attention --sweep    # walk / tile / warps / pipeline stages / register caps of the fast kernel, 4 shapes
-    python -m benchmarks.gpu_attention --walk blocks   # the table with the block walk
+    python -m benchmarks.gpu_attention --sweep    # tile / warps / pipeline stages of the tiled kernel, 4 shapes
     python -m benchmarks.gpu_attention --general  # also the general kernel (one block at a time) on 4-bit blocks
 
 For each head shape (Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128; Gemma-3: 8 query
@@ -160,16 +159,16 @@ def row(shape, context, batch, device, block_size=32, general=False):
     return out
 
 
-# tried by `--sweep`: the tiled walk at its default tile with register caps (Triton's maxnreg: more programs per SM
-# for some spills; uncapped it holds 255 registers, 12.5% occupancy), the block walk at 16 and 32 tokens per product
-SWEEP = [("tiles", 0, 2, 2, None), ("tiles", 0, 2, 2, 192), ("tiles", 0, 2, 2, 168), ("tiles", 0, 2, 2, 128),
-         ("tiles", 0, 4, 2, None), ("tiles", 0, 4, 2, 128), ("tiles", 0, 2, 3, 168), ("blocks", 16, 4, 2, None),
-         ("blocks", 32, 4, 2, None)]  # (walk, tokens per product (0: the walk's default), warps, stages, register cap)
+# (tokens per product (0: the default plan), warps, stages) tried by `--sweep`. Two other designs were measured and
+# removed (benchmarks/RESULTS.md, "GPU: two kernel designs that lost", commit fcf3379): a block-by-block walk in
+# two-dimensional tiles (slower on codes in 7 of 8 shape x bits rows, up to 6x) and register caps (maxnreg 128-192:
+# the spills cost more than the occupancy gains)
+SWEEP = [(0, 2, 2), (16, 2, 2), (64, 2, 2), (0, 4, 2), (0, 2, 3)]
 
 
 def sweep(shape: str, context: int, batch: int, block_size: int, device, configs=SWEEP) -> list[dict]:
-    """Kernel time of the fast kernel per (walk, tokens per product, warps, pipeline stages, bits) at one shape;
-    walk "folded" is the block walk with the per-channel key parameters on the query."""
+    """Kernel time of the tiled kernel per (tokens per product, warps, pipeline stages, bits) at one shape; each
+    configuration's stream 0 is checked against the dense reference first."""
     from kvtool.runtime.kernels.uniform_decode import uniform_decode_attention
 
     hq, hkv, d = SHAPES[shape]
@@ -179,14 +178,11 @@ def sweep(shape: str, context: int, batch: int, block_size: int, device, configs
     for bits in (4, 2, 16):
         kwargs, held = _store(batch, hkv, d, context, bits, device, block_size)
         reference = _stream0_reference(kwargs, qs, new, bits)
-        for walk, tile, warps, stages, cap in configs:
-            if walk == "folded" and bits == 16:
-                continue
-            config = {"shape": shape, "context": context, "batch": batch, "bits": bits, "walk": walk, "tile": tile,
-                      "warps": warps, "stages": stages, "max_registers": cap}
+        for tile, warps, stages in configs:
+            config = {"shape": shape, "context": context, "batch": batch, "bits": bits, "tile": tile, "warps": warps,
+                      "stages": stages}
             call = lambda: uniform_decode_attention(  # noqa: E731
-                qs, new, new, **kwargs, precision="half", tile_tokens=tile or None, num_warps=warps, num_stages=stages,
-                walk="blocks" if walk == "folded" else walk, fold_keys=walk == "folded", max_registers=cap)
+                qs, new, new, **kwargs, precision="half", tile_tokens=tile or None, num_warps=warps, num_stages=stages)
             try:
                 error = float((call()[0] - reference).abs().max() / reference.abs().max())
                 seconds = _kernel_time(call)
@@ -211,10 +207,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32, help="tokens per body block (bundled kivi recipes: 32)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--general", action="store_true", help="also time the general kernel on 4-bit blocks")
-    parser.add_argument("--sweep", action="store_true", help="tune walk / tile / warps / stages at SWEEP_SHAPES and stop")
+    parser.add_argument("--sweep", action="store_true", help="tune tile / warps / stages at SWEEP_SHAPES and stop")
     parser.add_argument("--sweep-shapes", type=int, default=len(SWEEP_SHAPES), help="sweep the first N of SWEEP_SHAPES")
-    parser.add_argument("--walk", choices=["tiles", "blocks"], help="how the fast kernel walks body blocks (default: "
-                        "uniform_decode.DEFAULT_WALK)")
     parser.add_argument("--profile-one", action="store_true",
                         help="run the 4-bit kernel a few times at Llama-3-8B 32K x 8 and stop (for a profiler such as ncu)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_attention.json"))
@@ -234,10 +228,6 @@ def main() -> None:
     from kvtool.fileio import write_json_atomic
 
     machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}
-    if args.walk:
-        from kvtool.runtime.kernels import uniform_decode
-
-        uniform_decode.DEFAULT_WALK = args.walk  # before the first plan (`plan_tiles` is cached per store shape)
     if args.sweep:
         rows = []
         for shape, context, batch in SWEEP_SHAPES[: args.sweep_shapes]:
@@ -247,9 +237,9 @@ def main() -> None:
                 timed = [r for r in rows if (r["shape"], r["context"], r["batch"], r["bits"]) == (shape, context, batch, bits)
                          and "us" in r and "error" not in r]
                 if timed:
-                    best, tiles = min(timed, key=lambda r: r["us"]), min((r for r in timed if r["walk"] == "tiles"),
-                                                                       key=lambda r: r["us"], default=None)
-                    print("best:", json.dumps({**best, "tiles_us": tiles and tiles["us"]}))
+                    default = next((r for r in timed if (r["tile"], r["warps"], r["stages"]) == SWEEP[0]), None)
+                    best = min(timed, key=lambda r: r["us"])
+                    print("best:", json.dumps({**best, "default_us": default and default["us"]}))
         write_json_atomic(args.out.with_name("gpu_attention_sweep.json"), {"machine": machine, "rows": rows})
         return
     if args.quick:

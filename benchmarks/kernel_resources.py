@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 import os
 import re
 import subprocess
@@ -67,7 +66,7 @@ def _tools() -> Path:
 
 
 def compile_plan(bits: int, head_dim: int, rows: int, tile: int | None, warps: int | None, stages: int | None,
-                 block_size: int = 32, arch: int = 90, walk: str | None = None):
+                 block_size: int = 32, arch: int = 90):
     """(plan, compiled kernel) of the tiled kernel for one store shape, compiled for sm_``arch``."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -76,10 +75,7 @@ def compile_plan(bits: int, head_dim: int, rows: int, tile: int | None, warps: i
     from kvtool.runtime.kernels.uniform_decode import _uniform_partials, plan_tiles
 
     # bits 16: a float16 body (method none), the same tile walk as codes
-    # walk "folded": the block walk with per-channel key parameters on the query
-    fold = walk == "folded" and bits != 16
-    walk = "blocks" if walk == "folded" else walk
-    plan = plan_tiles(_formats(bits), head_dim, block_size, rows, 16, "half", True, False, tile, warps, stages, walk, fold)
+    plan = plan_tiles(_formats(bits), head_dim, block_size, rows, 16, "half", True, False, tile, warps, stages)
     constants = {**dict(plan.constants), "ASM": bits in (2, 4, 8)}  # the GPU's code path, whatever this process runs
     fn = _uniform_partials
     sig = _signature(fn, bits, constants)
@@ -123,9 +119,6 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", type=int, default=[0], help="tokens per product (0: the default plan)")
     parser.add_argument("--warps", nargs="+", type=int, default=[0], help="warps per program (0: the default plan)")
     parser.add_argument("--stages", nargs="+", type=int, default=[0], help="pipeline stages (0: the default plan)")
-    parser.add_argument("--walks", nargs="+", default=["tiles", "blocks", "folded"], choices=["tiles", "blocks", "folded"],
-                        help="how the kernel walks body blocks (uniform_decode.plan_tiles; folded: blocks with the key "
-                             "scales on the query)")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 H100/H200, 80 A100")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_resources.json"))
@@ -139,12 +132,11 @@ def main() -> None:
         for d in args.head_dims:
             for tile in args.tiles:
                 for warps in args.warps:
-                    for stages, walk in itertools.product(args.stages, args.walks):
+                    for stages in args.stages:
                         plan, kernel = compile_plan(bits, d, args.rows, tile or None, warps or None, stages or None,
-                                                    args.block_size, args.arch, walk)
+                                                    args.block_size, args.arch)
                         constants = dict(plan.constants)
-                        tokens = constants["TT"] if constants["WALK"] else constants["NB"] * constants["TS"]
-                        row = {"bits": bits, "head_dim": d, "walk": walk, "tile_tokens": tokens,
+                        row = {"bits": bits, "head_dim": d, "tile_tokens": constants["NB"] * constants["TS"],
                                "warps": plan.num_warps, "stages": plan.num_stages, **resources(kernel)}
                         row["occupancy"] = occupancy(row["registers"], plan.num_warps)
                         rows.append(row)
@@ -155,10 +147,10 @@ def main() -> None:
     import triton
 
     table = Table(title=f"tiled decode kernel on sm_{args.arch} (Triton {triton.__version__}, compiled here)")
-    for column in ("bits", "head_dim", "walk", "tokens/tile", "warps", "stages", "registers", "stack B", "SASS instr", "occupancy"):
+    for column in ("bits", "head_dim", "tokens/tile", "warps", "stages", "registers", "stack B", "SASS instr", "occupancy"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(str(r["bits"]), str(r["head_dim"]), r["walk"], str(r["tile_tokens"]), str(r["warps"]), str(r["stages"]),
+        table.add_row(str(r["bits"]), str(r["head_dim"]), str(r["tile_tokens"]), str(r["warps"]), str(r["stages"]),
                       str(r["registers"]), str(r["stack_bytes"]), str(r["sass_instructions"]), f"{r['occupancy']:.1%}")
     Console().print(table)
     from kvtool.fileio import write_json_atomic

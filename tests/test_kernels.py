@@ -244,50 +244,37 @@ UNIFORM_SIDES = ["float", "uniform-2", "uniform-3", "uniform-4", "uniform-8", "u
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("walk", ["tiles", "blocks", "folded"])
 @pytest.mark.parametrize("precision", ["exact", "half"])
 @pytest.mark.parametrize("side, head_dim, gqa", [(side, d, gqa) for side in UNIFORM_SIDES for d, gqa in DIAGONAL])
-def test_uniform_kernel_equals_the_dense_reference(side, head_dim, gqa, precision, walk, device):
-    """The fast kernel over float and uniform-code blocks, every walk (tiles of several blocks with each packed byte
-    read once; block by block in two-dimensional tiles, with or without per-channel key scale and zero moved onto
-    the query): float32 products match the reference at 1e-4; float16
-    operands (fp16 / bf16 models) within 2e-3 of the largest output, the rounding of keys and probabilities to
-    float16."""
+def test_uniform_kernel_equals_the_dense_reference(side, head_dim, gqa, precision, device):
+    """The tiled kernel over float and uniform-code blocks (several blocks per tile, each packed byte read once):
+    float32 products match the reference at 1e-4; float16 operands (fp16 / bf16 models) within 2e-3 of the
+    largest output, the rounding of keys and probabilities to float16."""
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
-    from kvtool.runtime.kernels.uniform_decode import DEFAULT_WALK, covers, uniform_decode_attention
+    from kvtool.runtime.kernels.uniform_decode import covers, uniform_decode_attention
 
     args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa + 1)
     assert covers(args["formats"], head_dim, BS)
     args.pop("stream_group")  # no static tables in these formats
-    folded = walk == "folded"  # the block walk with per-channel key parameters on the query
-    if folded and args["formats"][0].scales != "channel":
-        pytest.skip("keys without per-channel parameters have nothing to fold")
-    out = uniform_decode_attention(**args, precision=precision, walk="blocks" if folded else walk,
-                                   fold_keys=folded).cpu()
+    out = uniform_decode_attention(**args, precision=precision).cpu()
     if precision == "exact":
         torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
-        if walk == DEFAULT_WALK:  # auto picks this kernel and this walk
-            torch.testing.assert_close(paged_decode_attention(**args).cpu(), out, rtol=0, atol=0)
+        torch.testing.assert_close(paged_decode_attention(**args).cpu(), out, rtol=0, atol=0)  # auto picks this kernel
     else:
         assert (out - reference).abs().max() <= 2e-3 * reference.abs().max()
         assert (out - reference).abs().max() > 0  # the products really were float16
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("walk", ["tiles", "blocks", "folded"])
 @pytest.mark.parametrize("tile_tokens", [16, 32, 128])
 @pytest.mark.parametrize("side", ["uniform-2", "uniform-3", "float"])
-def test_uniform_kernel_tiles_of_any_width_read_the_same_tokens(side, tile_tokens, walk, device):
-    """Tiles of 1 to 8 blocks (a partly filled last tile, 2-bit blocks of 8-row sub-tiles), or block by block in
-    one or two products per block, read every token once."""
+def test_uniform_kernel_tiles_of_any_width_read_the_same_tokens(side, tile_tokens, device):
+    """Tiles of 1 to 8 blocks (a partly filled last tile, 2-bit blocks of 8-row sub-tiles) read every token once."""
     from kvtool.runtime.kernels.uniform_decode import uniform_decode_attention
 
     args, reference = build_case(side, 64, 4, device, seed=11)
     args.pop("stream_group")
-    if walk == "folded" and side == "float":
-        pytest.skip("float blocks have no key parameters to fold")
-    out = uniform_decode_attention(**args, tile_tokens=tile_tokens, splits=2, walk="blocks" if walk == "folded" else walk,
-                                   fold_keys=walk == "folded")
+    out = uniform_decode_attention(**args, tile_tokens=tile_tokens, splits=2)
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
 

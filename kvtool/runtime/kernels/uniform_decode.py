@@ -242,98 +242,11 @@ def _weighted(p, v, HALF: tl.constexpr):
 
 
 @triton.jit
-def _block_codes_as_float(code, HALF: tl.constexpr):
-    """uint8 codes -> float16 (HALF) or float32, exactly: the code ORed into the mantissa of 1024.0 / 2**23."""
-    if HALF:
-        return (code.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    else:
-        return (code.to(tl.int32) | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _block_side(data_ptr, scale_ptr, zero_ptr, blk, J: tl.constexpr, TT: tl.constexpr, c, D: tl.constexpr,
-                BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, SCALES: tl.constexpr,
-                GROUP: tl.constexpr, HALF: tl.constexpr, FOLD: tl.constexpr):
-    """Tokens ``J * TT ..`` (TT of them) of body block ``blk`` of one side as a (TT, D) float16 (HALF) or float32
-    tile; FOLD: codes only (per-channel scale and zero applied by the caller, `_folded_query`).
-
-    Two-dimensional tiles only, so the compiler can keep them in the layout the tensor-core product reads: token t
-    of a ``w``-bit slice is bits ``(t // R) * w ..`` of byte row ``t % R`` (R = BS * w / 8 rows, the token-split
-    layout); the scale and zero are per block and channel (SCALES 1: (D,), broadcast over the tokens) or per token
-    and group of GROUP channels (SCALES 2: read at (t, c // GROUP), repeated addresses the cache serves)."""
-    tok = J * TT + tl.arange(0, TT)
-    if BITS == 16:
-        x = tl.load(data_ptr + blk * (BS * D) + tok[:, None] * D + c[None, :])
-        if HALF:
-            x = x.to(tl.float16)
-        else:
-            x = x.to(tl.float32)
-    else:
-        R0: tl.constexpr = BS * W0 // 8
-        base = data_ptr + blk * (BS * BITS // 8 * D)
-        if R0 % TT == 0:  # the tile lies in one sub-tile of the bytes: one shift for all of it
-            code = tl.load(base + (J * TT % R0 + tl.arange(0, TT))[:, None] * D + c[None, :])  # (TT, D) uint8
-            if W0 != 8:
-                code = (code >> (J * TT // R0 * W0)) & ((1 << W0) - 1)
-        else:  # 2-bit: byte rows repeat within the tile, each repeat a further shift
-            code = tl.load(base + (tok % R0)[:, None] * D + c[None, :])
-            code = (code >> ((tok // R0) * W0).to(tl.uint8)[:, None]) & ((1 << W0) - 1)
-        if W1 > 0:
-            R1: tl.constexpr = BS * W1 // 8
-            b1 = tl.load(base + R0 * D + (tok % R1)[:, None] * D + c[None, :])
-            code = code | (((b1 >> ((tok // R1) * W1).to(tl.uint8)[:, None]) & ((1 << W1) - 1)) << W0)
-        x = _block_codes_as_float(code, HALF)
-        if FOLD:
-            pass
-        elif SCALES == 1:
-            scale = tl.load(scale_ptr + blk * D + c)[None, :]
-            zero = tl.load(zero_ptr + blk * D + c)[None, :]
-        else:
-            NG: tl.constexpr = D // GROUP
-            offs = blk * (BS * NG) + tok[:, None] * NG + (c // GROUP)[None, :]
-            scale = tl.load(scale_ptr + offs)
-            zero = tl.load(zero_ptr + offs)
-        if FOLD:
-            pass
-        elif HALF:
-            x = x * scale + zero  # float16 arithmetic, the model's own precision
-        else:
-            x = x * scale.to(tl.float32) + zero.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _folded_query(q, scale_ptr, zero_ptr, blk, c, D: tl.constexpr, HALF: tl.constexpr):
-    """Per-channel key parameters moved onto the query: q . (code * scale + zero) = (q * scale) . code + q . zero.
-    Returns the scaled query (BR, D) in the product's dtype and the block's logit offset (BR,) float32."""
-    scale = tl.load(scale_ptr + blk * D + c).to(tl.float32)
-    zero = tl.load(zero_ptr + blk * D + c).to(tl.float32)
-    qs = q * scale[None, :]
-    if HALF:
-        qs = qs.to(tl.float16)
-    return qs, tl.sum(q * zero[None, :], axis=1)
-
-
-@triton.jit
-def _scores_all(q, k, m, offset, HALF: tl.constexpr, SOFTCAP: tl.constexpr, softcap):
-    """`_scores` over keys that are all real (body blocks walked one by one): no mask; ``offset`` (BR,) added to
-    every logit (the folded key zero, `_folded_query`)."""
-    if HALF:
-        logits = tl.dot(q, tl.trans(k)) + offset[:, None]
-    else:
-        logits = tl.dot(q, tl.trans(k), input_precision="tf32x3") + offset[:, None]
-    if SOFTCAP:
-        logits = softcap * (2.0 * tl.sigmoid(2.0 * logits / softcap) - 1.0)
-    m_new = tl.maximum(m, tl.max(logits, axis=1))
-    return m_new, tl.exp(m - m_new), tl.exp(logits - m_new[:, None])
-
-
-@triton.jit
 def _uniform_partials(
     q_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr,
     kd_ptr, ks_ptr, kz_ptr, vd_ptr, vs_ptr, vz_ptr, m_out, l_out, acc_out, R, softcap, f_per, b_per, SPLITS,
     D: tl.constexpr, BR: tl.constexpr, FBS: tl.constexpr, NBF: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
-    TS: tl.constexpr, WALK: tl.constexpr, TT: tl.constexpr, FOLD: tl.constexpr, HAS_BODY: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, SOFTCAP: tl.constexpr,
+    TS: tl.constexpr, HAS_BODY: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, SOFTCAP: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr,
 ):
@@ -360,26 +273,7 @@ def _uniform_partials(
         acc = acc * alpha[:, None] + _weighted(p, _float_tile(fv_ptr, offs, valid, NBF * FBS, D, HALF), HALF)
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
-    if HAS_BODY and WALK == 1:  # block by block: one block id, then (TT, D) tiles of that block's tokens
-        blen = tl.load(blen_ptr + s).to(tl.int32)
-        b_end = tl.minimum(blen, (split + 1) * b_per)
-        if HALF:
-            qd = q.to(tl.float16)
-        else:
-            qd = q
-        offset = tl.zeros((BR,), tl.float32)
-        for col in range(split * b_per, b_end):
-            blk = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
-            if FOLD:  # per-channel key scale and zero on the query, once per block
-                qd, offset = _folded_query(q, ks_ptr, kz_ptr, blk, c, D, HALF)
-            for j in tl.static_range(BS // TT):
-                k = _block_side(kd_ptr, ks_ptr, kz_ptr, blk, j, TT, c, D, BS, K_BITS, K_W0, K_W1, K_SCALES, K_GROUP, HALF, FOLD)
-                m_new, alpha, p = _scores_all(qd, k, m, offset, HALF, SOFTCAP, softcap)
-                v = _block_side(vd_ptr, vs_ptr, vz_ptr, blk, j, TT, c, D, BS, V_BITS, V_W0, V_W1, V_SCALES, V_GROUP, HALF, False)
-                acc = acc * alpha[:, None] + _weighted(p, v, HALF)
-                l = l * alpha + tl.sum(p, axis=1)
-                m = m_new
-    elif HAS_BODY:  # tiles of NB blocks, each packed byte read once for all its sub-tiles
+    if HAS_BODY:
         blen = tl.load(blen_ptr + s).to(tl.int32)
         b_end = tl.minimum(blen, (split + 1) * b_per)
         nb = tl.arange(0, NB)
@@ -462,9 +356,6 @@ def tile_for(head_dim: int, codes: bool) -> tuple[int, int]:
     return max(16, min(128, 8192 // head_dim)), 4
 
 
-DEFAULT_WALK = "tiles"  # how `plan_tiles` walks body blocks when not asked
-DEFAULT_FOLD = False  # per-channel key parameters on the query (block walk): see `plan_tiles`
-BLOCK_WALK_TILE = (32, 4)  # the block walk's (tokens per product, warps): 120 registers at head_dim 128 (sm_90)
 CODE_STAGES = 2  # software-pipeline depth for code blocks: 2 beat 3 in every 4- and 2-bit row of the H100 sweep
 
 
@@ -479,14 +370,12 @@ class TilePlan:
     nb: int
     num_warps: int
     num_stages: int | None
-    max_registers: int | None = None  # a cap on registers per thread (Triton's ``maxnreg``): occupancy for spills
 
     @functools.cached_property
     def kwargs(self) -> dict:
-        """The launch's keyword arguments (constants, warps, stages, register cap), built once per plan."""
+        """The launch's keyword arguments (constants, warps, stages), built once per plan."""
         stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
-        cap = {} if self.max_registers is None else {"maxnreg": self.max_registers}
-        return {**dict(self.constants), "num_warps": self.num_warps, **stages, **cap}
+        return {**dict(self.constants), "num_warps": self.num_warps, **stages}
 
     @functools.cached_property
     def br(self) -> int:
@@ -497,27 +386,18 @@ class TilePlan:
 @functools.lru_cache(maxsize=256)
 def plan_tiles(formats: tuple[BodyFormat, BodyFormat] | None, head_dim: int, block_size: int, rows: int, float_block: int,
                precision: str = "exact", on_cuda: bool = False, softcap: bool = False, tile_tokens: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None, walk: str | None = None,
-               fold_keys: bool | None = None, max_registers: int | None = None) -> TilePlan:
+               num_warps: int | None = None, num_stages: int | None = None) -> TilePlan:
     """The `TilePlan` of a store: ``formats`` None for float blocks only; ``rows`` query rows per stream (the GQA
-    group); ``on_cuda`` enables the inline-PTX code path (float16 products on a GPU); ``walk`` "tiles" (NB blocks
-    per tile) or "blocks" (block by block, two-dimensional tiles; body blocks of at least 16 tokens), None:
-    `DEFAULT_WALK` where it applies."""
+    group); ``on_cuda`` enables the inline-PTX code path (float16 products on a GPU)."""
     if precision not in ("exact", "half"):
         raise ValueError(f"uniform_decode_attention: precision '{precision}' is not 'exact' or 'half'")
-    if walk not in (None, "tiles", "blocks"):
-        raise ValueError(f"uniform_decode_attention: walk '{walk}' is not 'tiles' or 'blocks'")
     if not covers(formats, head_dim, block_size if formats else 16):
         raise ValueError(f"uniform_decode_attention: formats {formats} at head_dim {head_dim} are the general kernel's")
     from kvtool.runtime.kernels.decode_attention import query_rows
 
     codes = formats is not None and any(fmt.bits != 16 for fmt in formats)
-    if walk == "blocks" and (formats is None or block_size < 16):
-        raise ValueError(f"uniform_decode_attention: the block walk reads body blocks of at least 16 tokens, not {block_size}")
-    blocks_walk = formats is not None and block_size >= 16 and (walk or DEFAULT_WALK) == "blocks"
-    default_tile = BLOCK_WALK_TILE if blocks_walk else tile_for(head_dim, codes)
-    tile_tokens = tile_tokens or default_tile[0]
-    num_warps = num_warps or default_tile[1]
+    tile_tokens = tile_tokens or tile_for(head_dim, codes)[0]
+    num_warps = num_warps or tile_for(head_dim, codes)[1]
     if num_stages is None and codes:
         num_stages = CODE_STAGES
     if formats is not None:
@@ -527,22 +407,13 @@ def plan_tiles(formats: tuple[BodyFormat, BodyFormat] | None, head_dim: int, blo
     else:
         kf = vf = BodyFormat(16, False, 1)
         block_size, ts, nb = 16, 16, 1
-    tt = 1 << (max(16, min(block_size, tile_tokens)).bit_length() - 1)  # the block walk's tokens per product (power of 2)
-    if blocks_walk:
-        nb = 1
-    # the block walk can move per-channel key parameters onto the query (`_folded_query`)
-    foldable = blocks_walk and kf.bits != 16 and kf.scales == "channel"
-    if fold_keys and not foldable:
-        raise ValueError("uniform_decode_attention: fold_keys needs the block walk and per-channel key scales")
-    fold = foldable and (DEFAULT_FOLD if fold_keys is None else fold_keys)
     nbf = max(1, tile_tokens // float_block)
     constants = dict(
         D=head_dim, BR=query_rows(rows), FBS=float_block, NBF=nbf, BS=block_size, NB=nb, TS=ts,
-        WALK=int(blocks_walk), TT=tt, FOLD=fold,
         HAS_BODY=formats is not None, HALF=precision == "half", ASM=precision == "half" and on_cuda and not INTERPRETED,
         SOFTCAP=softcap, **{f"K_{k}": v for k, v in _constants(kf).items()}, **{f"V_{k}": v for k, v in _constants(vf).items()},
     )
-    return TilePlan(tuple(constants.items()), nbf, nb, num_warps, num_stages, max_registers)
+    return TilePlan(tuple(constants.items()), nbf, nb, num_warps, num_stages)
 
 
 def uniform_decode_attention(
@@ -565,9 +436,6 @@ def uniform_decode_attention(
     tile_tokens: int | None = None,  # tokens per tensor-core product (NB blocks x sub-tile tokens); None: `tile_for`
     num_warps: int | None = None,  # None: `tile_for`
     num_stages: int | None = None,
-    walk: str | None = None,  # "tiles" | "blocks"; None: `DEFAULT_WALK`
-    fold_keys: bool | None = None,  # block walk: per-channel key parameters on the query; None: `DEFAULT_FOLD`
-    max_registers: int | None = None,  # Triton's ``maxnreg`` (CUDA); None: no cap
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store (see the module docstring)."""
     from kvtool.runtime.kernels.decode_attention import cdiv, merge_partials, splits_for, zeros
@@ -577,8 +445,7 @@ def uniform_decode_attention(
     q = q.contiguous().float()
     has_body = body is not None and body_table is not None and body_table.shape[1] > 0
     plan = plan_tiles(formats if has_body else None, d, block_size if has_body else 16, r, float_k.shape[1], precision,
-                      q.is_cuda, bool(softcap), tile_tokens, num_warps, num_stages, walk, fold_keys,
-                      max_registers if q.is_cuda else None)
+                      q.is_cuda, bool(softcap), tile_tokens, num_warps, num_stages)
     dummy = zeros(1, torch.float32, device)
     dummy_table = zeros(s, torch.int32, device)[:, None]  # (S, 1)
     ftable = float_table if float_table.shape[1] else dummy_table
