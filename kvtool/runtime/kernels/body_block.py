@@ -170,15 +170,29 @@ def _lanes(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
 
 
+RESIDENT_BASIS = 8192  # float32 values of a latent basis kept in shared memory across blocks (32 KB, `reconstruct`)
+RECON_VALUES = 8192  # float32 basis values per reconstruction chunk where the basis is read per block (32 KB)
+
+
+def latent_chunk(rank: int, head_dim: int) -> int:
+    """Latent coordinates reconstructed per product (`body_lowrank.reconstruct`): the whole width BL where its basis
+    (BL x head_dim float32) fits in RESIDENT_BASIS and stays in shared memory across blocks, else chunks of
+    RECON_VALUES values read per block (at least 16 coordinates, tl.dot)."""
+    lanes, width = _lanes(rank), triton.next_power_of_2(head_dim)
+    if lanes * width <= RESIDENT_BASIS:
+        return lanes
+    return max(16, min(lanes, RECON_VALUES // width))
+
+
 def side_constants(fmt, head_dim: int) -> dict:
     """The decode kernel's constants for one side's `BodyFormat`, without the K_ / V_ prefix: `load_body`'s, the
-    latent rank and its width BL, whether the side is rotated, and the outlier split's instances (widths BDO, BDR)."""
+    latent rank, its width BL and reconstruction chunk BLC, whether the side is rotated, and the outlier split's instances (widths BDO, BDR)."""
     w0, w1, w2 = fmt.widths()
     o0, o1, o2 = fmt.widths(fmt.split_bits)
     mantissa, bias = fmt.fp8_layout()
     return dict(BITS=fmt.bits, W0=w0, W1=w1, W2=w2, FP8_MANTISSA=mantissa, FP8_BIAS=bias, SCALES=fmt.scale_mode(),
                 GROUP=fmt.group, HAS_ZERO=fmt.zero, LEVELS=fmt.levels, OUTLIERS=fmt.outliers, RANK=fmt.rank,
-                BL=_lanes(fmt.rank), ROTATED=fmt.rotated, SPLIT=fmt.split, O_BITS=fmt.split_bits, O_W0=o0, O_W1=o1,
+                BL=_lanes(fmt.rank), BLC=latent_chunk(fmt.rank, head_dim), ROTATED=fmt.rotated, SPLIT=fmt.split, O_BITS=fmt.split_bits, O_W0=o0, O_W1=o1,
                 O_W2=o2, O_LEVELS=2**fmt.split_bits if fmt.split else 0, BDO=_lanes(fmt.split),
                 BDR=_lanes(head_dim - fmt.split))
 

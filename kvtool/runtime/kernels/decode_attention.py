@@ -47,7 +47,7 @@ import triton.language as tl
 
 from kvtool.runtime.kernels.body_block import load_body, side_constants
 from kvtool.runtime.kernels.body_format import BodyFormat
-from kvtool.runtime.kernels.body_lowrank import load_side, reconstruct
+from kvtool.runtime.kernels.body_lowrank import load_side
 from kvtool.runtime.kernels.body_qjl import qjl_logits, qjl_pointers, sketched_query, split_sketched_queries
 from kvtool.runtime.kernels.body_rope import SOURCES, BodyRope, body_positions, partner_channels, rotate_keys
 from kvtool.runtime.kernels.body_rotated import fold_rotated_values, rotated_query
@@ -121,12 +121,12 @@ def _decode_partials(
     SPLITS, HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
-    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
+    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_BLC: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
     K_O_BITS: tl.constexpr, K_O_W0: tl.constexpr, K_O_W1: tl.constexpr, K_O_W2: tl.constexpr, K_O_LEVELS: tl.constexpr,
     K_BDO: tl.constexpr, K_BDR: tl.constexpr, K_QJL: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
     V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
-    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
+    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_BLC: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
     V_O_BITS: tl.constexpr, V_O_W0: tl.constexpr, V_O_W1: tl.constexpr, V_O_W2: tl.constexpr, V_O_LEVELS: tl.constexpr,
     V_BDO: tl.constexpr, V_BDR: tl.constexpr,
 ):
@@ -156,6 +156,7 @@ def _decode_partials(
             if K_SPLIT == 0:
                 qs = tl.load(qs_ptr + s * R * D + r[:, None] * D + c[None, :], mask=(r < R)[:, None] & cmask[None, :], other=0.0)
         acc_rot = tl.zeros((BR, BD), tl.float32)  # body values summed in their rotated domain (V_ROTATED)
+        partner, sign = partner_channels(c, ROTARY, INTERLEAVED)  # RoPE's partner channels (pre-RoPE keys)
         for col in range(split, blen, SPLITS):
             block = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
             if K_QJL:  # the outlier split: each instance's sketch of the query in this block's channel order
@@ -164,24 +165,22 @@ def _decode_partials(
                                                         K_BDR)  # (BR, BDO), (BR, BDR)
             for sub in tl.static_range(BS // TT):  # the block in token tiles of TT rows (bounded registers)
                 tb = sub * TT + tt
-                k, latent = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr,
-                                      kxm_ptr, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, D, BS, K_BITS, K_W0, K_W1,
-                                      K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS,
-                                      K_RANK, K_BL, K_SPLIT, K_O_BITS, K_O_W0, K_O_W1, K_O_W2, K_O_LEVELS, K_BDO, K_BDR, TT)
+                k, k_partner = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr,
+                                         kxn_ptr, kxm_ptr, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, partner, D, BS,
+                                         K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO,
+                                         K_LEVELS, K_OUTLIERS, K_RANK, K_BL, K_BLC, K_SPLIT, K_O_BITS, K_O_W0, K_O_W1, K_O_W2,
+                                         K_O_LEVELS, K_BDO, K_BDR, TT, PRE_ROPE > 0)
                 if PRE_ROPE > 0:  # keys stored before RoPE: rotate at each token's true position
-                    partner, sign = partner_channels(c, ROTARY, INTERLEAVED)
-                    if K_RANK > 0:  # the same latent times the partner channels' columns
-                        k_partner = reconstruct(latent, kw_ptr, kb_ptr, head, partner, cmask, K_RANK, K_BL, D)
-                    else:
+                    if K_RANK == 0:  # latents gave their partner columns above (the same latent, no second read)
                         k_partner = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block,
                                               head, tb, partner, cmask, D, BS, K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA,
                                               K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # k[:, partner]
                     pos = body_positions(pos_ptr, pos_stride, nsink_ptr, s, s // streams_per_sequence, col, tb, block, BS, PRE_ROPE)
                     k = rotate_keys(k, k_partner, sign, pos, c, freq_ptr, rope_scaling, ROTARY, INTERLEAVED)
                 v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr,
-                                 vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, D, BS, V_BITS, V_W0, V_W1, V_W2,
+                                 vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, c, D, BS, V_BITS, V_W0, V_W1, V_W2,
                                  V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL,
-                                 V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR, TT)
+                                 V_BLC, V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR, TT, False)
                 if K_QJL:  # the codebook score plus each instance's QJL term
                     logits = tl.dot(qb, tl.trans(k), input_precision="tf32x3")  # (BR, TT)
                     if K_SPLIT > 0:
@@ -389,13 +388,18 @@ def paged_decode_attention(
     q_sketch = sketched_query(q_body, body[0]) if kf.qjl and not kf.split else zeros(1, torch.float32, device)  # (S, R, D)
     qjl_ptrs = qjl_pointers(body[0] if has_body and kf.qjl else None, zeros(1, torch.float32, device))
     acc_rot = torch.zeros_like(acc) if vf.rotated else zeros(1, torch.float32, device)
+    k_constants, v_constants = side_constants(kf, d), side_constants(vf, d)
+    if num_stages is None and any(c["BLC"] < c["BL"] for c in (k_constants, v_constants)):
+        # a latent basis read per block in chunks (`body_lowrank.reconstruct`): software pipelining would prefetch
+        # every chunk of the next block at once (head_dim 256: 380 KB of shared memory); one stage keeps one chunk
+        num_stages = 1
     _decode_partials[(s, splits)](
         q, q_body, q_sketch, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
         *k_ptrs, k_srow, k_scol, *qjl_ptrs, *v_ptrs, v_srow, v_scol, *rope_args,
         m, l, acc, acc_rot, r, float(softcap or 0.0),
-        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, TT=tile or token_tile(bs, bd, kf.bits != 16 or vf.bits != 16), SPLITS=splits, HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants,
-        **_prefixed(side_constants(kf, d), "K_"), **_prefixed(side_constants(vf, d), "V_"), K_QJL=kf.qjl,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, TT=tile or token_tile(bs, bd, kf.bits != 16 or vf.bits != 16), SPLITS=splits,
+        HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants, **_prefixed(k_constants, "K_"),
+        **_prefixed(v_constants, "V_"), K_QJL=kf.qjl, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if vf.rotated:
         fold_rotated_values(acc, acc_rot, body[1])

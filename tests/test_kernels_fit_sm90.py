@@ -1,0 +1,36 @@
+"""The general decode kernel fits an H100 (sm_90) at the widest shapes: compiled here, no GPU (tests/sm90_compile.py).
+
+Shared memory is what the interpreter cannot check and a GPU refuses at launch: Palu latents at head_dim 256 with keys
+stored before RoPE needed 380 KB (the basis kept in shared memory for the key, its RoPE partners and the values) and
+failed on the H100 in two GPU sessions while passing every interpreter test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+REPO = Path(__file__).resolve().parents[1]
+H100_SHARED = 232448  # bytes of shared memory one program may use on an H100 (227 KB, opted in)
+
+
+@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="this Triton wheel ships no NVIDIA tools")
+def test_palu_latents_at_head_dim_256_fit_an_h100_shared_memory():
+    cases = ["palu-fp16:256:8:sequence", "palu-3-hadamard-4:256:8:slots"]  # pre-RoPE keys: basis, partners, values
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the GPU, not the interpreter
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "sm90_compile.py"), *cases], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    partials = [r for r in rows if r["kernel"] == "_decode_partials"]
+    assert sorted(r["case"] for r in partials) == sorted(cases)
+    for r in rows:
+        assert 0 < r["shared_bytes"] <= H100_SHARED, r
+        assert 0 < r["registers"] <= 255, r
