@@ -9,7 +9,8 @@ single-token decode steps are timed one by one (CUDA-synchronised; the first two
 Reported: ms per decode step (median), decode tokens/s (batch / median), the ratio to
 `DynamicCache`, the bytes the cache holds (kvtool: its own report and the allocator's growth over
 the prefill; DynamicCache: its tensors), and how many tokens fit in `--budget-gib` of cache memory
-at the measured bytes per token (and the ratio to DynamicCache).
+at the measured bytes per token (and the ratio to DynamicCache); then the host-device syncs per decode step
+and where they come from (`--syncs` steps under CUDA's sync debug mode).
 
 The model is the real checkpoint when one is found (`--model`, or SmolLM2-135M under
 $KVTOOL_TEST_MODELS); otherwise `--random-weights` builds SmolLM2-135M's architecture from its config
@@ -70,14 +71,43 @@ def dynamic_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
-def measure(model, label: str, backend: str, batch: int, context: int, steps: int) -> dict:
-    """Prefill `context` tokens per sequence, then time `steps` decode steps."""
+def count_syncs(run_step, steps: int) -> tuple[float, list[tuple[str, int]]]:
+    """Host-device synchronizations per decode step (CUDA's sync debug mode, warnings recorded), and where they come
+    from: the innermost kvtool or transformers line of each, most frequent first. A synchronizing call makes the
+    host wait for the GPU, so host work and kernels stop overlapping."""
+    import collections
+    import traceback
+    import warnings
+
+    sites = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/kvtool/" in f.filename or "/transformers/" in f.filename]
+        top = frames[-1] if frames else None
+        where = f"{'/'.join(top.filename.split('/')[-2:])}:{top.lineno} ({top.name})" if top else f"{filename}:{lineno}"
+        sites[where] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for step in range(steps):
+                run_step(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum(sites.values()) / max(steps, 1), sites.most_common(8)
+
+
+def measure(model, label: str, backend: str, batch: int, context: int, steps: int, syncs: int = 0) -> dict:
+    """Prefill `context` tokens per sequence, then time `steps` decode steps; then count the host syncs of `syncs`
+    more (`count_syncs`)."""
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     cache, runtime = make_cache(label, model, backend)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, min(model.config.vocab_size, 20000), (batch, context + steps), generator=g).cuda()
+    ids = torch.randint(100, min(model.config.vocab_size, 20000), (batch, context + steps + syncs), generator=g).cuda()
     times = []
     with torch.no_grad():
         for start in range(0, context, 1024):
@@ -92,9 +122,16 @@ def measure(model, label: str, backend: str, batch: int, context: int, steps: in
             end_event.record()
             torch.cuda.synchronize()
             times.append(start_event.elapsed_time(end_event))
+        if syncs:
+            def step_at(i):
+                model(ids[:, context + steps + i:context + steps + i + 1], **with_cache(cache), use_cache=True,
+                      logits_to_keep=1)
+            per_step, sites = count_syncs(step_at, syncs)
     median = statistics.median(times[2:])
     row = {"cache": label, "backend": backend if runtime else "", "batch": batch, "context": context, "ms_per_step": median,
            "tokens_per_s": batch / median * 1e3, "allocator_growth_bytes": grown}
+    if syncs:
+        row.update(syncs_per_step=per_step, sync_sites=sites)
     if runtime is None:
         row["cache_bytes"] = dynamic_bytes(cache)
     else:
@@ -116,6 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--recipes", nargs="+", default=["kivi-4bit", "kivi-2bit"])
     parser.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "torch"])
+    parser.add_argument("--syncs", type=int, default=3, help="decode steps after the timed ones whose host syncs are "
+                        "counted (CUDA sync debug mode; 0: none)")
     parser.add_argument("--budget-gib", type=float, default=16.0, help="cache memory for the tokens-that-fit column")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_generate.json"))
     args = parser.parse_args()
@@ -123,11 +162,12 @@ def main() -> None:
         raise SystemExit("benchmarks.gpu_generate needs a CUDA GPU")
     model, described = load(args.model, args.random_weights, torch.bfloat16)
     context = min(args.context, model.config.max_position_embeddings - args.steps)
-    rows = [measure(model, "DynamicCache", "", args.batch, context, args.steps)]
+    context = min(context, model.config.max_position_embeddings - args.steps - args.syncs)
+    rows = [measure(model, "DynamicCache", "", args.batch, context, args.steps, args.syncs)]
     for label in args.recipes:
         for backend in args.backends:
             try:
-                rows.append(measure(model, label, backend, args.batch, context, args.steps))
+                rows.append(measure(model, label, backend, args.batch, context, args.steps, args.syncs))
             except torch.cuda.OutOfMemoryError:
                 rows.append({"cache": label, "backend": backend, "error": "out of memory"})
                 torch.cuda.empty_cache()
@@ -153,6 +193,10 @@ def main() -> None:
                       f"{r['cache_bytes'] / 2**20:.0f}", f"{r['allocator_growth_bytes'] / 2**20:.0f}", f"{r['tokens_in_budget']:,}",
                       f"{r['x_dynamic_tokens_in_budget']:.2f}")
     Console().print(table)
+    for r in rows:
+        if "syncs_per_step" in r:
+            print(f"{r['cache']} {r['backend']}: {r['syncs_per_step']:.1f} host syncs per decode step; "
+                  + "; ".join(f"{where} x{n}" for where, n in r["sync_sites"]))
     from kvtool.fileio import write_json_atomic
 
     machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform(), "model": described}

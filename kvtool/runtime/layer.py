@@ -41,6 +41,7 @@ from kvtool.runtime.paged_attention import (
     CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
 )
 from kvtool.runtime.store import LayerStore, StoreLayout, take_rows
+from kvtool.runtime.staging import to_device
 
 SPECIAL, PUNCT = 1, 2  # bits of the FastGen token-class byte
 
@@ -687,7 +688,7 @@ class KvtoolLayer(CacheLayerMixin):
         else:
             counts = real.sum(dim=1).cpu().numpy()
             order = torch.sort((~real).to(torch.int8), dim=1, stable=True).indices  # real tokens first, in order
-            self.lengths = self.lengths + torch.from_numpy(counts).to(self.device)
+            self.lengths = self.lengths + to_device(counts, self.device)
         stream_counts = np.repeat(counts, groups)
         stream_order = None if order is None else order.repeat_interleave(groups, dim=0)
 
@@ -718,7 +719,7 @@ class KvtoolLayer(CacheLayerMixin):
         else:
             store.append(data, stream_counts, stream_pos, self._float_positions_for_encode, self._encode)
         if self.index == 0:
-            context.record(positions if order is None else positions.gather(1, order), torch.from_numpy(counts).to(self.device))
+            context.record(positions if order is None else positions.gather(1, order), to_device(counts, self.device))
 
     def _accumulate(self, received) -> None:
         """Add the attention stored slots received this forward to their scores (whole blocks at a time)."""
@@ -754,7 +755,7 @@ class KvtoolLayer(CacheLayerMixin):
             if decoding and self._trim_next:  # a budget that shrank after the prompt (CAKE's final shares): cut now
                 slack = 0
             self._trim_next = not decoding and not getattr(self.budget, "never_shrinks", False)
-            held = torch.from_numpy(store.tokens() + counts).to(self.device)  # (S,) after this forward
+            held = to_device(store.tokens() + counts, self.device)  # (S,) after this forward
             room = (budget + slack - held).reshape(-1, self.groups)  # (B, H/g): a sequence's streams
             if policy.spec.head_budgets == "adaptive":  # heads share the sequence's budget
                 due_sequences, steps = room.sum(dim=1) < 0, room.sum(dim=1) // self.groups
@@ -812,7 +813,7 @@ class KvtoolLayer(CacheLayerMixin):
         valid = torch.cat([
             torch.arange(f, device=self.device) < store.lengths("float_len")[:, None],
             (torch.arange(bn, device=self.device) < store.lengths("body_len")[:, None]).repeat_interleave(bs, dim=1),
-            torch.arange(t, device=self.device) < torch.from_numpy(counts).to(self.device)[:, None],
+            torch.arange(t, device=self.device) < to_device(counts, self.device)[:, None],
         ], dim=1)
 
         def gather(name, new):
@@ -904,7 +905,7 @@ class KvtoolLayer(CacheLayerMixin):
     def _float_positions_for_encode(self, start: np.ndarray, width: int) -> torch.Tensor:
         if width == 0 or not self.plan.recipe.keys.pre_rope:
             return torch.zeros(self.store.streams, width, dtype=torch.int64, device=self.device)
-        slot = torch.from_numpy(start).to(self.device)[:, None] + torch.arange(width, device=self.device)
+        slot = to_device(start, self.device)[:, None] + torch.arange(width, device=self.device)
         return self.context.float_positions_at(self, slot)
 
     # --- inspection (tests, debugging; attention never does this) ---------------------------------
@@ -929,7 +930,7 @@ class KvtoolLayer(CacheLayerMixin):
                 if self.plan.recipe.keys.pre_rope:
                     keys[-1] = self.context.rope.rotate(self.index, keys[-1], *self.context.rope.cos_sin(self.index, pos[-1]))
         keys, values, pos = torch.cat(keys, 2), torch.cat(values, 2), torch.cat(pos, 1)
-        total = torch.from_numpy(store.tokens()).to(self.device)
+        total = to_device(store.tokens(), self.device)
         j = torch.arange(int(total.max()) if s else 0, device=self.device)[None]
         n_sink, body = store.lengths("n_sink")[:, None], (store.lengths("body_len") * bs)[:, None]
         column = torch.where(j < n_sink, j, torch.where(j < n_sink + body, f + j - n_sink, j - body))

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from kvtool.runtime.pool import BlockPool
+from kvtool.runtime.staging import to_device
 
 FLOAT_BLOCK = 16  # tokens per float block
 META_DTYPES = {"pos": torch.int32, "score": torch.float32, "feature": torch.float32, "cls": torch.uint8}
@@ -193,7 +194,7 @@ class LayerStore:
     def lengths(self, name: str) -> torch.Tensor:
         """Device copy (S,) int64 of a host length array, cached until it changes."""
         if name not in self._device:
-            self._device[name] = torch.from_numpy(getattr(self, name)).to(self.device)
+            self._device[name] = to_device(getattr(self, name), self.device)
         return self._device[name]
 
     @property
@@ -294,7 +295,7 @@ class LayerStore:
 
     def read_float_at(self, names, start: np.ndarray, width: int) -> dict[str, torch.Tensor]:
         """{name: (S, width, ...)} from float slots [start[s], start[s] + width) of each stream."""
-        slots = torch.from_numpy(start).to(self.device)[:, None] + torch.arange(width, device=self.device)
+        slots = to_device(start, self.device)[:, None] + torch.arange(width, device=self.device)
         ids = self.float_slot_ids(slots)
         return {name: take_rows(self.float_flat(name), ids) for name in names}
 
@@ -309,7 +310,7 @@ class LayerStore:
         self.float_table = _grow_columns(self.float_table, int(need.max()))
         ids = self.float_pool.allocate(total)
         rows, j = _pairs(extra)
-        rows_t, cols_t = torch.from_numpy(rows).to(self.device), torch.from_numpy(have[rows] + j).to(self.device)
+        rows_t, cols_t = to_device(rows, self.device), to_device(have[rows] + j, self.device)
         self.float_table[rows_t, cols_t] = ids.to(torch.int32)
 
     def _release_float_beyond(self, new_len: np.ndarray) -> None:
@@ -318,7 +319,7 @@ class LayerStore:
         drop = np.maximum(have - keep, 0)
         if drop.sum():
             rows, j = _pairs(drop)
-            rows_t, cols_t = torch.from_numpy(rows).to(self.device), torch.from_numpy(keep[rows] + j).to(self.device)
+            rows_t, cols_t = to_device(rows, self.device), to_device(keep[rows] + j, self.device)
             self.float_pool.release(self.float_table[rows_t, cols_t].long())
             self.float_table[rows_t, cols_t] = 0
         self._set("float_len", new_len)
@@ -342,9 +343,9 @@ class LayerStore:
                 source = {name: values.reshape(-1, *values.shape[2:]) for name, values in data.items()}
             else:
                 rows, j = _pairs(count)
-                rows_t, j_t = torch.from_numpy(rows).to(self.device), torch.from_numpy(j).to(self.device)
+                rows_t, j_t = to_device(rows, self.device), to_device(j, self.device)
                 source = {name: values[rows_t, j_t] for name, values in data.items()}
-            slot = torch.from_numpy(start).to(self.device)[rows_t] + j_t
+            slot = to_device(start, self.device)[rows_t] + j_t
             target = self.float_table[rows_t, slot // self.fbs].long() * self.fbs + slot % self.fbs
             for name, values in source.items():
                 flat = self.float_flat(name)
@@ -365,8 +366,8 @@ class LayerStore:
             block_np = self.float_table.numpy()[np.arange(self.streams), column].astype(np.int64)  # (S,)
             target = torch.from_numpy(block_np * fbs + offset)  # (S,) flat slot ids
         else:
-            block = self.float_table.gather(1, torch.from_numpy(column).to(self.device)[:, None])[:, 0].long()
-            target = block * fbs + torch.from_numpy(offset).to(self.device)
+            block = self.float_table.gather(1, to_device(column, self.device)[:, None])[:, 0].long()
+            target = block * fbs + to_device(offset, self.device)
         for name, values in data.items():
             flat = self.float_flat(name)
             flat.index_copy_(0, target, values[:, 0].to(flat.dtype))
@@ -386,7 +387,7 @@ class LayerStore:
         keep = keep & (slots < self.lengths("float_len")[:, None])
         kept_held, kept_new = keep.sum(dim=1), keep_new.sum(dim=1)
         new_len = (kept_held + kept_new).cpu().numpy()
-        n_new = torch.from_numpy(new_len).to(self.device)
+        n_new = to_device(new_len, self.device)
         grow = int((new_len - self.float_len).max()) if self.streams else 0
         span = max(width, width + grow)
         j = torch.arange(span, device=self.device)
@@ -473,7 +474,7 @@ class LayerStore:
 
     def _held_blocks(self, blocks: np.ndarray, width: int) -> torch.Tensor:
         """(S, width) bool: which float table columns hold a block of each stream (blocks (S,) per stream)."""
-        return torch.arange(width, device=self.device)[None] < torch.from_numpy(blocks).to(self.device)[:, None]
+        return torch.arange(width, device=self.device)[None] < to_device(blocks, self.device)[:, None]
 
     def block_sums(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """((keys, values[, squared keys]) (S, F, g, D) float32 each, tokens (S, F) int64): every stream's float blocks'
@@ -539,7 +540,7 @@ class LayerStore:
         if new_sinks.any():
             self.write_float(self.n_sink, new_sinks, data)
             self._set("n_sink", self.n_sink + new_sinks)
-            shift = (torch.arange(t, device=self.device)[None] + torch.from_numpy(new_sinks).to(self.device)[:, None]).clamp(max=t - 1)
+            shift = (torch.arange(t, device=self.device)[None] + to_device(new_sinks, self.device)[:, None]).clamp(max=t - 1)
             rest = {name: _take(values, shift) for name, values in data.items()}
             rest_pos = _take(positions, shift)
         rest_count = counts - new_sinks
@@ -573,20 +574,20 @@ class LayerStore:
         held_pos = float_positions(self.n_sink, width)
         total = old + rest_count
         v = torch.arange(int(total.max()), device=self.device)[None]
-        old_t = torch.from_numpy(old).to(self.device)[:, None]
+        old_t = to_device(old, self.device)[:, None]
         column = torch.where(v < old_t, v, width + v - old_t).clamp(max=width + t - 1)  # -> cat([held, new])
         joined = {name: torch.cat([held[name], rest[name]], dim=1) for name in names}
         joined_pos = torch.cat([held_pos.long(), rest_pos.long()], dim=1)
         rows_np, block_np = _pairs(flush)
-        rows = torch.from_numpy(rows_np).to(self.device)
-        token = column[rows[:, None], torch.from_numpy(block_np).to(self.device)[:, None] * bs + torch.arange(bs, device=self.device)]
+        rows = to_device(rows_np, self.device)
+        token = column[rows[:, None], to_device(block_np, self.device)[:, None] * bs + torch.arange(bs, device=self.device)]
         ids = self.body_pool.allocate(rows_np.shape[0])  # (N,) the new blocks' rows: an encode kernel writes them in place
         k, v, pos = joined["k"][rows[:, None], token], joined["v"][rows[:, None], token], joined_pos[rows[:, None], token]
         blocks = encode(k, v, rows, pos, ids)  # what it did not write in place
         meta = {name: joined[name][rows[:, None], token] for name in self.layout.meta}
         self.add_body_blocks(rows_np, {**blocks, **meta}, ids)
         remain = total - flush * bs  # the rest stays in the float window
-        keep_cols = torch.from_numpy(flush * bs).to(self.device)[:, None] + torch.arange(max(int(remain.max()), 1), device=self.device)
+        keep_cols = to_device(flush * bs, self.device)[:, None] + torch.arange(max(int(remain.max()), 1), device=self.device)
         kept = column.gather(1, keep_cols.clamp(max=column.shape[1] - 1))
         self.write_float(self.n_sink, remain, {name: _take(values, kept) for name, values in joined.items()})
         self._release_float_beyond(self.n_sink + remain)
@@ -607,7 +608,7 @@ class LayerStore:
         _, rank = _pairs(counts)
         column = self.body_len[rows] + rank
         self.body_table = _grow_columns(self.body_table, int((self.body_len + counts).max()))
-        self.body_table[torch.from_numpy(rows).to(self.device), torch.from_numpy(column).to(self.device)] = ids.to(torch.int32)
+        self.body_table[to_device(rows, self.device), to_device(column, self.device)] = ids.to(torch.int32)
         self._set("body_len", self.body_len + counts)
 
     # --- eviction of ordered regions (quantized streams) --------------------------------------------
@@ -650,7 +651,7 @@ class LayerStore:
         pools = [(self.float_pool, "float_table", self.float_blocks())]
         if self.body_pool is not None:
             pools.append((self.body_pool, "body_table", self.body_len))
-        rows_t = torch.from_numpy(rows_np).to(self.device)
+        rows_t = to_device(rows_np, self.device)
         for pool, attr, blocks in pools:
             table = getattr(self, attr)
             self._release_rows(pool, table, blocks, unselected)
@@ -663,7 +664,7 @@ class LayerStore:
         counts = np.where(rows, blocks, 0)
         if counts.sum():
             r, j = _pairs(counts)
-            pool.release(table[torch.from_numpy(r).to(self.device), torch.from_numpy(j).to(self.device)].long())
+            pool.release(table[to_device(r, self.device), to_device(j, self.device)].long())
 
     def _copy_duplicates(self, pool: BlockPool, table: torch.Tensor, blocks: np.ndarray, dup: np.ndarray) -> torch.Tensor:
         """Give rows marked ``dup`` fresh copies of their blocks."""
@@ -673,7 +674,7 @@ class LayerStore:
             return table
         table = table.clone()
         r, j = _pairs(counts)
-        r_t, j_t = torch.from_numpy(r).to(self.device), torch.from_numpy(j).to(self.device)
+        r_t, j_t = to_device(r, self.device), to_device(j, self.device)
         source = table[r_t, j_t].long()
         ids = pool.allocate(n)
         for t in pool.tensors.values():
