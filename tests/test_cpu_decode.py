@@ -51,6 +51,27 @@ def test_cpu_kernel_equals_the_dense_reference(side, head_dim, gqa):
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("source, side, rotary, interleaved", [
+    ("sequence", "uniform-4", 1.0, False),  # recorded sequence positions (padding, custom ids)
+    ("slots", "uniform-3", 1.0, False),  # an evicting store: positions per body slot
+    ("tokens", "int8-static-channel-int4-layer", 1.0, True),  # slots are positions; Cohere's interleaved pairs
+    ("sequence", "uniform-4-token-keys-channel-values", 0.5, False),  # per-token key groups; partial rotary (Phi-3)
+    ("tokens", "fp8-static", 1.0, False),
+])
+@pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1)])
+def test_cpu_kernel_rotates_pre_rope_keys_at_their_true_positions(source, side, rotary, interleaved, head_dim, gqa):
+    """Body keys stored before RoPE (KVQuant's ``keys.pre_rope``): decoded, then rotated in the kernel at each token's
+    position, read where the store keeps it, with cos / sin tables computed as the torch path does."""
+    from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+
+    rope = (source, int(head_dim * rotary), interleaved)
+    args, reference = build_case(side, head_dim, gqa, "cpu", seed=head_dim + gqa + 5, rope=rope)
+    out = cpu_decode_attention(**_cpu_args(args))
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+    unrotated = cpu_decode_attention(**{**_cpu_args(args), "rope": None})
+    assert (unrotated - reference).abs().max() > 1e-2  # the rotation is really applied (a test that can fail)
+
+
 @pytest.mark.parametrize("parts", [2, 3, 7])
 @pytest.mark.parametrize("side", ["uniform-4", "uniform-4-token-keys-channel-values", "float"])
 def test_cpu_kernel_split_into_parts_on_threads_equals_the_dense_reference(side, parts):
@@ -253,15 +274,13 @@ def test_auto_is_numba_on_cpu_for_every_store_the_kernel_reads():
     for name in ("kivi-4bit", "kivi-2bit", "int8", "uncompressed", "h2o", "tova", "streamingllm"):  # codes, float-only
         assert backend(load_recipe(name)) == "numba", name
         assert backend(load_recipe(name), "numba") == "numba", name
-    assert backend(load_recipe("uniform-3bit-prerope")) == "torch"  # keys before RoPE
+    assert backend(load_recipe("uniform-3bit-prerope")) == "numba"  # keys before RoPE: rotated in the kernel
     assert backend(load_recipe("kivi-4bit"), "torch") == "torch"
     assert backend(load_recipe("fp8-e4m3")) == "numba"  # fp8 bytes with a float32 scale per block
     for name in ("turboquant-3bit", "turboquant-2.5bit"):  # formats the CPU kernel does not read (rotated codes)
         assert backend(load_recipe(name)) == "torch"
         with pytest.raises(RuntimeConfigError, match="--backend numba: recipe"):
             backend(load_recipe(name), "numba")
-    with pytest.raises(RuntimeConfigError, match="before RoPE"):
-        backend(load_recipe("uniform-3bit-prerope"), "numba")
 
 
 RECIPES = {
@@ -289,6 +308,11 @@ RECIPES = {
     ),
     "h2o-4bit": Recipe(  # ... and of a quantized store: scores of body blocks too
         name="h2o4", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+        eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8),
+    ),
+    "uniform-3bit-prerope": load_recipe("uniform-3bit-prerope"),  # keys before RoPE: rotated at recorded positions
+    "h2o-4bit-prerope": Recipe(  # ... and at the positions an evicting store keeps per slot
+        name="h2o4p", keys=QuantSpec(bits=4, pre_rope=True, path="keys"), cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
         eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8),
     ),
 }
@@ -330,7 +354,7 @@ def test_numba_backend_generates_the_torch_backends_tokens_and_store(name):
     by_numba, numba_cache = _generate(model, RECIPES[name], "numba", ids, mask)
     report = numba_cache.memory_report()
     assert report["backend"] == "numba"
-    steps = {"float16": 23, "h2o-4bit": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
+    steps = {"float16": 23, "h2o-4bit": 12, "h2o-4bit-prerope": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
     assert report["kernel_steps"] >= steps * model.config.num_hidden_layers  # the kernel really ran
     assert torch.equal(by_torch.sequences, by_numba.sequences)
     torch.testing.assert_close(torch.stack(by_numba.logits), torch.stack(by_torch.logits), rtol=2e-3, atol=2e-3)

@@ -31,8 +31,9 @@ Resolved once per runtime and reported in every memory report (``backend``):
   Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU tensors (slow; for tests);
 * ``numba``: on CPU, one decode step's attention of a layer is one compiled call
   (`kernels/cpu_decode.py`) that reads float blocks (float16 / bfloat16) and uniform (KIVI),
-  int_static and fp8 body blocks in place, for one-token steps of full-attention layers with keys
-  after RoPE. On a step
+  int_static and fp8 body blocks in place, for one-token steps of full-attention layers, keys stored
+  after RoPE or before it (decoded, then rotated at each token's true position, RoPE types with fixed
+  frequencies). On a step
   that only appends (no block to encode or allocate, no eviction due) the same call stores the
   token, its position and its score, and adds the attention every held token received to its
   score, so attention-scored policies (h2o, tova, snapkv, ...) run on it between their cuts; the
@@ -40,7 +41,7 @@ Resolved once per runtime and reported in every memory report (``backend``):
   ``numba`` package (a dependency of kvtool);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
   decode kernel reads; on CPU ``numba`` when Numba is installed and the CPU kernel reads the
-  recipe's store (float-only, uniform, int_static or fp8 codes, keys after RoPE); else ``torch``. What the encode kernel writes never decides the backend: a
+  recipe's store (float-only, uniform, int_static or fp8 codes); else ``torch``. What the encode kernel writes never decides the backend: a
   format it does not write is encoded by torch under ``triton``.
 """
 
@@ -93,13 +94,19 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     return None
 
 
-def cpu_kernel_unsupported(recipe: Recipe, quantizers=()) -> str | None:
+def cpu_kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     """Why the CPU (Numba) decode kernel cannot read this recipe's blocks (None when it can); the float dtype of the
-    blocks is checked by each layer (``cache.float_dtype: model`` is only known there)."""
+    blocks is checked by each layer (``cache.float_dtype: model`` is only known there). Keys stored before RoPE are
+    rotated in the kernel with fixed frequencies, as in the Triton kernel (``ropes``: see `kernel_unsupported`)."""
     from kvtool.runtime.kernels.cpu_decode import covers
 
     if recipe.keys.pre_rope:
-        return "keys are stored before RoPE (the CPU kernel reads keys after RoPE)"
+        for rope in ropes:
+            if rope.long_after is not None or rope.grow_after is not None:
+                return (
+                    f"keys are stored before RoPE and the model's RoPE ('{rope.rope_type}') changes its frequencies "
+                    "with the context length (the kernel rotates pre-RoPE keys with fixed frequencies)"
+                )
     if recipe.sparse_attention.enabled:
         return "RocketKV's sparse read is not in the CPU kernel"
     formats = []
@@ -134,7 +141,7 @@ def resolve_backend(requested: str, device: torch.device, recipe: Recipe | None 
         if reason:
             raise RuntimeConfigError(f"--backend triton: recipe '{recipe.name}': {reason}; use --backend torch or auto")
         return "triton"
-    cpu_reason = cpu_kernel_unsupported(recipe, quantizers) if recipe is not None else None
+    cpu_reason = cpu_kernel_unsupported(recipe, quantizers, ropes) if recipe is not None else None
     if requested == "numba":
         if device.type != "cpu" or not numba_available():
             raise RuntimeConfigError(

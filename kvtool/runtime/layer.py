@@ -553,10 +553,12 @@ class KvtoolLayer(CacheLayerMixin):
             if has_body:  # the pool's block tensors and the formats' calibrated tables (int_static, static fp8)
                 formats, constants = self._kernel_formats()
                 body = ({**store.body_pool_side("k"), **constants[0]}, {**store.body_pool_side("v"), **constants[1]})
+            rope = self._kernel_rope() if has_body and self.plan.recipe.keys.pre_rope else None
             return cpu_decode_attention(
                 q, new_k, new_v, float_pool["k"], float_pool["v"], store.float_table, store.float_len, body,
                 store.body_table if has_body else None, store.body_len if has_body else None, formats,
                 self.group_of_stream, store.bs, options.softcap, sink_logits, write, scores, scoring, written_positions,
+                rope,
             )
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:

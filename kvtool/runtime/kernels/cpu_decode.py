@@ -15,7 +15,9 @@ What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
   tables ``static_scale`` / ``static_zero`` (rows 1 or H_kv, columns 1 or D; int_static); or fp8 e4m3 / e5m2 bytes
   (cap, BS, D) with one float32 ``scale`` per block or a calibrated table (fp8); ``body_table`` (S, Bn) int32, ``body_len``
   (S,) blocks; ``score`` (cap, FBS) / (cap, BS) float32 and ``pos`` (cap, FBS) int32 per slot when the store
-  keeps them (evicting recipes). Keys after RoPE only (pre-RoPE keys, other formats, sliding windows: torch).
+  keeps them (evicting recipes). Body keys stored before RoPE (KVQuant's ``keys.pre_rope``) are decoded and
+  rotated at their true positions (the pool's ``pos``, the sequence's recorded positions, or the token index)
+  with cos / sin tables computed as the torch path does (`rope_tables`); other formats and sliding windows: torch.
 
 Per stream (one sequence x one KV head): R query rows (its GQA group, already scaled), two passes over the held
 tokens (body blocks, then the float region's slots, then this step's own token: the order does not change the
@@ -182,6 +184,48 @@ def _side_arrays(side: dict | None, fmt) -> tuple:
             int(bias), table, table_zero, bool(fmt.zero))
 
 
+@functools.lru_cache(maxsize=None)
+def _no_rope() -> tuple:
+    """The placeholder RoPE of a store whose body keys are stored after RoPE (never read; built once)."""
+    empty = np.zeros((1, 1), np.float32)
+    return (0, empty, empty, 0, False, np.zeros((1, 1), np.int32), np.zeros(1, np.int64), 1)
+
+
+_ROPE_TABLES: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (frequencies, scaling, layout) -> cos, sin (P, R)
+ROPE_SOURCES = {"slots": 1, "sequence": 2, "tokens": 3}  # where the true positions of body tokens are read
+
+
+def rope_tables(rope, needed: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (P, R) float32 of positions 0 .. P - 1 (P >= ``needed``) for a layer's RoPE (`BodyRope`), by the
+    same operations as `RopeSpec.cos_sin` (float32 position x frequency, the model's layout, attention scaling), so a
+    rotated key equals the torch path's. Kept per distinct RoPE (Gemma 3 has two) and grown by doubling: at 8K
+    positions and head_dim 64 one table pair is 4 MB."""
+    key = (rope.inv_freq.cpu().numpy().tobytes(), float(rope.scaling), bool(rope.interleaved))
+    tables = _ROPE_TABLES.get(key)
+    if tables is None or tables[0].shape[0] < needed:
+        rows = max(1024, 1 << (max(needed, 1) - 1).bit_length())
+        freqs = torch.arange(rows, dtype=torch.int64)[:, None].float() * rope.inv_freq.cpu().float()  # (P, R/2)
+        emb = torch.repeat_interleave(freqs, 2, dim=-1) if rope.interleaved else torch.cat((freqs, freqs), dim=-1)
+        tables = _ROPE_TABLES[key] = ((emb.cos() * rope.scaling).numpy(), (emb.sin() * rope.scaling).numpy())
+    return tables
+
+
+def _rope_arrays(rope, blen: np.ndarray, block_size: int) -> tuple:
+    """A `BodyRope` as the kernel takes it: (source, cos (P, R), sin (P, R), rotary dim R, interleaved, positions
+    int32 (slots: the pool's (cap, BS); sequence: (B, W); tokens: placeholder), n_sink (S,) int64, streams per
+    sequence), the tables covering every position the call reads."""
+    source = ROPE_SOURCES[rope.source]
+    n_sink = rope.n_sink.cpu().numpy().astype(np.int64, copy=False) if rope.n_sink is not None else np.zeros(1, np.int64)
+    if source == 3:
+        positions = _no_rope()[5]
+        needed = int((n_sink + blen * block_size).max()) if blen.shape[0] else 0
+    else:
+        positions = _held_view(rope.positions)
+        needed = int(positions.max()) + 1 if positions.size else 0
+    cos, sin = rope_tables(rope, needed)
+    return (source, cos, sin, int(cos.shape[1]), bool(rope.interleaved), positions, n_sink, int(rope.streams_per_sequence))
+
+
 def cpu_decode_attention(
     q: torch.Tensor,  # (S, R, D) float32, already multiplied by the softmax scale
     new_k: torch.Tensor,  # (S, D) float32: this step's token, attended to by every row
@@ -202,6 +246,7 @@ def cpu_decode_attention(
     scores: tuple | None = None,  # (float pool score (cap, FBS), body pool score (cap, BS) or None) float32
     scoring: bool = False,  # add this step's attention to the held slots' scores (else the new slot's score is 0)
     positions: tuple | None = None,  # (float pool pos (cap, FBS) int32, this step's position per sequence (B,))
+    rope=None,  # `body_rope.BodyRope`: body keys stored before RoPE, rotated at their true positions in the kernel
     parallel: bool = False,  # spread the work over as many threads as torch uses (see below)
     parts: int | None = None,  # pieces each stream's tokens are cut into (None: 1; with ``parallel``, enough for
     # every thread)
@@ -232,6 +277,7 @@ def cpu_decode_attention(
     else:
         btable, blen = np.zeros((s, 1), np.int32), np.zeros(s, np.int64)
         k_side = v_side = _side_arrays(None, None)
+    rope_arrays = _rope_arrays(rope, blen, int(block_size)) if rope is not None and has_body else _no_rope()
     heads = _held_view(stream_head) if stream_head is not None else np.zeros(s, np.int64)
     sinks = sink_logits.float().contiguous().numpy() if sink_logits is not None else np.zeros((1, 1), np.float32)
     new_k_np, new_v_np = new_k.contiguous().float().numpy(), new_v.contiguous().float().numpy()
@@ -260,7 +306,7 @@ def cpu_decode_attention(
             parts = -(-2 * _THREADS[0] // s) if spread and s < 2 * _THREADS[0] else 1  # few streams: split their tokens
         (parallel_kernel if spread else serial_kernel)(
             q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"),
-            ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen, heads, k_side, v_side,
+            ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen, heads, k_side, v_side, rope_arrays,
             int(block_size or 1), float_k.dtype == torch.bfloat16,
             float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write),
             float_score, body_score, new_score, score_mode, float_pos, new_pos, positions is not None, parts, out,

@@ -266,12 +266,44 @@ def part_units(s, part, parts, float_len, body_len, fbs):
     return units * part // parts, units * (part + 1) // parts
 
 
+@njit(cache=True, inline="always", fastmath=FAST)
+def body_position(source, positions, n_sink, streams_per_sequence, s, j, t, block, bs):
+    """True position of body token t of column j (block id ``block``) of stream s, as the Triton kernel's
+    `body_rope.body_positions`: source 1 the pool's ``pos`` (cap, BS) per slot; 2 the sequence's recorded positions
+    (B, W) at token ``n_sink[s] + j * bs + t``; 3 that token index itself."""
+    if source == 1:
+        return positions[block, t]
+    token = n_sink[s] + j * bs + t
+    if source == 2:
+        return positions[s // streams_per_sequence, token]
+    return token
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def rotate_row(row, cos, sin, rotary, interleaved):
+    """RoPE of one pre-RoPE key row (D,) in place with its position's cos / sin (R,) (the model's layout, attention
+    scaling included): x * cos + turn(x) * sin over the first R channels, turn (x1, x2) -> (-x2, x1) of the halves
+    (or of each pair (2i, 2i + 1) when interleaved), as `kvtool.models.rope.apply_rope`."""
+    if interleaved:
+        for i in range(0, rotary, 2):
+            x1, x2 = row[i], row[i + 1]
+            row[i] = x1 * cos[i] - x2 * sin[i]
+            row[i + 1] = x2 * cos[i + 1] + x1 * sin[i + 1]
+    else:
+        half = rotary // 2
+        for i in range(half):
+            x1, x2 = row[i], row[i + half]
+            row[i] = x1 * cos[i] - x2 * sin[i]
+            row[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
+
+
 @njit(cache=True, fastmath=FAST)
 def attend_part(
-    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side,
+    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
     bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
-    """One work item: the held tokens of stream ``s`` in its part ``part`` (whole blocks). Leaves, per query row,
+    """One work item: the held tokens of stream ``s`` in its part ``part`` (whole blocks). ``rope``: body keys
+    stored before RoPE are rotated at their true positions (source > 0, `body_position`, `rotate_row`). Leaves, per query row,
     exp(logit - m) in ``weights[s]`` (R, tokens; token order body blocks, then float slots), m in
     ``part_max[s, part]``, the sum of the weights in ``part_sum[s, part]`` and the weighted values in
     ``part_acc[s, part]`` (R, D). An empty part: m = -inf, sums 0."""
@@ -294,6 +326,7 @@ def attend_part(
     # pass 1: logits
     k_codes, k_scale, k_zero, k_widths, k_mode, k_group, k_mantissa, k_bias, k_table, k_table_zero, k_has_zero = k_side
     v_codes, v_scale, v_zero, v_widths, v_mode, v_group, v_mantissa, v_bias, v_table, v_table_zero, v_has_zero = v_side
+    rope_source, rope_cos, rope_sin, rotary, interleaved, rope_positions, n_sink, streams_per_sequence = rope
     head = stream_head[s]
     body_buf = np.empty((bs, d), dtype=np.float32)
     q_block = np.empty(d, dtype=np.float32)  # a query row with a block's per-channel key scales folded in
@@ -302,7 +335,21 @@ def attend_part(
     for j in range(u0, min(u1, n_blocks)):
         block = body_table[s, j]
         load_codes(k_codes, block, k_widths, k_mantissa, k_bias, body_buf)
-        if k_mode != 2:  # q . (scale * code + zero) = (q * scale) . code + q . zero, scale and zero per channel
+        if rope_source > 0:  # keys stored before RoPE: decoded, then rotated at each token's true position
+            if k_mode != 2:
+                side_vectors(k_mode, k_scale, k_zero, k_table, k_table_zero, k_has_zero, block, head, scale_vec, zero_vec)
+                for t in range(bs):
+                    key_row = body_buf[t]
+                    for c in range(d):
+                        key_row[c] = key_row[c] * scale_vec[c] + zero_vec[c]
+            else:
+                dequantize_groups(body_buf, k_scale, k_zero, block, k_group)
+            for t in range(bs):
+                position = body_position(rope_source, rope_positions, n_sink, streams_per_sequence, s, j, t, block, bs)
+                rotate_row(body_buf[t], rope_cos[position], rope_sin[position], rotary, interleaved)
+                for r in range(rows):
+                    scores[r, j * bs + t] = dot(qs[r], body_buf[t])
+        elif k_mode != 2:  # q . (scale * code + zero) = (q * scale) . code + q . zero, scale and zero per channel
             side_vectors(k_mode, k_scale, k_zero, k_table, k_table_zero, k_has_zero, block, head, scale_vec, zero_vec)
             for r in range(rows):
                 z = np.float32(0.0)
@@ -480,7 +527,7 @@ def combine_streams(
 
 @njit(cache=True, fastmath=FAST)
 def decode_serial(
-    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side,
+    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
     bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
@@ -490,7 +537,7 @@ def decode_serial(
     for item in range(streams * parts):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
-            k_side, v_side, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            k_side, v_side, rope, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
@@ -501,7 +548,7 @@ def decode_serial(
 
 @njit(cache=True, parallel=True, fastmath=FAST)
 def decode_parallel(
-    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side,
+    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
     bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
@@ -511,7 +558,7 @@ def decode_parallel(
     for item in prange(streams * parts):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
-            k_side, v_side, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            k_side, v_side, rope, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
