@@ -57,7 +57,7 @@ ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", "-p", help="Pro
 EvalArtifactOpt = Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")]
 EvalRecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")]
 JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")]
-BackendOpt = Annotated[str, typer.Option("--backend", help="Attention over the compressed cache: auto (triton on CUDA, numba on CPU, where the recipe's formats have a kernel; else torch), torch (pure-torch reference, any device), triton (Triton decode kernel reading the compressed blocks in place; CUDA) or numba (compiled CPU decode kernel for float, uniform/KIVI, int_static and fp8 stores; keys after RoPE).")]
+BackendOpt = Annotated[str, typer.Option("--backend", help="Attention over the compressed cache: auto (triton on CUDA, numba on CPU, where the recipe's formats have a kernel; else torch), torch (pure-torch reference, any device), triton (Triton decode kernel reading the compressed blocks in place; CUDA) or numba (compiled CPU decode kernel for float, uniform/KIVI, int_static and fp8 stores, keys before or after RoPE).")]
 # models bigger than the machine (calibrate)
 LayerByLayerOpt = Annotated[bool, typer.Option("--layer-by-layer", help="Calibrate one decoder layer at a time (peak memory: one layer plus activations), with resumable checkpoints in OUT.ckpt/.")]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted --layer-by-layer run from its checkpoint (starts afresh if there is none).")]

@@ -184,9 +184,19 @@ def latent_chunk(rank: int, head_dim: int) -> int:
     return max(16, min(lanes, RECON_VALUES // width))
 
 
+SPLIT_VALUES = 16384  # float32 placement values of a TurboQuant split instance per product (64 KB, `body_split`)
+
+
+def split_chunk(dim: int, head_dim: int) -> int:
+    """Rotated coordinates of one TurboQuant split instance per product (`body_split.load_split`): the whole width where
+    its placement (width x head_dim float32, rebuilt per block) fits in SPLIT_VALUES, else fewer (at least 16)."""
+    lanes, width = _lanes(dim), triton.next_power_of_2(head_dim)
+    return lanes if lanes * width <= SPLIT_VALUES else max(16, SPLIT_VALUES // width)
+
+
 def side_constants(fmt, head_dim: int) -> dict:
     """The decode kernel's constants for one side's `BodyFormat`, without the K_ / V_ prefix: `load_body`'s, the
-    latent rank, its width BL and reconstruction chunk BLC, whether the side is rotated, and the outlier split's instances (widths BDO, BDR)."""
+    latent rank, its width BL and reconstruction chunk BLC, whether the side is rotated, and the outlier split's instances (widths BDO, BDR, chunks BDOC, BDRC)."""
     w0, w1, w2 = fmt.widths()
     o0, o1, o2 = fmt.widths(fmt.split_bits)
     mantissa, bias = fmt.fp8_layout()
@@ -194,5 +204,6 @@ def side_constants(fmt, head_dim: int) -> dict:
                 GROUP=fmt.group, HAS_ZERO=fmt.zero, LEVELS=fmt.levels, OUTLIERS=fmt.outliers, RANK=fmt.rank,
                 BL=_lanes(fmt.rank), BLC=latent_chunk(fmt.rank, head_dim), ROTATED=fmt.rotated, SPLIT=fmt.split, O_BITS=fmt.split_bits, O_W0=o0, O_W1=o1,
                 O_W2=o2, O_LEVELS=2**fmt.split_bits if fmt.split else 0, BDO=_lanes(fmt.split),
-                BDR=_lanes(head_dim - fmt.split))
+                BDR=_lanes(head_dim - fmt.split), BDOC=split_chunk(fmt.split, head_dim),
+                BDRC=split_chunk(head_dim - fmt.split, head_dim))
 

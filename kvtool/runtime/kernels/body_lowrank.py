@@ -82,7 +82,8 @@ def load_side(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
               FP8_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
               LEVELS: tl.constexpr, OUTLIERS: tl.constexpr, RANK: tl.constexpr, BL: tl.constexpr, BLC: tl.constexpr,
               SPLIT: tl.constexpr, O_BITS: tl.constexpr, O_W0: tl.constexpr, O_W1: tl.constexpr, O_W2: tl.constexpr,
-              O_LEVELS: tl.constexpr, BDO: tl.constexpr, BDR: tl.constexpr, TT: tl.constexpr, PARTNER: tl.constexpr):
+              O_LEVELS: tl.constexpr, BDO: tl.constexpr, BDR: tl.constexpr, BDOC: tl.constexpr, BDRC: tl.constexpr,
+              TT: tl.constexpr, PARTNER: tl.constexpr):
     """Rows t (TT,) of one body block of one side: (TT, BD) float32 at channels c (rotated sides in their rotated domain, as
     stored) and, for RANK > 0 with PARTNER, the same rows at channels ``partner`` (`reconstruct`; zeros otherwise:
     other formats read their partner channels with `body_block.load_body`).
@@ -92,7 +93,7 @@ def load_side(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
     if SPLIT > 0:  # TurboQuant's outlier split: two instances rebuilt in head space
         x_partner = tl.zeros((TT, c.shape[0]), tl.float32)
         x = load_split(codes_ptr, scale_ptr, lut_ptr, xcodes_ptr, xnorm_ptr, xmask_ptr, xtables_ptr, block, t, c, cmask,
-                       D, BS, BITS, W0, W1, W2, LEVELS, SPLIT, O_BITS, O_W0, O_W1, O_W2, O_LEVELS, BDO, BDR)
+                       D, BS, BITS, W0, W1, W2, LEVELS, SPLIT, O_BITS, O_W0, O_W1, O_W2, O_LEVELS, BDO, BDR, BDOC, BDRC)
     elif RANK > 0:  # low-rank latents: the block is (BS, RANK) wide
         x, x_partner = reconstruct(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_ptr, w_ptr, b_ptr, srow,
                                    scol, block, head, t, c, cmask, partner, BS, BITS, W0, W1, W2, FP8_MANTISSA, FP8_BIAS,

@@ -17,7 +17,8 @@ A token is ``x[c] = ||x_i|| (y_i @ P_i)[rank_i(c)]`` for the instance i that hol
 rank_i(c) = the channels of that instance below c. `load_split` reads both instances with
 `body_block.load_body` (codebook lookup times the norm), builds each instance's placement
 ``G_i[j, c] = P_i[j, rank_i(c)]`` (zero where channel c is the other instance's) from the block's
-mask with a prefix count, and returns ``y_o @ G_o + y_r @ G_r`` (two tl.dot), keys and values
+mask with a prefix count, and returns ``y_o @ G_o + y_r @ G_r`` (tl.dot, in chunks of coordinates where a
+placement is large), keys and values
 alike, in head space. With ``qjl: true`` (keys) each instance's QJL residual term is added to the
 scores by `body_qjl.py`, from the same mask ranks and placements of the sketch matrices.
 
@@ -38,12 +39,29 @@ from kvtool.runtime.kernels.body_block import load_body
 
 
 @triton.jit
-def _instance_rows(codes_ptr, norm_ptr, lut_ptr, block, t, DIM: tl.constexpr, BDI: tl.constexpr, BS: tl.constexpr,
-                   BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, LEVELS: tl.constexpr):
-    """One instance's rows (BS, BDI) float32 in its rotated domain: ``norm * codebook[code]`` (zero past DIM)."""
-    lanes = tl.arange(0, BDI)
+def _instance_rows(codes_ptr, norm_ptr, lut_ptr, block, t, lanes, DIM: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+                   W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, LEVELS: tl.constexpr):
+    """One instance's rows (TT, lanes) float32 in its rotated domain at coordinates ``lanes``: ``norm * codebook[code]``
+    (zero past DIM)."""
     return load_body(codes_ptr, codes_ptr, norm_ptr, norm_ptr, lut_ptr, codes_ptr, codes_ptr, 0, 0, block, 0, t, lanes,
                      lanes < DIM, DIM, BS, BITS, W0, W1, W2, 0, 0, 5, 1, False, LEVELS, 0)
+
+
+@triton.jit
+def _instance_in_head_space(codes_ptr, norm_ptr, lut_ptr, rot_ptr, rank, held, block, t, DIM: tl.constexpr,
+                            BDI: tl.constexpr, BDC: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr,
+                            W1: tl.constexpr, W2: tl.constexpr, LEVELS: tl.constexpr):
+    """``y_i @ G_i`` (TT, BD) float32 of one instance, in chunks of BDC rotated coordinates: a chunk's rows of y and of
+    the placement G (BDC x BD float32, the product's operand in shared memory) at a time, not BDI x BD (head_dim 256:
+    the rest instance's whole placement was 256 KB, two of them 680 KB with the other operands, and the kernel
+    could not launch on an H100)."""
+    x = tl.zeros((t.shape[0], rank.shape[0]), tl.float32)
+    for chunk in tl.static_range(BDI // BDC):
+        lanes = chunk * BDC + tl.arange(0, BDC)
+        y = _instance_rows(codes_ptr, norm_ptr, lut_ptr, block, t, lanes, DIM, BS, BITS, W0, W1, W2, LEVELS)
+        g = tl.load(rot_ptr + lanes[:, None] * DIM + rank[None, :], mask=(lanes < DIM)[:, None] & held[None, :], other=0.0)
+        x += tl.dot(y, g, input_precision="ieee")
+    return x
 
 
 @triton.jit
@@ -68,11 +86,12 @@ def channel_ranks(mask_ptr, block, c, cmask, D: tl.constexpr):
 def load_split(codes_ptr, norm_ptr, lut_ptr, ocodes_ptr, onorm_ptr, mask_ptr, tables_ptr, block, t, c, cmask,
                D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
                LEVELS: tl.constexpr, SPLIT: tl.constexpr, O_BITS: tl.constexpr, O_W0: tl.constexpr, O_W1: tl.constexpr,
-               O_W2: tl.constexpr, O_LEVELS: tl.constexpr, BDO: tl.constexpr, BDR: tl.constexpr):
-    """One split block as float32 (BS, BD) in head space, at channels c (BD,) = 0 .. BD - 1."""
+               O_W2: tl.constexpr, O_LEVELS: tl.constexpr, BDO: tl.constexpr, BDR: tl.constexpr, BDOC: tl.constexpr,
+               BDRC: tl.constexpr):
+    """One split block as float32 (TT, BD) in head space, at channels c (BD,) = 0 .. BD - 1 (each instance in chunks of
+    BDOC / BDRC coordinates, `body_block.latent_chunk`)."""
     outlier, rank_o, rank_r = channel_ranks(mask_ptr, block, c, cmask, D)
-    y_o = _instance_rows(ocodes_ptr, onorm_ptr, tables_ptr, block, t, SPLIT, BDO, BS, O_BITS, O_W0, O_W1, O_W2, O_LEVELS)
-    y_r = _instance_rows(codes_ptr, norm_ptr, lut_ptr, block, t, D - SPLIT, BDR, BS, BITS, W0, W1, W2, LEVELS)
-    g_o = placement(tables_ptr + O_LEVELS, rank_o, outlier, SPLIT, BDO)  # (BDO, BD)
-    g_r = placement(tables_ptr + O_LEVELS + SPLIT * SPLIT, rank_r, cmask & ~outlier, D - SPLIT, BDR)  # (BDR, BD)
-    return tl.dot(y_o, g_o, input_precision="ieee") + tl.dot(y_r, g_r, input_precision="ieee")
+    x = _instance_in_head_space(ocodes_ptr, onorm_ptr, tables_ptr, tables_ptr + O_LEVELS, rank_o, outlier, block, t, SPLIT,
+                                BDO, BDOC, BS, O_BITS, O_W0, O_W1, O_W2, O_LEVELS)
+    return x + _instance_in_head_space(codes_ptr, norm_ptr, lut_ptr, tables_ptr + O_LEVELS + SPLIT * SPLIT, rank_r,
+                                       cmask & ~outlier, block, t, D - SPLIT, BDR, BDRC, BS, BITS, W0, W1, W2, LEVELS)

@@ -123,12 +123,12 @@ def _decode_partials(
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
     K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_BLC: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
     K_O_BITS: tl.constexpr, K_O_W0: tl.constexpr, K_O_W1: tl.constexpr, K_O_W2: tl.constexpr, K_O_LEVELS: tl.constexpr,
-    K_BDO: tl.constexpr, K_BDR: tl.constexpr, K_QJL: tl.constexpr,
+    K_BDO: tl.constexpr, K_BDR: tl.constexpr, K_BDOC: tl.constexpr, K_BDRC: tl.constexpr, K_QJL: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
     V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
     V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_BLC: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
     V_O_BITS: tl.constexpr, V_O_W0: tl.constexpr, V_O_W1: tl.constexpr, V_O_W2: tl.constexpr, V_O_LEVELS: tl.constexpr,
-    V_BDO: tl.constexpr, V_BDR: tl.constexpr,
+    V_BDO: tl.constexpr, V_BDR: tl.constexpr, V_BDOC: tl.constexpr, V_BDRC: tl.constexpr,
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -169,7 +169,7 @@ def _decode_partials(
                                          kxn_ptr, kxm_ptr, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, partner, D, BS,
                                          K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO,
                                          K_LEVELS, K_OUTLIERS, K_RANK, K_BL, K_BLC, K_SPLIT, K_O_BITS, K_O_W0, K_O_W1, K_O_W2,
-                                         K_O_LEVELS, K_BDO, K_BDR, TT, PRE_ROPE > 0)
+                                         K_O_LEVELS, K_BDO, K_BDR, K_BDOC, K_BDRC, TT, PRE_ROPE > 0)
                 if PRE_ROPE > 0:  # keys stored before RoPE: rotate at each token's true position
                     if K_RANK == 0:  # latents gave their partner columns above (the same latent, no second read)
                         k_partner = load_body(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, k_srow, k_scol, block,
@@ -180,7 +180,8 @@ def _decode_partials(
                 v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr,
                                  vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, c, D, BS, V_BITS, V_W0, V_W1, V_W2,
                                  V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL,
-                                 V_BLC, V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR, TT, False)
+                                 V_BLC, V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR, V_BDOC,
+                                 V_BDRC, TT, False)
                 if K_QJL:  # the codebook score plus each instance's QJL term
                     logits = tl.dot(qb, tl.trans(k), input_precision="tf32x3")  # (BR, TT)
                     if K_SPLIT > 0:
@@ -389,9 +390,11 @@ def paged_decode_attention(
     qjl_ptrs = qjl_pointers(body[0] if has_body and kf.qjl else None, zeros(1, torch.float32, device))
     acc_rot = torch.zeros_like(acc) if vf.rotated else zeros(1, torch.float32, device)
     k_constants, v_constants = side_constants(kf, d), side_constants(vf, d)
-    if num_stages is None and any(c["BLC"] < c["BL"] for c in (k_constants, v_constants)):
-        # a latent basis read per block in chunks (`body_lowrank.reconstruct`): software pipelining would prefetch
-        # every chunk of the next block at once (head_dim 256: 380 KB of shared memory); one stage keeps one chunk
+    chunked = ("BLC", "BL"), ("BDOC", "BDO"), ("BDRC", "BDR")
+    if num_stages is None and any(c[a] < c[b] for c in (k_constants, v_constants) for a, b in chunked):
+        # a latent basis or a split placement read per block in chunks (`body_lowrank.reconstruct`, `body_split`):
+        # software pipelining would prefetch every chunk of the next block at once (head_dim 256: 380-680 KB of
+        # shared memory); one stage keeps one chunk
         num_stages = 1
     _decode_partials[(s, splits)](
         q, q_body, q_sketch, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
