@@ -366,3 +366,20 @@ def test_numba_backend_generates_the_torch_backends_tokens_and_store(name):
             # the same tokens in the same slots (the values differ by the attention's rounding: the torch path reads
             # the new token back from float16, the kernel uses it in float32, so later layers' inputs differ slightly)
             torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_pre_rope_keys_stay_on_torch_when_the_rope_frequencies_change_with_length():
+    """Both kernels rotate pre-RoPE keys with fixed frequencies: longrope / dynamic NTK models keep the torch path."""
+    from types import SimpleNamespace
+
+    from kvtool.calibration import build_quantizers
+    from kvtool.runtime.backend import cpu_kernel_unsupported, kernel_unsupported
+
+    recipe = load_recipe("uniform-3bit-prerope")
+    quantizers = build_quantizers(recipe, 64, torch.float32, {})
+    fixed = SimpleNamespace(rope_type="default", long_after=None, grow_after=None)
+    longrope = SimpleNamespace(rope_type="longrope", long_after=4096, grow_after=None)
+    assert cpu_kernel_unsupported(recipe, quantizers, [fixed, fixed]) is None
+    for check in (cpu_kernel_unsupported, kernel_unsupported):
+        assert "longrope" in check(recipe, quantizers, [fixed, longrope])
+    assert resolve_backend("auto", torch.device("cpu"), recipe, quantizers, [longrope]) == "torch"

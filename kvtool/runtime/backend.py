@@ -70,6 +70,18 @@ def triton_available(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _changing_frequencies(ropes) -> str | None:
+    """Why keys stored before RoPE cannot be rotated in a kernel (which uses fixed frequencies): a layer's RoPE type
+    changes its frequencies with the context length (longrope, dynamic NTK); None when every layer's is fixed."""
+    for rope in ropes:
+        if rope.long_after is not None or rope.grow_after is not None:
+            return (
+                f"keys are stored before RoPE and the model's RoPE ('{rope.rope_type}') changes its frequencies "
+                "with the context length (the kernel rotates pre-RoPE keys with fixed frequencies)"
+            )
+    return None
+
+
 def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     """Why the Triton decode kernel cannot read this recipe's blocks (None when it can).
 
@@ -79,13 +91,8 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
     with fixed frequencies, so RoPE types whose frequencies change with the context length
     (longrope, dynamic NTK) stay on the torch path.
     """
-    if recipe.keys.pre_rope:
-        for rope in ropes:
-            if rope.long_after is not None or rope.grow_after is not None:
-                return (
-                    f"keys are stored before RoPE and the model's RoPE ('{rope.rope_type}') changes its frequencies "
-                    "with the context length (the kernel rotates pre-RoPE keys with fixed frequencies)"
-                )
+    if recipe.keys.pre_rope and (reason := _changing_frequencies(ropes)):
+        return reason
     for quantizer, name in zip(quantizers, ("keys", "values")):
         try:
             quantizer.kernel_format()
@@ -100,13 +107,8 @@ def cpu_kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | Non
     rotated in the kernel with fixed frequencies, as in the Triton kernel (``ropes``: see `kernel_unsupported`)."""
     from kvtool.runtime.kernels.cpu_decode import covers
 
-    if recipe.keys.pre_rope:
-        for rope in ropes:
-            if rope.long_after is not None or rope.grow_after is not None:
-                return (
-                    f"keys are stored before RoPE and the model's RoPE ('{rope.rope_type}') changes its frequencies "
-                    "with the context length (the kernel rotates pre-RoPE keys with fixed frequencies)"
-                )
+    if recipe.keys.pre_rope and (reason := _changing_frequencies(ropes)):
+        return reason
     if recipe.sparse_attention.enabled:
         return "RocketKV's sparse read is not in the CPU kernel"
     formats = []
