@@ -89,7 +89,7 @@ def load_split(codes_ptr, norm_ptr, lut_ptr, ocodes_ptr, onorm_ptr, mask_ptr, ta
                O_W2: tl.constexpr, O_LEVELS: tl.constexpr, BDO: tl.constexpr, BDR: tl.constexpr, BDOC: tl.constexpr,
                BDRC: tl.constexpr):
     """One split block as float32 (TT, BD) in head space, at channels c (BD,) = 0 .. BD - 1 (each instance in chunks of
-    BDOC / BDRC coordinates, `body_block.latent_chunk`)."""
+    BDOC / BDRC coordinates, `body_block.split_chunk`)."""
     outlier, rank_o, rank_r = channel_ranks(mask_ptr, block, c, cmask, D)
     x = _instance_in_head_space(ocodes_ptr, onorm_ptr, tables_ptr, tables_ptr + O_LEVELS, rank_o, outlier, block, t, SPLIT,
                                 BDO, BDOC, BS, O_BITS, O_W0, O_W1, O_W2, O_LEVELS)
