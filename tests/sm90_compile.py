@@ -7,30 +7,25 @@ A stand-in active driver answers "device 0, target sm_90", and every launch beco
 the kernel with the call's real arguments and constants, nothing runs (the call's outputs are left unwritten).
 What a compile cannot show on CPU and a launch would refuse on the GPU: shared memory past the device's limit
 (227 KB on an H100: 380 KB once failed every Palu test at head_dim 256 there). Registers and spills come from
-the binary (`cuobjdump -res-usage`), as in `benchmarks.kernel_resources`.
+the binary, read by `benchmarks.kernel_resources`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("tests/sm90_compile.py compiles for a GPU: run it without TRITON_INTERPRET=1")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver, jit  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 class SM90:
@@ -53,14 +48,12 @@ class SM90:
 
 
 def resources(kernel) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([str(TOOLS / "cuobjdump"), "-res-usage", path], capture_output=True, text=True,
-                               check=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return {"shared_bytes": kernel.metadata.shared, "registers": int(found.group(1)), "stack_bytes": int(found.group(2)),
+    """Shared memory (Triton's own count: the dynamic allocation a launch asks for), and registers and stack bytes
+    from the binary (`benchmarks.kernel_resources.resources`)."""
+    from benchmarks.kernel_resources import resources as binary_resources
+
+    found = binary_resources(kernel)
+    return {"shared_bytes": kernel.metadata.shared, "registers": found["registers"], "stack_bytes": found["stack_bytes"],
             "warps": kernel.metadata.num_warps}
 
 
