@@ -60,7 +60,14 @@ def resources(kernel) -> dict:
 def main(cases: list[str]) -> None:
     import test_kernels  # build_case, SIDES (imported after the driver is set: it imports the runtime)
 
+    from kvtool.recipe import QuantSpec
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+    test_kernels.SIDES.update({  # sides the kernel tests build in their own files (tests/test_kernels_qjl.py)
+        "turboquant-2.5qjl-3.5": (  # the outlier split on both sides, keys with the QJL residual (sketched per block)
+            QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.25, qjl=True, path="keys"),
+            QuantSpec(method="turboquant", bits=3, extra_bits=0.5, path="values")),
+    })
 
     compile_only = jit.JITFunction.run
     case_name = {"now": ""}
