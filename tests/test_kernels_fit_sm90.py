@@ -31,7 +31,7 @@ def test_latent_and_split_formats_at_head_dim_256_fit_an_h100_shared_memory():
         # TurboQuant's outlier split on both sides, two placements per block (680 KB before the chunks), and its keys'
         # QJL sketches (two more placements, whole per block)
         "turboquant-2.5qjl-3.5:256:8",
-    ]  # one to two minutes each to compile on a 2-core machine, so two cases, the formats that did not fit
+    ]  # one to two minutes each to compile on a 2-core machine, so two cases: the widest footprints
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for the GPU, not the interpreter
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "sm90_compile.py"), *cases], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
