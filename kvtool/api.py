@@ -413,13 +413,19 @@ def load_runtime(
     hf_model, tokenizer = _load(model_for_artifact(model, loaded) if loaded else model, load, tokenizer)
     if loaded is not None:
         return hf_model, tokenizer, CompressedRuntime.from_artifact(hf_model, loaded, backend=backend)
+    return hf_model, tokenizer, recipe_runtime(hf_model, recipe, prof, profile, tokenizer, backend)
+
+
+def recipe_runtime(hf_model, recipe, prof=None, profile_path=None, tokenizer=None, backend: str = "auto"):
+    """A `CompressedRuntime` for ``recipe`` (a name, a path or a `Recipe`; None: uncompressed) on a loaded model, with
+    the tensors of a loaded profile artifact ``prof`` (from ``profile_path``) checked against the model."""
     resolved = recipe if isinstance(recipe, Recipe) else (load_recipe(recipe) if recipe else uncompressed_recipe())
     profile_tensors = None
     if prof is not None:
-        check_model(prof, adapter_for(hf_model).fingerprint(), source=f"profile '{profile}'")
+        check_model(prof, adapter_for(hf_model).fingerprint(), source=f"profile '{profile_path}'")
         profile_tensors = prof.tensors
     profile_tensors = with_token_classes(hf_model, resolved, profile_tensors, tokenizer)
-    return hf_model, tokenizer, CompressedRuntime.from_recipe(hf_model, resolved, profile=profile_tensors, backend=backend)
+    return CompressedRuntime.from_recipe(hf_model, resolved, profile=profile_tensors, backend=backend)
 
 
 def with_token_classes(hf_model, recipe: Recipe, profile: dict | None, tokenizer=None) -> dict | None:
@@ -523,7 +529,7 @@ def evaluate_perplexity(
     data: str | DataSpec,
     model: str | None = None,
     artifact: str | Path | None = None,
-    recipe: str | Path | Recipe | None = None,
+    recipe: str | Path | Recipe | list | tuple | None = None,
     *,
     samples: int = 4,
     seq_len: int = 1024,
@@ -535,7 +541,7 @@ def evaluate_perplexity(
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
     backend: str = "auto",
-) -> dict:
+) -> dict | list[dict]:
     """Perplexity through the runtime on sequential windows, against the 16-bit baseline from the same code path.
 
     Returns a JSON-able dict (`kvtool.eval.ppl_report`): ppl, bits_per_element, cache_bytes,
@@ -544,20 +550,42 @@ def evaluate_perplexity(
     and delta_pct with its paired 95% interval delta_ci95_pct (`kvtool.eval.paired_delta`), and
     ``model_dtype_*`` for the model-dtype cache where that is not 16-bit;
     notes where a figure cannot mean much; the settings.
+
+    Several caches on the same windows: ``recipe`` a list or tuple of recipes (and optionally an ``artifact`` beside
+    them, listed first) gives a list of such dicts, one per cache, scored in one interleaved pass beside one baseline
+    pass (`kvtool.eval.ppl_report.perplexity_reports`); ``profile`` then goes to the recipes, not the artifact.
     """
-    from kvtool.eval.ppl_report import perplexity_report
+    from kvtool.eval.ppl_report import perplexity_reports
 
     _require_positive(samples=samples, seq_len=seq_len, batch_size=batch_size, chunk=chunk)
     prefill = seq_len // 2 if prefill is None else prefill
     if not 1 <= prefill <= seq_len - 2:
         raise RuntimeConfigError(f"--prefill {prefill} must be between 1 and --seq-len - 2 = {seq_len - 2}")
+    several = isinstance(recipe, (list, tuple))
+    recipes = list(recipe) if several else []
+    if several and not recipes and artifact is None:
+        raise RuntimeConfigError("no recipe to evaluate: give at least one --recipe (or an --artifact)")
+    for entry in recipes:  # a bad recipe fails before the model loads
+        if not isinstance(entry, Recipe):
+            load_recipe(entry)
     data = _checked_data(data)
-    hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, backend=backend)
-    runtime.check_context(seq_len)
+    if several:
+        first = None if artifact is not None else recipes.pop(0)
+        hf_model, tokenizer, runtime = load_runtime(model, artifact, first, profile=None if artifact and recipes else profile,
+                                                    load=load, backend=backend)
+        prof = load_artifact(profile, expect_kind="profile") if profile is not None and recipes else None
+        runtimes = [runtime, *(recipe_runtime(hf_model, entry, prof, profile, tokenizer, backend) for entry in recipes)]
+    else:
+        hf_model, tokenizer, runtime = load_runtime(model, artifact, recipe, profile=profile, load=load, backend=backend)
+        runtimes = [runtime]
+    for each in runtimes:
+        each.check_context(seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")
-    result = perplexity_report(hf_model, windows, runtime, prefill=prefill, chunk=chunk, batch_size=batch_size,
-                               baseline=baseline, progress=progress)
-    return {"recipe": runtime.recipe.name, "data": _provenance(data, windows, 0, windows.numel())["data"], **result}
+    reports = perplexity_reports(hf_model, windows, runtimes, prefill=prefill, chunk=chunk, batch_size=batch_size,
+                                 baseline=baseline, progress=progress)
+    provenance = _provenance(data, windows, 0, windows.numel())["data"]
+    reports = [{"recipe": each.recipe.name, "data": provenance, **report} for each, report in zip(runtimes, reports)]
+    return reports if several else reports[0]
 
 
 def inspect(path: str | Path) -> dict:

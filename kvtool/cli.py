@@ -56,6 +56,7 @@ RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Recipe
 ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", "-p", help="Profile from `kvtool profile` (FastGen head policies, fitted layer budgets) for a --recipe that evicts.")]
 EvalArtifactOpt = Annotated[Optional[Path], typer.Option("--artifact", "-a", help="Deployable artifact. Without it and --recipe: uncompressed only.")]
 EvalRecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration.")]
+EvalRecipesOpt = Annotated[Optional[list[str]], typer.Option("--recipe", "-r", help="Evaluate a recipe directly, without calibration. Repeat it to compare several recipes (and an --artifact) on the same windows: one interleaved pass beside one baseline pass, one column each.")]
 JsonOutOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the results as JSON here.")]
 BackendOpt = Annotated[str, typer.Option("--backend", help="Attention over the compressed cache: auto (triton on CUDA, numba on CPU, where the recipe's formats have a kernel; else torch), torch (pure-torch reference, any device), triton (Triton decode kernel reading the compressed blocks in place; CUDA) or numba (compiled CPU decode kernel for float, uniform/KIVI, int_static and fp8 stores, keys before or after RoPE).")]
 # models bigger than the machine (calibrate)
@@ -174,7 +175,7 @@ def _check_json_path(path: Optional[Path]) -> None:
         check_output_path(path)
 
 
-def _write_json(path: Optional[Path], payload: dict) -> None:
+def _write_json(path: Optional[Path], payload: dict | list) -> None:
     if path is None:
         return
     from kvtool.fileio import write_json_atomic
@@ -359,7 +360,7 @@ def eval_ppl(
     data: DataOpt,
     model: ModelOpt = None,
     artifact: EvalArtifactOpt = None,
-    recipe: EvalRecipeOpt = None,
+    recipe: EvalRecipesOpt = None,
     profile: ProfileOpt = None,
     samples: SamplesOpt = 4,
     seq_len: SeqLenOpt = 1024,
@@ -376,7 +377,9 @@ def eval_ppl(
 ):
     """Perplexity through the real runtime: prefill into the cache, then score while decoding."""
     spec = _data(data, text_column)
-    _check_recipe(recipe)
+    recipes = list(recipe or [])
+    for each in recipes:
+        _check_recipe(each)
     _check_model(model)
     _check_json_path(json_out)
     _check_context(model, seq_len, f"--seq-len {seq_len}", "lower --seq-len", artifact)
@@ -384,8 +387,9 @@ def eval_ppl(
     from kvtool.cli_render import render_perplexity
 
     _quiet_libraries()
+    several = len(recipes) + (artifact is not None) > 1  # one column per cache, a JSON list
     report = api.evaluate_perplexity(
-        spec, model, artifact, recipe, samples=samples, seq_len=seq_len, prefill=prefill,
+        spec, model, artifact, recipes if several else (recipes[0] if recipes else None), samples=samples, seq_len=seq_len, prefill=prefill,
         chunk=chunk, batch_size=batch_size, baseline=baseline, profile=profile,
         load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
     )

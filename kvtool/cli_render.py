@@ -98,46 +98,61 @@ def _interval(report: dict) -> str:
     return f"{low:+.2f} .. {high:+.2f}%"
 
 
-def render_perplexity(console: Console, report: dict) -> None:
-    """One column per cache: the 16-bit baseline, the model-dtype cache where it differs, the runtime's cache."""
-    baseline = report.get("baseline", "16-bit cache")
+def render_perplexity(console: Console, report: dict | list[dict]) -> None:
+    """One column per cache: the 16-bit baseline, the model-dtype cache where it differs, then the runtime's cache (or
+    each of several, scored on the same windows: a list of reports sharing their baseline rows)."""
+    reports = report if isinstance(report, list) else [report]
+    first = reports[0]
+    baseline = first.get("baseline", "16-bit cache")
     short = baseline.removesuffix(" cache")
-    fp16 = report["fp16_cache_bytes"]
-    caches = []  # (header, key prefix, delta)
-    if "baseline_ppl" in report:
-        caches.append((f"{short} (baseline)", "baseline_", None))
-    if "model_dtype_ppl" in report:
-        caches.append((f"{report['model_dtype']} (model dtype)", "model_dtype_", report["model_dtype_delta_pct"]))
-    caches.append((report["recipe"], "", report.get("delta_pct")))
-    steps = report.get("decode_steps")
-    table = Table(title=f"Perplexity through the runtime ({report['scored_tokens']} scored tokens)",
+    fp16 = first["fp16_cache_bytes"]
+    caches = []  # (header, report, key prefix, delta)
+    if "baseline_ppl" in first:
+        caches.append((f"{short} (baseline)", first, "baseline_", None))
+    dtype_row = next((r for r in reports if "model_dtype_ppl" in r), None)
+    if dtype_row is not None:
+        caches.append((f"{dtype_row['model_dtype']} (model dtype)", dtype_row, "model_dtype_", dtype_row["model_dtype_delta_pct"]))
+    caches += [(r["recipe"], r, "", r.get("delta_pct")) for r in reports]
+    steps = first.get("decode_steps")
+    table = Table(title=f"Perplexity through the runtime ({first['scored_tokens']} scored tokens)",
                   caption=f"decode tokens/s: median / best of {steps} steps" if steps else None)
     table.add_column("")
-    for header, _, _ in caches:
+    for header, _, _, _ in caches:
         table.add_column(header, justify="right")
+    kept = any(r.get("kept_fraction", 1.0) < 1.0 for r in reports)
+    sparse = any(r.get("sparse_read_fraction", 1.0) < 1.0 for r in reports)
     rows = [
-        ("perplexity", [f"{report[p + 'ppl']:.3f}" for _, p, _ in caches]),
-        (f"delta vs {short}", ["" if d is None else f"{d:+.2f}%" for _, _, d in caches]),
-        *((("delta 95% interval", ["" if p else _interval(report) for _, p, _ in caches]),)
-          if report.get("delta_ci95_pct") else ()),
-        *((("kept", [f"{100 * report.get(p + 'kept_fraction', 1.0):.1f}%" for _, p, _ in caches]),)
-          if report.get("kept_fraction", 1.0) < 1.0 else ()),
-        *((("tokens read per step", [f"{100 * report.get(p + 'sparse_read_fraction', 1.0):.1f}%" for _, p, _ in caches]),)
-          if report.get("sparse_read_fraction", 1.0) < 1.0 else ()),
-        ("bits per element", [f"{_bits(report, p, fp16):.2f}" for _, p, _ in caches]),
-        ("bytes per token", [f"{report[p + 'bytes_per_token']:.0f}" for _, p, _ in caches]),
-        ("cache held", [_mib(report[p + "cache_bytes"]) for _, p, _ in caches]),
-        ("cache reserved", [_mib(report.get(p + "reserved_cache_bytes", report[p + "cache_bytes"])) for _, p, _ in caches]),
-        (f"size vs {short}", [f"{fp16 / report[p + 'cache_bytes']:.2f}x" for _, p, _ in caches]),
-        ("decode tokens/s", [_speed(report, p) for _, p, _ in caches]),
+        ("perplexity", [f"{r[p + 'ppl']:.3f}" for _, r, p, _ in caches]),
+        (f"delta vs {short}", ["" if d is None else f"{d:+.2f}%" for _, _, _, d in caches]),
+        *((("delta 95% interval", ["" if p or not r.get("delta_ci95_pct") else _interval(r) for _, r, p, _ in caches]),)
+          if any(r.get("delta_ci95_pct") for r in reports) else ()),
+        *((("kept", [f"{100 * (1.0 if p else r.get('kept_fraction', 1.0)):.1f}%" for _, r, p, _ in caches]),)
+          if kept else ()),
+        *((("tokens read per step", [f"{100 * (1.0 if p else r.get('sparse_read_fraction', 1.0)):.1f}%" for _, r, p, _ in caches]),)
+          if sparse else ()),
+        ("bits per element", [f"{_bits(r, p, fp16):.2f}" for _, r, p, _ in caches]),
+        ("bytes per token", [f"{r[p + 'bytes_per_token']:.0f}" for _, r, p, _ in caches]),
+        ("cache held", [_mib(r[p + "cache_bytes"]) for _, r, p, _ in caches]),
+        ("cache reserved", [_mib(r.get(p + "reserved_cache_bytes", r[p + "cache_bytes"])) for _, r, p, _ in caches]),
+        (f"size vs {short}", [f"{fp16 / r[p + 'cache_bytes']:.2f}x" for _, r, p, _ in caches]),
+        ("decode tokens/s", [_speed(r, p) for _, r, p, _ in caches]),
     ]
     for label, cells in rows:
         table.add_row(label, *cells)
     console.print(table)
-    mode = "true decoding (1 token per step)" if report["exact_decoding"] else f"APPROXIMATE: chunks of {report['chunk']} tokens see each other uncompressed"
-    backend = f"; {report['backend']} backend" if report.get("backend") else ""
-    console.print(f"{report['windows']} windows x {report['seq_len']} tokens, prefill {report['prefill']}; {mode}{backend}")
-    render_notes(console, report)
+    mode = "true decoding (1 token per step)" if first["exact_decoding"] else f"APPROXIMATE: chunks of {first['chunk']} tokens see each other uncompressed"
+    backends = sorted({r["backend"] for r in reports if r.get("backend")})
+    backend = f"; {', '.join(backends)} backend" if backends else ""
+    console.print(f"{first['windows']} windows x {first['seq_len']} tokens, prefill {first['prefill']}; {mode}{backend}")
+    for r in reports:
+        if len(reports) > 1 and r.get("note"):
+            console.print(f"[yellow]note ({escape(r['recipe'])}):[/] {escape(r['note'])}", highlight=False)
+    if len(reports) == 1:
+        render_notes(console, first)
+    else:
+        speed = next((r["speed_note"] for r in reports if r.get("speed_note")), None)
+        if speed:
+            console.print(f"[yellow]note:[/] {escape(speed)}", highlight=False)
 
 
 def _bits(report: dict, prefix: str, fp16_bytes: float) -> float:

@@ -55,7 +55,7 @@ def atomic_write(path: str | Path, write) -> Path:
     return path
 
 
-def write_json_atomic(path: str | Path, payload: dict) -> Path:
+def write_json_atomic(path: str | Path, payload: dict | list) -> Path:
     """Write ``payload`` as indented JSON; a crash mid-write leaves any old file intact."""
 
     def write(tmp: str) -> None:

@@ -8,6 +8,9 @@ Rows, each through `kvtool.eval.perplexity` (the same code path):
 * where the model does not compute in 16 bits (float32 on CPU), its own dtype's cache:
   ``model_dtype_*`` keys, ``model_dtype`` names the dtype.
 
+Several runtimes (`perplexity_reports`): one report each, all rows scored in the same interleaved pass, the
+baseline rows once and repeated in every report.
+
 ``delta_ci95_pct`` is the 95% interval of ``delta_pct`` from the two rows' per-token NLLs on the
 same tokens (`kvtool.eval.paired_delta`: batch means over blocks of 32 tokens); ``None`` with
 fewer than two blocks.
@@ -45,10 +48,18 @@ ROW_KEYS = ("ppl", "cache_bytes", "reserved_cache_bytes", "bits_per_element", "b
 WARMUP_STEPS = 4  # untimed decode steps per runtime before its row (first-call allocations, lazy imports)
 
 
-def perplexity_report(
+def perplexity_report(model, windows: torch.Tensor, runtime, **options) -> dict:
+    """JSON-able report for windows (N, T): the runtime's row, and with ``baseline`` the 16-bit and model-dtype rows.
+
+    ``options``: those of `perplexity_reports` (prefill, chunk, batch_size, baseline, progress, make_runtime).
+    """
+    return perplexity_reports(model, windows, [runtime], **options)[0]
+
+
+def perplexity_reports(
     model,
     windows: torch.Tensor,
-    runtime,
+    runtimes: list,
     *,
     prefill: int,
     chunk: int = 1,
@@ -56,31 +67,48 @@ def perplexity_report(
     baseline: bool = True,
     progress: Progress = no_progress,
     make_runtime: Callable | None = None,
-) -> dict:
-    """JSON-able report for windows (N, T): the runtime's row, and with ``baseline`` the 16-bit and model-dtype rows.
+) -> list[dict]:
+    """One report per runtime (`perplexity_report`), all scored in one interleaved pass beside one shared baseline pass.
 
-    make_runtime(recipe) builds the baselines' runtimes (default: `CompressedRuntime.from_recipe` on
-    the runtime's backend).
+    make_runtime(recipe) builds the baselines' runtimes (default: `CompressedRuntime.from_recipe` on the first
+    runtime's backend).
+
+    Every report is complete on its own (the same keys as `perplexity_report`'s, the baseline rows repeated in each),
+    and the deltas are paired over the same tokens: comparing N recipes costs N + 2 passes instead of 3 N. The
+    baselines run on the first runtime's backend.
     """
+    if not runtimes:
+        raise ValueError("perplexity_reports needs at least one runtime")
+    first = runtimes[0]
     if make_runtime is None:
         from kvtool.runtime.attach import CompressedRuntime
 
-        make_runtime = lambda recipe: CompressedRuntime.from_recipe(model, recipe, backend=runtime.backend)  # noqa: E731
-    rows = [("", runtime)]
+        make_runtime = lambda recipe: CompressedRuntime.from_recipe(model, recipe, backend=first.backend)  # noqa: E731
+    rows = [("", runtime) for runtime in runtimes]
     if baseline:
         rows.append(("baseline_", make_runtime(sixteen_bit_recipe())))
-        if model_dtype_differs(model) and not is_model_dtype_cache(runtime.recipe):
+        if model_dtype_differs(model) and not all(is_model_dtype_cache(runtime.recipe) for runtime in runtimes):
             rows.append(("model_dtype_", make_runtime(model_dtype_recipe(model))))
     settings = {"prefill": prefill, "chunk": chunk, "batch_size": batch_size}
     for _, row_runtime in rows:
         _warm_up(model, windows, row_runtime, settings)
-    report, times = {"backend": runtime.backend}, [StepTimes() for _ in rows]
+    times = [StepTimes() for _ in rows]
     results = _score(model, windows, [row_runtime for _, row_runtime in rows], times, progress, settings)
-    for (prefix, _), result, steps in zip(rows, results, times):
+    shared = {}  # the baseline rows' keys, the same in every report
+    for (prefix, _), result, steps in list(zip(rows, results, times))[len(runtimes):]:
         result = result.to_dict()
-        report.update(result if not prefix else {prefix + key: result[key] for key in ROW_KEYS})
-        report.update(steps.summary(prefix))
-    return {**report, **_relative(report, model, results), **_notes(report, runtime, windows, times)}
+        shared.update({prefix + key: result[key] for key in ROW_KEYS})
+        shared.update(steps.summary(prefix))
+    reports = []
+    baseline_results = results[len(runtimes):]
+    for i, runtime in enumerate(runtimes):
+        report = {"backend": runtime.backend, **results[i].to_dict(), **times[i].summary(""), **shared}
+        if "model_dtype_ppl" in report and is_model_dtype_cache(runtime.recipe):
+            report = {key: value for key, value in report.items() if not key.startswith("model_dtype_")}
+        row_times = [times[i], *times[len(runtimes):]]
+        reports.append({**report, **_relative(report, model, [results[i], *baseline_results]),
+                        **_notes(report, runtime, windows, row_times)})
+    return reports
 
 
 def _warm_up(model, windows: torch.Tensor, runtime, settings: dict) -> None:
