@@ -110,15 +110,15 @@ def render_perplexity(console: Console, report: dict | list[dict]) -> None:
     if "baseline_ppl" in first:
         caches.append((f"{short} (baseline)", first, "baseline_", None))
     dtype_row = next((r for r in reports if "model_dtype_ppl" in r), None)
-    if dtype_row is not None:
+    if dtype_row is not None and len(reports) == 1:  # several caches: a line under the table (the width is theirs)
         caches.append((f"{dtype_row['model_dtype']} (model dtype)", dtype_row, "model_dtype_", dtype_row["model_dtype_delta_pct"]))
     caches += [(r["recipe"], r, "", r.get("delta_pct")) for r in reports]
     steps = first.get("decode_steps")
     table = Table(title=f"Perplexity through the runtime ({first['scored_tokens']} scored tokens)",
                   caption=f"decode tokens/s: median / best of {steps} steps" if steps else None)
-    table.add_column("")
-    for header, _, _, _ in caches:
-        table.add_column(header, justify="right")
+    table.add_column("", no_wrap=True)  # row names whole; the caches' columns wrap instead
+    for header, _, _, _ in caches:  # narrow columns fold their text rather than cut it
+        table.add_column(header, justify="right", overflow="fold")
     kept = any(r.get("kept_fraction", 1.0) < 1.0 for r in reports)
     sparse = any(r.get("sparse_read_fraction", 1.0) < 1.0 for r in reports)
     rows = [
@@ -144,6 +144,9 @@ def render_perplexity(console: Console, report: dict | list[dict]) -> None:
     backends = sorted({r["backend"] for r in reports if r.get("backend")})
     backend = f"; {', '.join(backends)} backend" if backends else ""
     console.print(f"{first['windows']} windows x {first['seq_len']} tokens, prefill {first['prefill']}; {mode}{backend}")
+    if dtype_row is not None and len(reports) > 1:
+        console.print(f"{dtype_row['model_dtype']} (model dtype) cache: perplexity {dtype_row['model_dtype_ppl']:.3f} "
+                      f"({dtype_row['model_dtype_delta_pct']:+.2f}% vs {short}), {_mib(dtype_row['model_dtype_cache_bytes'])} held")
     for r in reports:
         if len(reports) > 1 and r.get("note"):
             console.print(f"[yellow]note ({escape(r['recipe'])}):[/] {escape(r['note'])}", highlight=False)
