@@ -147,12 +147,12 @@ def render_perplexity(console: Console, report: dict | list[dict]) -> None:
     if dtype_row is not None and len(reports) > 1:
         console.print(f"{dtype_row['model_dtype']} (model dtype) cache: perplexity {dtype_row['model_dtype_ppl']:.3f} "
                       f"({dtype_row['model_dtype_delta_pct']:+.2f}% vs {short}), {_mib(dtype_row['model_dtype_cache_bytes'])} held")
-    for r in reports:
-        if len(reports) > 1 and r.get("note"):
-            console.print(f"[yellow]note ({escape(r['recipe'])}):[/] {escape(r['note'])}", highlight=False)
     if len(reports) == 1:
         render_notes(console, first)
-    else:
+    else:  # each cache's own caveat, then one speed note for the run
+        for r in reports:
+            if r.get("note"):
+                console.print(f"[yellow]note ({escape(r['recipe'])}):[/] {escape(r['note'])}", highlight=False)
         speed = next((r["speed_note"] for r in reports if r.get("speed_note")), None)
         if speed:
             console.print(f"[yellow]note:[/] {escape(speed)}", highlight=False)
