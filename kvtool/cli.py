@@ -92,6 +92,12 @@ def _quiet_libraries() -> None:
 
 
 def _progress(items, description: str, total: int):
+    """A rich bar on a terminal; otherwise (a log file, nohup, CI) a plain line at most once a minute."""
+    if not err_console.is_terminal:
+        from kvtool.progress_lines import progress_lines
+
+        return progress_lines(items, description, total,
+                              lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True))
     from rich.progress import track
 
     return track(items, description=description, total=total, console=err_console, transient=True)
