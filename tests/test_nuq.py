@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtool.errors import ArtifactError, RecipeError
-from kvtool.methods.quant.codebooks import fit_codebook, nearest_codes, nf_codebook, uniform_codebook
+from kvtool.methods.quant.codebooks import fit_codebook, lookup, nearest_codes, nf_codebook, uniform_codebook
 from kvtool.methods.quant.nuq import NuqQuantizer
 from kvtool.methods.quant.packing import unpack_codes
 from kvtool.methods.registry import quantizer_class
@@ -105,6 +105,18 @@ def test_fisher_weights_reach_the_codebook_through_fit():
     weighted = NuqQuantizer.fit(s, D, S, samples, weights)["codebook"]
     unweighted = NuqQuantizer.fit(s, D, S, samples, None)["codebook"]
     assert (weighted > 0).sum() > (unweighted > 0).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", [(3, 32, 8), (5,), (0, 4)])
+def test_lookup_equals_indexing(dtype, shape):
+    codebook = torch.tensor([-1.0, -0.25, 0.5, 2.0])
+    codes = torch.randint(0, 4, shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    out = lookup(codebook, codes)
+    assert out.shape == codes.shape and out.dtype == torch.float32
+    assert torch.equal(out, codebook[codes.long()])
+    assert torch.equal(lookup(codebook, codes[..., :1].transpose(0, -1) if codes.dim() > 1 else codes),
+                       codebook[(codes[..., :1].transpose(0, -1) if codes.dim() > 1 else codes).long()])  # not contiguous
 
 
 def test_fixed_codebooks():

@@ -36,7 +36,7 @@ import torch
 
 from kvtool.errors import ArtifactError, DataError, RecipeError
 from kvtool.methods.base import BlockQuantizer
-from kvtool.methods.quant.codebooks import fit_codebook, nearest_codes
+from kvtool.methods.quant.codebooks import fit_codebook, lookup, nearest_codes
 from kvtool.methods.quant.outliers import (
     MAX_BLOCK_ELEMENTS,
     dense_range,
@@ -207,7 +207,7 @@ class NuqQuantizer(BlockQuantizer):
         codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size)  # (N, S, D)
         n, s, d = codes.shape
         codebook = self._tensors(codes.device)[0]
-        xn = codebook[codes.long()]  # the codebook read as a lookup
+        xn = lookup(codebook, codes)  # (N, S, D)
         if self.spec.axis == "channel":
             mid, half = self._channel_ranges(group, codes.device)
             x = xn * half + mid

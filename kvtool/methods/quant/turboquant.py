@@ -58,6 +58,7 @@ import torch
 from kvtool.errors import RecipeError
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.lowrank.hadamard import fwht, hadamard_matrix, is_power_of_two
+from kvtool.methods.quant.codebooks import lookup
 from kvtool.methods.quant.packing import pack_codes, packed_rows, unpack_codes
 from kvtool.methods.registry import register
 
@@ -284,7 +285,7 @@ class TurboQuantizer(BlockQuantizer):
 
     def _reconstruct(self, inst: Instance, blocks: dict[str, torch.Tensor], on: dict) -> torch.Tensor:
         """Packed codes (N, ...) -> y_hat (N, S, d) float32 in the instance's rotated domain (codes only)."""
-        return on["codebook"][unpack_codes(blocks[inst.prefix + "codes"], inst.code_bits, self.block_size).long()]
+        return lookup(on["codebook"], unpack_codes(blocks[inst.prefix + "codes"], inst.code_bits, self.block_size))
 
     def _qjl_signs(self, inst: Instance, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
         """Packed QJL bits (N, S/8, d) -> (N, S, d) float32 in {-1, +1}."""
