@@ -216,9 +216,15 @@ class TurboQuantizer(BlockQuantizer):
         self._device_cache: dict[torch.device, list[dict[str, torch.Tensor]]] = {}
 
     def _on(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
-        """Each instance's fixed tensors on ``device``."""
+        """Each instance's fixed tensors on ``device``, plus ``rotation`` P (d, d) as a matrix: attention rotates a few
+        query or output rows per block, where one small matrix product beats the transform's log2(d) passes."""
         if device not in self._device_cache:
-            self._device_cache[device] = [{k: v.to(device) for k, v in inst.tensors().items()} for inst in self.instances]
+            on = []
+            for inst in self.instances:
+                tensors = inst.tensors()
+                on.append({**{k: v.to(device) for k, v in tensors.items()},
+                           "rotation": _rotation_matrix(inst.dim, tensors).to(device)})
+            self._device_cache[device] = on
         return self._device_cache[device]
 
     def channel_bits(self, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -350,7 +356,7 @@ class TurboQuantizer(BlockQuantizer):
             q = q.expand(sc, nb, rows, self.head_dim).gather(-1, self._block_order(flat, sc, nb, rows))
         scores, start = 0.0, 0
         for inst, t in zip(self.instances, on):
-            q_rot = rotate_with(q[..., start : start + inst.dim], t)  # (Sc, 1|nb, R, d): the query in the keys' domain
+            q_rot = q[..., start : start + inst.dim] @ t["rotation"].T  # (Sc, 1|nb, R, d): the query in the keys' domain
             y_hat = self._reconstruct(inst, flat, t).reshape(sc, nb, s, inst.dim)  # (Sc, nb, S, d) codebook values
             part = torch.matmul(q_rot, y_hat.transpose(-1, -2))  # (Sc, nb, R, S)
             if inst.qjl:
@@ -373,7 +379,7 @@ class TurboQuantizer(BlockQuantizer):
             out_rot = torch.matmul(weights, y)  # (Sc, nb, R, d) in the rotated domain
             if not self.outliers:
                 out_rot = out_rot.sum(dim=1, keepdim=True)  # one channel order: sum the blocks, rotate back once
-            parts.append(unrotate_with(out_rot, t))
+            parts.append(out_rot @ t["rotation"])  # P^T y per row: back to the instance's channels
         out = torch.cat(parts, dim=-1)  # (Sc, 1|nb, R, D) in each block's channel order
         if self.outliers:
             out = torch.zeros_like(out).scatter_(-1, self._block_order(flat, sc, nb, rows), out)
