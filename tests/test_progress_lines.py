@@ -22,6 +22,14 @@ class FakeClock:
         return value
 
 
+def eval_ppl_on_stories():
+    """`kvtool eval ppl` on stories260K (1 window of 40 tokens, kivi-2bit, no baseline) under CliRunner: a few seconds."""
+    model = str(shared_path("models/stories260K"))
+    data = f"{shared_path('data/text/tinystories_val_head.txt')}[0:0.05]"
+    return CliRunner().invoke(app, ["eval", "ppl", "-m", model, "-r", "kivi-2bit", "-d", data, "--samples", "1",
+                                    "--seq-len", "40", "--no-baseline"])
+
+
 def test_clock_text():
     assert clock_text(0) == "0s"
     assert clock_text(12.4) == "12s"
@@ -66,10 +74,7 @@ def test_cli_writes_plain_progress_lines_when_stderr_is_not_a_terminal(monkeypat
     """A real `kvtool eval ppl` on stories260K under CliRunner (stderr is not a terminal): with the interval at 0 every
     scored token writes a line, and stdout (the table) has none of them."""
     monkeypatch.setattr(kvtool.progress_lines, "DEFAULT_INTERVAL_S", 0.0)
-    model = str(shared_path("models/stories260K"))
-    data = f"{shared_path('data/text/tinystories_val_head.txt')}[0:0.05]"
-    result = CliRunner().invoke(app, ["eval", "ppl", "-m", model, "-r", "kivi-2bit", "-d", data, "--samples", "1",
-                                      "--seq-len", "40", "--no-baseline"])
+    result = eval_ppl_on_stories()
     assert result.exit_code == 0, result.output
     progress = [line for line in result.stderr.splitlines() if "scoring while decoding:" in line]
     assert len(progress) >= 10, result.stderr
@@ -78,9 +83,6 @@ def test_cli_writes_plain_progress_lines_when_stderr_is_not_a_terminal(monkeypat
 
 
 def test_cli_quick_commands_write_no_progress_lines():
-    model = str(shared_path("models/stories260K"))
-    data = f"{shared_path('data/text/tinystories_val_head.txt')}[0:0.05]"
-    result = CliRunner().invoke(app, ["eval", "ppl", "-m", model, "-r", "kivi-2bit", "-d", data, "--samples", "1",
-                                      "--seq-len", "40", "--no-baseline"])
+    result = eval_ppl_on_stories()
     assert result.exit_code == 0, result.output
     assert "elapsed" not in result.stderr
