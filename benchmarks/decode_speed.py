@@ -41,7 +41,9 @@ SHARED = REPO.parent / "shared"
 MODELS = {
     "smollm2-135m": "test-models:smollm2-135m",  # materialized by ../shared/models/fetch_pretrained.py
     "kvref-5m": str(SHARED / "models" / "kvref-5m"),
+    "gemma3-270m": "test-models:gemma3-270m",  # sliding-window layers; only when asked for (--models)
 }
+DEFAULT_MODELS = ["smollm2-135m", "kvref-5m"]
 DEFAULT_RECIPES = ["kivi-4bit", "kivi-2bit", "int8", "h2o", "snapkv", "streamingllm", "budget-256"]
 CALIBRATED_RECIPES = ["kvquant-4bit-1pct", "palu-30-3bit"]
 BASELINES = ["DynamicCache", "QuantizedCache-quanto-4bit"]
@@ -232,7 +234,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES + CALIBRATED_RECIPES,

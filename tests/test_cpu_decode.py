@@ -8,6 +8,7 @@ included). End to end: the numba backend generates the torch backend's tokens an
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.backend import resolve_backend
 from kvtool.runtime.store import take_rows
 from tests.test_kernels import build_case
-from tests.tiny_models import tiny_model, tiny_tokenizer_free_inputs
+from tests.tiny_models import featured_model, tiny_model, tiny_tokenizer_free_inputs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
 
@@ -348,13 +349,18 @@ def test_numba_backend_generates_the_torch_backends_tokens_and_store(name):
     """Batch of two, row 1 left-padded (ragged streams), GQA 4:2; 24 tokens cross block flushes and float-block
     boundaries, so the kernel's own writes (`LayerStore.quiet_appends`) and the torch path's alternate; with scored
     eviction the kernel's steps (stores, positions, scores) and the torch path's cuts alternate too."""
-    model = tiny_model("llama", kv_heads=2)
+    steps = {"float16": 23, "h2o-4bit": 12, "h2o-4bit-prerope": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
+    _assert_numba_matches_torch(tiny_model("llama", kv_heads=2), RECIPES[name], steps)
+
+
+def _assert_numba_matches_torch(model, recipe, steps: int) -> None:
+    """Batch of two (row 1 left-padded), 70-token prompt, 24 generated: the numba backend ran on every layer in at least
+    ``steps`` of the 23 decode steps and gives the torch backend's tokens, logits, bytes and held slots."""
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=70)
-    by_torch, torch_cache = _generate(model, RECIPES[name], "torch", ids, mask)
-    by_numba, numba_cache = _generate(model, RECIPES[name], "numba", ids, mask)
+    by_torch, torch_cache = _generate(model, recipe, "torch", ids, mask)
+    by_numba, numba_cache = _generate(model, recipe, "numba", ids, mask)
     report = numba_cache.memory_report()
     assert report["backend"] == "numba"
-    steps = {"float16": 23, "h2o-4bit": 12, "h2o-4bit-prerope": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
     assert report["kernel_steps"] >= steps * model.config.num_hidden_layers  # the kernel really ran
     assert torch.equal(by_torch.sequences, by_numba.sequences)
     torch.testing.assert_close(torch.stack(by_numba.logits), torch.stack(by_torch.logits), rtol=2e-3, atol=2e-3)
@@ -383,3 +389,88 @@ def test_pre_rope_keys_stay_on_torch_when_the_rope_frequencies_change_with_lengt
     for check in (cpu_kernel_unsupported, kernel_unsupported):
         assert "longrope" in check(recipe, quantizers, [fixed, longrope])
     assert resolve_backend("auto", torch.device("cpu"), recipe, quantizers, [longrope]) == "torch"
+
+
+SLIDING = [("gemma3_text", "kivi-3bit"), ("gemma3_text", "float16"), ("gemma3_text", "uniform-3bit-prerope"),
+           ("gemma2", "kivi-3bit"), ("mistral", "fp8-e4m3"), ("mistral", "streamingllm-4bit")]
+
+
+@pytest.mark.parametrize("family,name", SLIDING, ids=[f"{f}-{n}" for f, n in SLIDING])
+def test_numba_backend_reads_sliding_window_layers_as_the_torch_path_does(family, name):
+    """Sliding-window layers (window 24 < the 70-token prompt) on the kernel: it hides the held tokens the window does
+    not show (the rule frees body blocks whole, so the oldest block is partly hidden; sinks are hidden until freed),
+    after soft-capping (Gemma 2). Same tokens, logits and store as the torch path; the kernel ran on the sliding
+    layers too (every layer, at least 16 of 23 decode steps)."""
+    model = featured_model(family, sliding_window=24, kv_heads=2)
+    assert any(CompressedRuntime.from_recipe(model, RECIPES[name]).adapter.geometry.sliding_windows)
+    _assert_numba_matches_torch(model, RECIPES[name], 16)
+
+
+def _decoded_tokens(args: dict, s: int, side: str = "uniform-4") -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream s's held keys and values (T, D) float32 in the kernel's order (body blocks, then float slots), the body
+    decoded by the side's own quantizers (uniform codes: nothing fitted)."""
+    from kvtool.calibration import build_quantizers
+    from tests.test_kernels import BS, SIDES as KERNEL_SIDES
+
+    key_spec, value_spec = KERNEL_SIDES[side]
+    recipe = Recipe(name=side, keys=key_spec, values=value_spec, cache=CacheSpec(block_size=BS))
+    head_dim = args["q"].shape[-1]
+    kq, vq = build_quantizers(recipe, head_dim, torch.float32, {})
+    ids = args["body_table"][s, : int(args["body_len"][s])].long()
+    group = torch.zeros(ids.numel(), dtype=torch.long)
+    pick = lambda side_tensors: {k: t[ids] for k, t in side_tensors.items() if t.shape[0] == args["body"][0]["codes"].shape[0]}  # noqa: E731
+    body_k = kq.decode_blocks(pick(args["body"][0]), group)[:, 0].float().reshape(-1, head_dim)
+    body_v = vq.decode_blocks(pick(args["body"][1]), group)[:, 0].float().reshape(-1, head_dim)
+    n = int(args["float_len"][s])
+    f_ids = args["float_table"][s, : -(-n // args["float_k"].shape[1])].long()
+    float_k = args["float_k"][f_ids].reshape(-1, head_dim)[:n].float()
+    float_v = args["float_v"][f_ids].reshape(-1, head_dim)[:n].float()
+    return torch.cat([body_k, float_k]), torch.cat([body_v, float_v])
+
+
+def test_cpu_kernel_hides_what_the_window_does_not_show():
+    """The kernel with a window against the same call with those tokens' logits at -inf done by hand: a window that
+    hides part of the body and the sinks, one that hides nothing, and one that hides every held token (only the
+    step's own token is attended)."""
+    from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+
+    args, _ = build_case("uniform-4", 64, 2, "cpu", seed=11)
+    cpu = _cpu_args(args)
+    streams = cpu["q"].shape[0]
+    float_pos = torch.zeros(cpu["float_k"].shape[:2], dtype=torch.int32)
+    body_pos = torch.zeros(cpu["body"][0]["codes"].shape[0], cpu["block_size"], dtype=torch.int32)
+    bs, fbs = cpu["block_size"], cpu["float_k"].shape[1]
+    held = []  # per stream: its tokens' positions in kernel order (body blocks, then float slots)
+    for s in range(streams):
+        positions = []
+        for j in range(int(cpu["body_len"][s])):
+            block = int(cpu["body_table"][s, j])
+            body_pos[block] = torch.arange(len(positions), len(positions) + bs, dtype=torch.int32) + 100
+            positions += (body_pos[block]).tolist()
+        for f in range(int(cpu["float_len"][s])):
+            block = int(cpu["float_table"][s, f // fbs])
+            float_pos[block, f % fbs] = len(positions) + 100
+            positions.append(len(positions) + 100)
+        held.append(positions)
+    newest = np.array([max(p, default=99) + 1 for p in held], dtype=np.int64)  # the query's position per stream
+    full = cpu_decode_attention(**cpu)
+    seen = set()
+    for size in (10_000, 20, 1):  # every token visible; the newest 19 of each stream; none
+        out = cpu_decode_attention(**cpu, window=(size, newest, float_pos, body_pos))
+        for s in range(streams):
+            visible = [p > newest[s] - size for p in held[s]]
+            seen.add("all" if all(visible) else "none" if not any(visible) else "some")
+            if all(visible):
+                torch.testing.assert_close(out[s], full[s], rtol=1e-5, atol=1e-5)
+            elif not any(visible):  # only the new token: its value, whatever the rows
+                torch.testing.assert_close(out[s], cpu["new_v"][s].expand_as(out[s]), rtol=1e-5, atol=1e-5)
+            else:  # the reference: the same call on the visible tokens only (a window of exactly those)
+                q = cpu["q"][s]
+                k, v = _decoded_tokens(args, s)
+                logits = q @ k.T  # (R, T)
+                logits[:, ~torch.tensor(visible)] = -math.inf
+                logits = torch.cat([logits, (q @ cpu["new_k"][s])[:, None]], dim=1)
+                p = torch.softmax(logits, dim=-1)
+                expected = p[:, :-1] @ v + p[:, -1:] * cpu["new_v"][s]
+                torch.testing.assert_close(out[s], expected, rtol=1e-4, atol=1e-4)
+    assert seen == {"all", "some", "none"}

@@ -31,13 +31,14 @@ Resolved once per runtime and reported in every memory report (``backend``):
   Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU tensors (slow; for tests);
 * ``numba``: on CPU, one decode step's attention of a layer is one compiled call
   (`kernels/cpu_decode.py`) that reads float blocks (float16 / bfloat16) and uniform (KIVI),
-  int_static and fp8 body blocks in place, for one-token steps of full-attention layers, keys stored
+  int_static and fp8 body blocks in place, for one-token steps of full-attention and sliding-window layers
+  (the window read from the positions the store keeps per slot), keys stored
   after RoPE or before it (decoded, then rotated at each token's true position, RoPE types with fixed
   frequencies). On a step
   that only appends (no block to encode or allocate, no eviction due) the same call stores the
   token, its position and its score, and adds the attention every held token received to its
   score, so attention-scored policies (h2o, tova, snapkv, ...) run on it between their cuts; the
-  rest (cuts, flushes, prefill, sliding-window layers) stays on the torch path. Needs the
+  rest (cuts, flushes, prefill, a sliding-window rule's frees) stays on the torch path. Needs the
   ``numba`` package (a dependency of kvtool);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
   decode kernel reads; on CPU ``numba`` when Numba is installed and the CPU kernel reads the

@@ -144,9 +144,16 @@ class SlidingWindowRule:
     A query at position q of a layer with window W sees stored positions p > q - W, and every later
     query is further right, so once a stream's newest position is ``latest`` only p > latest - W can
     ever be seen again. The rule keeps those (whole body blocks while any of their tokens is
-    inside) and frees the rest; it runs once a stream holds ``interval`` - 1 tokens more than its
-    budget (W, plus one body block of slack for quantized stores, whose blocks are freed whole).
-    Attention masks by position as before, so what it keeps is exactly what the model reads.
+    inside) and frees the rest. Attention masks by position as before, so what it keeps is exactly
+    what the model reads.
+
+    When it runs: a store of float tokens (``block_size`` 0) frees them one by one, so the rule waits
+    until a stream holds ``interval`` - 1 tokens more than W (one run per ``interval`` steps, at most
+    W + interval - 1 tokens). A quantized store frees body blocks whole, and its oldest block is wholly
+    outside the window exactly when the stream holds W + ``block_size`` tokens (its newest W tokens
+    are the visible ones): the rule runs then, once per block, and a stream holds at most
+    W + block_size - 1 tokens between runs (W + block_size / 2 on average, against W - 1 for
+    transformers' `DynamicSlidingWindowLayer`). A later run would free the same block, only later.
     """
 
     name = "sliding-window"
@@ -159,11 +166,14 @@ class SlidingWindowRule:
 
     def __init__(self, window: int, block_size: int, interval: int = 16) -> None:
         self.window, self.block_size = window, block_size
-        self.limit = window + block_size  # tokens a stream may hold before the rule runs (plus the interval)
+        if block_size:  # due the step its oldest body block leaves the window: W + block_size tokens held
+            self.limit, interval = window + block_size - 1, 1
+        else:
+            self.limit = window  # tokens a stream may hold before the rule runs (plus the interval)
         self.spec = _RuleSpec(interval=interval, window=window)
 
     def __call__(self, layer: int, length: torch.Tensor) -> torch.Tensor:
-        """(S,) tokens a stream may hold before the rule runs: the window plus one body block."""
+        """(S,) tokens a stream may hold before the rule runs (`limit`; the rule runs past limit + interval - 1)."""
         return torch.full_like(length, self.limit)
 
     def keep(self, view: StreamView, budget: torch.Tensor) -> torch.Tensor:

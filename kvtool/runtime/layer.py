@@ -300,7 +300,7 @@ class KvtoolLayer(CacheLayerMixin):
             writes = self._kernel_writes(real)
             out = self._kernel_decode(
                 q, nk[:, 0, 0], nv[:, 0, 0], options, None if sink_logits is None else sink_logits[:, 0], precision, writes,
-                positions[:, 0] if writes else None, scoring,
+                positions[:, 0], scoring,
             )
             out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
             if writes:  # the kernel stored the token (and its position and score): count it
@@ -361,8 +361,10 @@ class KvtoolLayer(CacheLayerMixin):
         scored step runs on the CPU kernel when it also stores the token (`_kernel_writes`): it adds the attention to
         the held slots' scores in the same pass."""
         backend = self.context.backend
-        if backend == "torch" or t != 1 or options.sliding_window or self.g != 1 or not (real is None or bool(real.all())):
+        if backend == "torch" or t != 1 or self.g != 1 or not (real is None or bool(real.all())):
             return False
+        if options.sliding_window and (backend != "numba" or "pos" not in self.store.layout.meta):
+            return False  # the CPU kernel reads the window from the positions the store keeps per slot
         if backend == "triton":
             return not scoring
         return self._cpu_kernel_reads() and (not scoring or self._kernel_writes(real))
@@ -507,8 +509,9 @@ class KvtoolLayer(CacheLayerMixin):
     ) -> torch.Tensor:
         """(S, R, D) float32 attention of one decode step, by the Triton kernel reading the store in place
         (``precision`` "half" for float16 / bfloat16 models: float16 operands in the fast kernel's products), or by
-        the CPU kernel, which with ``write`` also stores the token (its position: ``positions`` (B,)) and with
-        ``scoring`` adds the step's attention to the held slots' scores."""
+        the CPU kernel, which with ``write`` also stores the token (its position: ``positions`` (B,), also the query's
+        position a sliding window is measured from) and with ``scoring`` adds the step's attention to the held slots'
+        scores."""
         from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
@@ -554,11 +557,16 @@ class KvtoolLayer(CacheLayerMixin):
                 formats, constants = self._kernel_formats()
                 body = ({**store.body_pool_side("k"), **constants[0]}, {**store.body_pool_side("v"), **constants[1]})
             rope = self._kernel_rope() if has_body and self.plan.recipe.keys.pre_rope else None
+            window = None
+            if options.sliding_window:  # (W, the query's position per stream, the slots' positions)
+                query_pos = positions.cpu().numpy().repeat(self.groups)  # a sequence's streams are consecutive
+                body_pos = store.body_pool.tensors["pos"] if has_body else None
+                window = (int(options.sliding_window), query_pos, float_pool["pos"], body_pos)
             return cpu_decode_attention(
                 q, new_k, new_v, float_pool["k"], float_pool["v"], store.float_table, store.float_len, body,
                 store.body_table if has_body else None, store.body_len if has_body else None, formats,
                 self.group_of_stream, store.bs, options.softcap, sink_logits, write, scores, scoring, written_positions,
-                rope,
+                rope, window=window,
             )
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:

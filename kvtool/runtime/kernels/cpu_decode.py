@@ -17,7 +17,9 @@ What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
   (S,) blocks; ``score`` (cap, FBS) / (cap, BS) float32 and ``pos`` (cap, FBS) int32 per slot when the store
   keeps them (evicting recipes). Body keys stored before RoPE (KVQuant's ``keys.pre_rope``) are decoded and
   rotated at their true positions (the pool's ``pos``, the sequence's recorded positions, or the token index)
-  with cos / sin tables computed as the torch path does (`rope_tables`); other formats and sliding windows: torch.
+  with cos / sin tables computed as the torch path does (`rope_tables`); other formats: torch. A sliding-window
+  layer's store keeps ``pos`` per slot (float and body pools): tokens at positions <= the query's - W are not
+  attended (the window's rule frees body blocks whole, so the oldest held block may be partly outside).
 
 Per stream (one sequence x one KV head): R query rows (its GQA group, already scaled), two passes over the held
 tokens (body blocks, then the float region's slots, then this step's own token: the order does not change the
@@ -247,6 +249,8 @@ def cpu_decode_attention(
     scoring: bool = False,  # add this step's attention to the held slots' scores (else the new slot's score is 0)
     positions: tuple | None = None,  # (float pool pos (cap, FBS) int32, this step's position per sequence (B,))
     rope=None,  # `body_rope.BodyRope`: body keys stored before RoPE, rotated at their true positions in the kernel
+    window: tuple | None = None,  # a sliding-window layer: (W, query position per stream (S,), float pool pos
+    # (cap, FBS) int32, body pool pos (cap, BS) int32 or None); held tokens at positions <= query - W are not attended
     parallel: bool = False,  # spread the work over as many threads as torch uses (see below)
     parts: int | None = None,  # pieces each stream's tokens are cut into (None: 1; with ``parallel``, enough for
     # every thread)
@@ -298,6 +302,7 @@ def cpu_decode_attention(
     new_pos = np.zeros(1, np.int32)
     if positions is not None:  # a sequence's streams are consecutive
         new_pos = np.repeat(np.asarray(positions[1], dtype=np.int32), s // len(positions[1]))
+    window_arrays = _window_arrays(window, has_body)
     serial_kernel, parallel_kernel = _kernel()
     with _ONE_AT_A_TIME:
         _follow_torch_threads()
@@ -307,11 +312,28 @@ def cpu_decode_attention(
         (parallel_kernel if spread else serial_kernel)(
             q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"),
             ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen, heads, k_side, v_side, rope_arrays,
-            int(block_size or 1), float_k.dtype == torch.bfloat16,
+            window_arrays, int(block_size or 1), float_k.dtype == torch.bfloat16,
             float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write),
             float_score, body_score, new_score, score_mode, float_pos, new_pos, positions is not None, parts, out,
         )
     return torch.from_numpy(out)
+
+
+def _window_arrays(window: tuple | None, has_body: bool) -> tuple:
+    """A sliding window as the kernel takes it: (W, query positions (S,) int64, float pool pos (cap, FBS) int32, body
+    pool pos (cap, BS) int32); W = 0 and placeholders without one."""
+    if window is None:
+        return _no_window()
+    size, query_pos, float_pos, body_pos = window
+    query = np.ascontiguousarray(np.asarray(query_pos, dtype=np.int64))
+    body = _held_view(body_pos) if has_body and body_pos is not None else _no_window()[3]
+    return (int(size), query, _held_view(float_pos), body)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_window() -> tuple:
+    """The placeholder window of a layer that sees every held token (never read; built once)."""
+    return (0, np.zeros(1, np.int64), np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32))
 
 
 @functools.lru_cache(maxsize=None)

@@ -297,13 +297,35 @@ def rotate_row(row, cos, sin, rotary, interleaved):
             row[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
 
 
+@njit(cache=True, inline="always")
+def window_hidden(s, first, last, n_body, body_table, float_table, bs, fbs, window):
+    """(last - first,) bool: the tokens [first, last) of stream s (body blocks, then float slots) that a sliding
+    window hides from this step's query (position <= query position - W); empty when the layer has no window."""
+    size, query_pos, float_pos, body_pos = window
+    if size <= 0:
+        return np.zeros(0, dtype=np.bool_)
+    limit = query_pos[s] - size
+    hidden = np.empty(last - first, dtype=np.bool_)
+    for x in range(first, last):
+        if x < n_body:
+            position = body_pos[body_table[s, x // bs], x % bs]
+        else:
+            f = x - n_body
+            position = float_pos[float_table[s, f // fbs], f % fbs]
+        hidden[x - first] = position <= limit
+    return hidden
+
+
 @njit(cache=True, fastmath=FAST)
 def attend_part(
-    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
+    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope, window,
     bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
     """One work item: the held tokens of stream ``s`` in its part ``part`` (whole blocks). ``rope``: body keys
-    stored before RoPE are rotated at their true positions (source > 0, `body_position`, `rotate_row`). Leaves, per query row,
+    stored before RoPE are rotated at their true positions (source > 0, `body_position`, `rotate_row`). ``window``: a
+    sliding-window layer's (W, query position (S,), float pool ``pos`` (cap, FBS), body pool ``pos`` (cap, BS)); W > 0
+    hides every held token at a position <= the query's - W (its logit -inf after soft-capping), as the torch path's
+    `chunk_visibility`. Leaves, per query row,
     exp(logit - m) in ``weights[s]`` (R, tokens; token order body blocks, then float slots), m in
     ``part_max[s, part]``, the sum of the weights in ``part_sum[s, part]`` and the weighted values in
     ``part_acc[s, part]`` (R, D). An empty part: m = -inf, sums 0."""
@@ -370,16 +392,25 @@ def attend_part(
         for t in range(min(fbs, n_float - fb * fbs)):
             for r in range(rows):
                 scores[r, base + t] = dot_half(qs[r], keys[t], bf16)
-    # the part's softmax terms per row (soft-capped logits)
+    # the part's softmax terms per row (soft-capped logits; a sliding window's hidden tokens at -inf)
     exponents = np.empty(last - first, dtype=np.int32)
+    hidden = window_hidden(s, first, last, n_body, body_table, float_table, bs, fbs, window)
     for r in range(rows):
         row = scores[r, first:last]
         if softcap > 0.0:
             for x in range(row.shape[0]):
                 row[x] = np.float32(softcap * np.tanh(row[x] / softcap))
+        for x in range(hidden.shape[0]):
+            if hidden[x]:
+                row[x] = -np.inf
         m = np.float32(-np.inf)
         for x in range(row.shape[0]):
             m = max(m, row[x])
+        if m == -np.inf:  # every token of the part is hidden: no terms
+            row[:] = 0.0
+            part_max[s, part, r] = m
+            part_sum[s, part, r] = 0.0
+            continue
         exp_shifted(row, m, exponents)
         total = np.float32(0.0)
         for x in range(row.shape[0]):
@@ -528,7 +559,7 @@ def combine_streams(
 @njit(cache=True, fastmath=FAST)
 def decode_serial(
     q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
-    bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    window, bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
     """One decode step of a layer on this thread: every (stream, part) item, then every stream's `combine`."""
@@ -537,7 +568,7 @@ def decode_serial(
     for item in range(streams * parts):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
-            k_side, v_side, rope, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            k_side, v_side, rope, window, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
@@ -549,7 +580,7 @@ def decode_serial(
 @njit(cache=True, parallel=True, fastmath=FAST)
 def decode_parallel(
     q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
-    bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    window, bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
     """As `decode_serial`, the (stream, part) items spread over Numba's threads; the merge stays on this thread."""
@@ -558,7 +589,7 @@ def decode_parallel(
     for item in prange(streams * parts):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
-            k_side, v_side, rope, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            k_side, v_side, rope, window, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
