@@ -474,3 +474,24 @@ def test_cpu_kernel_hides_what_the_window_does_not_show():
                 expected = p[:, :-1] @ v + p[:, -1:] * cpu["new_v"][s]
                 torch.testing.assert_close(out[s], expected, rtol=1e-4, atol=1e-4)
     assert seen == {"all", "some", "none"}
+
+
+def test_numba_backend_decodes_when_no_float_block_was_ever_allocated():
+    """A 64-token prompt, window 32, 32-token blocks, no sinks, no recent window: the sliding layer keeps the prompt's
+    last 32 tokens, stored as one body block, so its float pool has no rows yet at the first decode step (its empty
+    numpy views must still be made)."""
+    recipe = Recipe(name="bare4", cache=CacheSpec(sink_tokens=0, recent_tokens=0, block_size=32))
+    model = featured_model("gemma3_text", sliding_window=32)
+    ids = torch.randint(3, 100, (1, 64), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    by_torch, _ = _generate(model, recipe, "torch", ids, mask, tokens=6)
+    runtime = CompressedRuntime.from_recipe(model, recipe, backend="numba")
+    prefilled = runtime.new_cache()
+    with torch.no_grad():
+        model(input_ids=ids, **with_cache(prefilled), use_cache=True)
+    sliding = [layer for layer, w in zip(prefilled.layers, runtime.adapter.geometry.sliding_windows) if w]
+    assert sliding and all(layer.store.float_pool.tensors["k"].shape[0] == 0 for layer in sliding)
+    by_numba, numba_cache = _generate(model, recipe, "numba", ids, mask, tokens=6)
+    assert numba_cache.memory_report()["kernel_steps"] >= model.config.num_hidden_layers
+    assert torch.equal(by_torch.sequences, by_numba.sequences)
+    torch.testing.assert_close(torch.stack(by_numba.logits), torch.stack(by_torch.logits), rtol=2e-3, atol=2e-3)

@@ -107,10 +107,10 @@ def _held_view(t: torch.Tensor, kind: str = "") -> np.ndarray:
     if entry is not None and entry[0]() is t:
         return entry[1]
     view = _u16(t) if kind in ("u16", "rows", "3d") else t.numpy()
-    if kind in ("rows", "2d"):
-        view = view.reshape(view.shape[0], -1)
+    if kind in ("rows", "2d"):  # explicit sizes: an empty pool (no rows yet) has no -1 to infer
+        view = view.reshape(view.shape[0], int(np.prod(view.shape[1:])))
     elif kind == "3d":
-        view = view.reshape(view.shape[0], view.shape[1], -1)
+        view = view.reshape(view.shape[0], view.shape[1], int(np.prod(view.shape[2:])))
 
     def forget(ref, key=key):
         if _VIEWS.get(key, (None,))[0] is ref:
