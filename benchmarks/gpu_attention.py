@@ -4,6 +4,7 @@
     python -m benchmarks.gpu_attention --quick    # 8K and 32K, batch 1 and 8
     python -m benchmarks.gpu_attention --sweep    # tile / warps / pipeline stages of the tiled kernel, 4 shapes
     python -m benchmarks.gpu_attention --general  # also the general kernel (one block at a time) on 4-bit blocks
+    python -m benchmarks.gpu_attention --split-sweep  # 4-bit decode time per split count at few-stream shapes
 
 For each head shape (Llama-3-8B: 32 query heads, 8 KV heads, head_dim 128; Gemma-3: 8 query
 heads, 1 KV head, head_dim 256), context and batch: the GPU kernel time of one decode-attention
@@ -47,9 +48,9 @@ def _time(fn, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2] / 1e3
 
 
-def _kernel_time(fn, repeats: int = 10) -> float:
-    """Seconds of GPU kernel time per call (torch.profiler's CUDA time of every kernel the call launches), without
-    the host's launch time that CUDA events between calls also count."""
+def _kernel_times(fn, repeats: int = 10) -> dict[str, float]:
+    """Seconds of GPU time per call of each kernel the call launches (torch.profiler's CUDA time), without the
+    host's launch time that CUDA events between calls also count."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -59,7 +60,13 @@ def _kernel_time(fn, repeats: int = 10) -> float:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    return sum(event.self_device_time_total for event in prof.key_averages()) / repeats / 1e6
+    return {event.key: event.self_device_time_total / repeats / 1e6 for event in prof.key_averages()
+            if event.self_device_time_total > 0}
+
+
+def _kernel_time(fn, repeats: int = 10) -> float:
+    """Seconds of GPU kernel time per call, all kernels together (`_kernel_times`)."""
+    return sum(_kernel_times(fn, repeats).values())
 
 
 def _store(batch, kv_heads, head_dim, context, bits, device, BS):
@@ -143,7 +150,9 @@ def row(shape, context, batch, device, block_size=32, general=False):
             if error > 5e-3:
                 out["error"] = f"{bits}-bit: stream 0 differs from the dense reference by {error:.2e} of its largest value"
                 return out
-            kernel = _kernel_time(call)
+            kernels = _kernel_times(call)
+            kernel = sum(kernels.values())
+            out[f"kvtool_{bits}bit_kernels_us"] = {name: round(t * 1e6, 2) for name, t in kernels.items()}  # partials, merge
             if general and bits == 4:
                 general_call = lambda: paged_decode_attention(qs, new, new, **kwargs, kernel="general")  # noqa: E731
                 out["general_4bit_kernel_s"] = _kernel_time(general_call)
@@ -157,6 +166,24 @@ def row(shape, context, batch, device, block_size=32, general=False):
         out["error"] = "out of memory"
         torch.cuda.empty_cache()
     return out
+
+
+def _checked_timing(config: dict, call, reference: torch.Tensor, held: int) -> dict:
+    """One tuning configuration's row: stream 0 checked against the dense reference, then the kernel time of the call
+    (all kernels, and the merge pass's share); an error (compile, launch, a wrong result) goes in the row."""
+    try:
+        error = float((call()[0] - reference).abs().max() / reference.abs().max())
+        kernels = _kernel_times(call)
+    except Exception as exc:
+        row = {**config, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+    else:
+        total = sum(kernels.values())
+        merge = sum(t for name, t in kernels.items() if "merge" in name)
+        row = {**config, "us": total * 1e6, "merge_us": merge * 1e6, "gbps": held / total / 1e9, "max_error": error}
+        if error > 5e-3:
+            row["error"] = f"stream 0 differs from the dense reference by {error:.2e} of its largest value"
+    print(json.dumps(row), flush=True)
+    return row
 
 
 # (tokens per product (0: the default plan), warps, stages) tried by `--sweep`. Two other designs were measured and
@@ -183,17 +210,33 @@ def sweep(shape: str, context: int, batch: int, block_size: int, device, configs
                       "stages": stages}
             call = lambda: uniform_decode_attention(  # noqa: E731
                 qs, new, new, **kwargs, precision="half", tile_tokens=tile or None, num_warps=warps, num_stages=stages)
-            try:
-                error = float((call()[0] - reference).abs().max() / reference.abs().max())
-                seconds = _kernel_time(call)
-            except Exception as exc:
-                rows.append({**config, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
-                print(json.dumps(rows[-1]), flush=True)
-                continue
-            rows.append({**config, "us": seconds * 1e6, "gbps": held / seconds / 1e9, "max_error": error})
-            if error > 5e-3:
-                rows[-1]["error"] = f"stream 0 differs from the dense reference by {error:.2e} of its largest value"
-            print(json.dumps(rows[-1]), flush=True)
+            rows.append(_checked_timing(config, call, reference, held))
+        kwargs = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+SPLIT_SHAPES = [("llama3-8b", 8192, 1), ("llama3-8b", 32768, 1), ("llama3-8b", 32768, 8), ("gemma3", 32768, 1),
+                ("gemma3", 131072, 1), ("gemma3", 32768, 8)]  # (shape, context, batch): few streams, where splits matter
+SPLIT_COUNTS = [0, 32, 64, 128, 256, 512, 1024]  # 0: `splits_for`'s choice
+
+
+def split_sweep(block_size: int, device, bits: int = 4) -> list[dict]:
+    """Kernel time (partials + merge) of the tiled kernel per split count at few-stream shapes, each count's stream 0
+    checked against the dense reference: how many programs per stream a short batch needs."""
+    from kvtool.runtime.kernels.uniform_decode import uniform_decode_attention
+
+    rows = []
+    for shape, context, batch in SPLIT_SHAPES:
+        hq, hkv, d = SHAPES[shape]
+        qs = torch.randn(batch * hkv, hq // hkv, d, device=device) / d**0.5
+        new = torch.randn(batch * hkv, d, device=device)
+        kwargs, held = _store(batch, hkv, d, context, bits, device, block_size)
+        reference = _stream0_reference(kwargs, qs, new, bits)
+        for splits in SPLIT_COUNTS:
+            call = lambda: uniform_decode_attention(qs, new, new, **kwargs, precision="half", splits=splits or None)  # noqa: E731
+            config = {"shape": shape, "context": context, "batch": batch, "bits": bits, "splits": splits or "auto"}
+            rows.append(_checked_timing(config, call, reference, held))
         kwargs = None
         torch.cuda.empty_cache()
     return rows
@@ -209,6 +252,8 @@ def main() -> None:
     parser.add_argument("--general", action="store_true", help="also time the general kernel on 4-bit blocks")
     parser.add_argument("--sweep", action="store_true", help="tune tile / warps / stages at SWEEP_SHAPES and stop")
     parser.add_argument("--sweep-shapes", type=int, default=len(SWEEP_SHAPES), help="sweep the first N of SWEEP_SHAPES")
+    parser.add_argument("--split-sweep", action="store_true",
+                        help="time 4-bit decode per split count (SPLIT_COUNTS) at few-stream shapes (SPLIT_SHAPES) and stop")
     parser.add_argument("--profile-one", action="store_true",
                         help="run the 4-bit kernel a few times at Llama-3-8B 32K x 8 and stop (for a profiler such as ncu)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_attention.json"))
@@ -228,6 +273,10 @@ def main() -> None:
     from kvtool.fileio import write_json_atomic
 
     machine = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}
+    if args.split_sweep:
+        rows = split_sweep(args.block_size, "cuda")
+        write_json_atomic(args.out.with_name("gpu_attention_splits.json"), {"machine": machine, "rows": rows})
+        return
     if args.sweep:
         rows = []
         for shape, context, batch in SWEEP_SHAPES[: args.sweep_shapes]:
@@ -255,7 +304,7 @@ def main() -> None:
 
     table = Table(title=f"decode attention, {torch.cuda.get_device_name()}")
     columns = ("shape", "context", "batch", "SDPA bf16 us", "fp16 blocks us", "4-bit us", "2-bit us", "fp16 GB/s", "4-bit GB/s",
-               "2-bit GB/s", "4-bit x SDPA", "2-bit x SDPA", "4-bit call ms", "general 4-bit us")
+               "2-bit GB/s", "4-bit x SDPA", "2-bit x SDPA", "4-bit call ms", "4-bit merge us", "general 4-bit us")
     for column in columns:
         table.add_column(column, justify="right")
     for r in rows:
@@ -263,10 +312,11 @@ def main() -> None:
             table.add_row(r["shape"], str(r["context"]), str(r["batch"]), r["error"], *[""] * (len(columns) - 4))
             continue
         us = lambda key: f"{1e6 * r[key]:.0f}" if key in r else ""  # noqa: E731
+        merge = lambda r: f"{sum(t for name, t in r['kvtool_4bit_kernels_us'].items() if 'merge' in name):.0f}"  # noqa: E731
         table.add_row(r["shape"], str(r["context"]), str(r["batch"]), us("sdpa_kernel_s"), us("kvtool_16bit_kernel_s"),
                       us("kvtool_4bit_kernel_s"), us("kvtool_2bit_kernel_s"), f"{r['kvtool_16bit_gbps']:.0f}",
                       f"{r['kvtool_4bit_gbps']:.0f}", f"{r['kvtool_2bit_gbps']:.0f}", f"{r['kvtool_4bit_speedup']:.2f}",
-                      f"{r['kvtool_2bit_speedup']:.2f}", f"{1e3 * r['kvtool_4bit_s']:.2f}", us("general_4bit_kernel_s"))
+                      f"{r['kvtool_2bit_speedup']:.2f}", f"{1e3 * r['kvtool_4bit_s']:.2f}", merge(r), us("general_4bit_kernel_s"))
     Console().print(table)
     write_json_atomic(args.out, {"machine": machine, "rows": rows})
     print(json.dumps(machine))

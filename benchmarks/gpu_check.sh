@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: versions, the kernel tests on CUDA, the decode-attention table, the tiled kernel's
 # tuning sweep and end-to-end decoding. Each step has its own time limit so one slow step cannot eat the others.
-#   bash benchmarks/gpu_check.sh [tests] [table] [sweep] [generate]     (default: all four)
+#   bash benchmarks/gpu_check.sh [tests] [table] [splits] [sweep] [generate] [ncu]   (default: tests table sweep generate)
 # Logs and JSON go to $OUT when it is set (the device tool's folder), else benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,8 @@ for step in $steps; do
              > "$out/gpu_tests.log" 2>&1; grep -E "^FAILED|passed|failed" "$out/gpu_tests.log" | cut -c1-300 | tail -n 12 ;;
     table) timeout "${TABLE_S:-200}" python3 -m benchmarks.gpu_attention ${TABLE_ARGS:---general} --out "$out/gpu_attention.json" \
              > "$out/gpu_attention.log" 2>&1; grep -E "rror" "$out/gpu_attention.log" | cut -c1-300 | tail -n 4 ;;
+    splits) timeout "${SPLITS_S:-120}" python3 -m benchmarks.gpu_attention --split-sweep --out "$out/gpu_attention.json" \
+             > "$out/gpu_splits.log" 2>&1; grep -E "rror" "$out/gpu_splits.log" | cut -c1-300 | tail -n 4 ;;
     sweep) timeout "${SWEEP_S:-240}" python3 -m benchmarks.gpu_attention --sweep ${SWEEP_ARGS:-} --out "$out/gpu_attention.json" \
              > "$out/gpu_sweep.log" 2>&1; grep -E "best|rror" "$out/gpu_sweep.log" | cut -c1-400 | tail -n 12 ;;
     generate) timeout "${GENERATE_S:-120}" python3 -m benchmarks.gpu_generate --random-weights --batch 32 --context 8192 \

@@ -366,6 +366,36 @@ def test_split_reduction_softcap_and_sinks(side, kernel, splits, device):
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("splits, merge_values", [(3, 128), (5, 256), (9, 256), (40, 8192), (13, 64)])
+@pytest.mark.parametrize("side, kernel", [("uniform-4", "auto"), ("float", "auto"), ("uniform-4", "general")])
+def test_merge_reads_partials_in_chunks(side, kernel, splits, merge_values, device, monkeypatch):
+    """The merge pass reads SC partials per load: several chunks with a short last one (3 splits at 2 per chunk:
+    the tiled kernel's third split holds the longest stream's last body tile; 5 and 9 at 4 per chunk, head_dim 64),
+    one chunk mostly masked (40 splits at 128 per chunk, most partials empty: more splits than tiles), one split per
+    chunk."""
+    from kvtool.runtime.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "MERGE_VALUES", merge_values)
+    args, reference = build_case(side, 64, 4, device, softcap=5.0, sinks=True, seed=11)
+    out = decode_attention.paged_decode_attention(**args, splits=splits, kernel=kernel)
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_split_count_grows_for_few_streams():
+    """Few streams get more programs per stream (up to MAX_SPLITS), each walking at least two tiles; many streams
+    share about 1024 programs; a short stream is not split (the counts the H100 split sweep measured best)."""
+    from kvtool.runtime.kernels.decode_attention import MAX_SPLITS, splits_for
+
+    assert splits_for(1, 4) == 1
+    assert splits_for(1, 2048) == MAX_SPLITS == 256  # Gemma-3 at 32K x batch 1 (one KV head, 16-token tiles)
+    assert splits_for(1, 100) == 50
+    assert splits_for(4, 4096) == 128
+    assert splits_for(8, 512) == 64  # Llama-3-8B at 32K x batch 1 (8 KV heads), Gemma-3 at 32K x 8
+    assert splits_for(64, 512) == 16  # Llama-3-8B at 32K x 8: 1024 programs, as before
+    assert splits_for(256, 1024) == 4
+
+
 # --- the append/encode kernel: byte-identical to the quantizers' encode_blocks ---------------------
 def _blocks(data: str, head_dim: int, levels: int, seed: int) -> torch.Tensor:
     """(N, 1, BS, D) float32 blocks: ``random`` (channel outliers) or ``adversarial`` (one hard case per block)."""

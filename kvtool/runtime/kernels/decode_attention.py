@@ -32,7 +32,7 @@ its GQA group, already multiplied by the softmax scale) and attends to
 
 Pass 1 (`_decode_partials`): grid (S, SPLITS); program (s, p) walks float blocks p, p + SPLITS, ...
 and body blocks p, p + SPLITS, ... with an online softmax and writes its partial max, sum and
-unnormalised output. Pass 2 (`_merge_partials`): grid (S,); merges the partials with the new
+unnormalised output. Pass 2 (`_merge_partials`): grid (S, R), one query row per program; merges the partials with the new
 token's own term and an optional learned sink logit (one more softmax term with no value), so a
 long context is split over many programs and reduced once. The torch reference is the store's
 torch path (`kvtool.runtime.paged_attention.attend` over `KvtoolLayer._chunks`); tests compare
@@ -207,37 +207,43 @@ def _decode_partials(
 @triton.jit
 def _merge_partials(
     m_in, l_in, acc_in, q_ptr, new_k_ptr, new_v_ptr, sink_ptr, out_ptr, R, softcap,
-    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPLITS, HAS_SINK: tl.constexpr, SOFTCAP: tl.constexpr,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPLITS, SC: tl.constexpr, HAS_SINK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
+    """Program (s, row): query row ``row`` of stream s, its SPLITS partials read SC at a time as (SC, BD) tiles (one
+    wide load per chunk, not one dependent load per split: with 64-512 splits a split-by-split loop is
+    latency-bound), merged by an online softmax over the chunks."""
     s = tl.program_id(0)
-    r = tl.arange(0, BR)
+    row = tl.program_id(1)
     c = tl.arange(0, BD)
-    rmask, cmask = r < R, c < D
-    q = tl.load(q_ptr + s * R * D + r[:, None] * D + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    cmask = c < D
+    q = tl.load(q_ptr + (s * R + row) * D + c, mask=cmask, other=0.0)
     new_k = tl.load(new_k_ptr + s * D + c, mask=cmask, other=0.0)
     new_v = tl.load(new_v_ptr + s * D + c, mask=cmask, other=0.0)
-    m = _softcapped(tl.sum(q * new_k[None, :], axis=1), SOFTCAP, softcap)  # (BR,) the new token: always seen
-    l = tl.full((BR,), 1.0, tl.float32)
-    acc = tl.zeros((BR, BD), tl.float32) + new_v[None, :]
+    m = _softcapped(tl.sum(q * new_k, axis=0), SOFTCAP, softcap)  # the new token's logit: always seen, finite
+    l = tl.exp(m - m)  # 1.0 as a float32 scalar
+    acc = new_v
     if HAS_SINK:
-        sink = tl.load(sink_ptr + s * R + r, mask=rmask, other=0.0)
+        sink = tl.load(sink_ptr + s * R + row)
         m_new = tl.maximum(m, sink)
         l = l * tl.exp(m - m_new) + tl.exp(sink - m_new)
-        acc = acc * tl.exp(m - m_new)[:, None]
+        acc = acc * tl.exp(m - m_new)
         m = m_new
-    for split in range(SPLITS):
-        base = (s * SPLITS + split) * BR
-        m_p = tl.load(m_in + base + r)
-        l_p = tl.load(l_in + base + r)
-        acc_p = tl.load(acc_in + base * BD + r[:, None] * BD + c[None, :])
-        m_new = tl.maximum(m, m_p)
+    j = tl.arange(0, SC)
+    for start in range(0, SPLITS, SC):
+        split = start + j  # (SC,)
+        valid = split < SPLITS
+        base = (s * SPLITS + split) * BR + row  # (SC,) offsets of this row's partials
+        m_p = tl.load(m_in + base, mask=valid, other=float("-inf"))
+        l_p = tl.load(l_in + base, mask=valid, other=0.0)
+        acc_p = tl.load(acc_in + base[:, None] * BD + c[None, :], mask=valid[:, None], other=0.0)  # (SC, BD)
+        m_new = tl.maximum(m, tl.max(m_p, axis=0))  # finite: m is
         a = tl.exp(m - m_new)
-        b = tl.where(m_p == float("-inf"), 0.0, tl.exp(m_p - m_new))
-        l = l * a + l_p * b
-        acc = acc * a[:, None] + acc_p * b[:, None]
+        b = tl.where(m_p == float("-inf"), 0.0, tl.exp(m_p - m_new))  # (SC,): empty splits weigh nothing
+        l = l * a + tl.sum(l_p * b, axis=0)
+        acc = acc * a + tl.sum(acc_p * b[:, None], axis=0)
         m = m_new
-    out = acc / l[:, None]
-    tl.store(out_ptr + s * R * D + r[:, None] * D + c[None, :], out, mask=rmask[:, None] & cmask[None, :])
+    tl.store(out_ptr + (s * R + row) * D + c, acc / l, mask=cmask)
 
 
 _ZEROS: dict[tuple, torch.Tensor] = {}
@@ -310,12 +316,21 @@ def token_tile(block_size: int, head_dim_lanes: int, quantized: bool) -> int:
     return max(16, min(block_size, (4096 if quantized else 8192) // head_dim_lanes))
 
 
+MAX_SPLITS = 256  # partials per stream; the merge reads them MERGE_VALUES floats at a time
+MERGE_VALUES = 8192
+
+
 def splits_for(streams: int, blocks: int) -> int:
-    """Programs per stream: about 1024 programs in all (a memory-bound walk needs many warps in flight on every
-    SM: 132 on an H100), at least two blocks to walk each, at most 64 partials to merge."""
+    """Programs per stream (flash-decoding splits), each walking at least two blocks (tiles): about 1024 programs in
+    all while that is at most 64 per stream, else about 512 with at most `MAX_SPLITS` per stream. Measured on an H100
+    (benchmarks/RESULTS.md, "GPU: the merge pass ..."): many streams need no more than 1024 programs; few streams (batch
+    1, or an MQA model's one KV head) need more splits than 64 (Gemma-3's head at 32K x 1: 64 splits 50 us, 256 splits
+    31 us), but every split adds partials to merge (512 splits: 43 us, 27 of them the merge)."""
     if blocks <= 4:
         return 1
-    return int(max(1, min(64, blocks // 2, cdiv(1024, max(streams, 1)))))
+    streams = max(streams, 1)
+    per_stream = max(min(64, cdiv(1024, streams)), min(MAX_SPLITS, cdiv(512, streams)))
+    return int(max(1, min(per_stream, blocks // 2)))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -416,8 +431,11 @@ def merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits) -> torch.Te
     splits, br, bd = acc.shape[1], acc.shape[2], acc.shape[3]
     out = torch.empty((s, r, d), device=q.device, dtype=torch.float32)
     sink = sink_logits.contiguous().float() if sink_logits is not None else zeros(1, torch.float32, q.device)
-    _merge_partials[(s,)](
+    # partials per load, (SC, BD) tiles: fixed per head_dim (masked past SPLITS), so a stream whose split count grows
+    # with its context does not recompile the merge at every power of two
+    chunk = max(1, MERGE_VALUES // bd)
+    _merge_partials[(s, r)](
         m, l, acc, q, new_k.contiguous().float(), new_v.contiguous().float(), sink, out, r, float(softcap or 0.0),
-        D=d, BR=br, BD=bd, SPLITS=splits, HAS_SINK=sink_logits is not None, SOFTCAP=bool(softcap),
+        D=d, BR=br, BD=bd, SPLITS=splits, SC=chunk, HAS_SINK=sink_logits is not None, SOFTCAP=bool(softcap),
     )
     return out
