@@ -608,6 +608,24 @@ def test_triton_backend_generates_the_torch_backends_tokens(name, family, device
     torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_triton_backend_generates_kivi_4bit_lean_as_the_torch_backend(device):
+    """The bundled `kivi-4bit-lean` (128-token key blocks: the tiled kernel reads a block as two 64-token sub-tiles;
+    values in 64-channel groups) at head_dim 64: a 200-token prompt fills a body block, generation reads it."""
+    from kvtool.recipe import load_recipe
+
+    model = tiny_model("llama", kv_heads=2, head_dim=64).to(device)
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=200)
+    recipe = load_recipe("kivi-4bit-lean")
+    by_torch, _ = _generate(model, recipe, "torch", ids, mask)
+    by_triton, cache = _generate(model, recipe, "triton", ids, mask)
+    report = cache.memory_report()
+    assert report["backend"] == "triton" and report["kernel_steps"] >= 5 * model.config.num_hidden_layers
+    assert report["kernel_encodes"] > 0
+    assert torch.equal(by_torch.sequences, by_triton.sequences)
+    torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("dtype, precision", [(torch.float32, "exact"), (torch.float16, "half")])
 def test_the_runtime_decodes_kivi_with_the_tiled_kernel_at_the_models_precision(dtype, precision, monkeypatch):
