@@ -1,6 +1,6 @@
 """Tokens that fit in a memory budget, per recipe, at one context: bytes per token measured, not computed.
 
-    python -m benchmarks.cache_capacity        # SmolLM2-135M's architecture, 8192 tokens, kivi-4bit / kivi-4bit-lean / kivi-2bit
+    python -m benchmarks.cache_capacity        # SmolLM2-135M (or its architecture), 8192 tokens, kivi-4bit / -lean / kivi-2bit
     python -m benchmarks.cache_capacity --model PATH --context 4096 --recipes kivi-4bit turboquant-3.5bit
 
 One sequence of `context` random tokens is prefilled (chunks of 1024) into transformers' `DynamicCache` and into each
@@ -55,7 +55,8 @@ def measure(model, label: str, context: int, budget_bytes: int, device: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M's architecture, random weights)")
+    parser.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M under $KVTOOL_TEST_MODELS, else its "
+                        "architecture with random weights)")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--recipes", nargs="+", default=DEFAULT_RECIPES)
     parser.add_argument("--budget-gib", type=float, default=16.0)
@@ -65,22 +66,12 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from benchmarks.gpu_generate import SMOLLM2_CONFIG
+    from benchmarks.gpu_generate import load
     from kvtool.fileio import write_json_atomic
 
-    if args.model:
-        from transformers import AutoModelForCausalLM
-
-        model, described = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16), args.model
-    else:
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_CONFIG), dtype=torch.bfloat16)
-        described = "SmolLM2-135M architecture, random weights"
+    model, described = load(args.model, True, torch.bfloat16, args.device)
     if args.context > model.config.max_position_embeddings:
         raise SystemExit(f"--context {args.context} is beyond the model's {model.config.max_position_embeddings} positions")
-    model = model.to(args.device).eval()
     budget = int(args.budget_gib * 2**30)
     rows = [measure(model, label, args.context, budget, args.device) for label in ["DynamicCache", *args.recipes]]
     for row in rows:

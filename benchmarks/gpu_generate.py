@@ -38,21 +38,21 @@ SMOLLM2_CONFIG = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct's config.json (arc
 )
 
 
-def load(model_arg: str | None, random_weights: bool, dtype: torch.dtype):
-    """(model on CUDA in `dtype`, description)."""
+def load(model_arg: str | None, random_weights: bool, dtype: torch.dtype, device: str = "cuda"):
+    """(model on `device` in `dtype`, description)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     root = Path(os.environ.get("KVTOOL_TEST_MODELS") or Path.home() / ".cache" / "kvtool-test-models")
     path = Path(model_arg) if model_arg else root / "smollm2-135m"
     if (path / "config.json").exists() and any(path.glob("*.safetensors")):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        return model.cuda().eval(), str(path)
+        return model.to(device).eval(), str(path)
     if model_arg or not random_weights:
         raise SystemExit(f"{path} holds no checkpoint: pass --model PATH, or --random-weights for SmolLM2-135M's "
                          "architecture with random weights")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_CONFIG), dtype=dtype)
-    return model.cuda().eval(), "SmolLM2-135M architecture, random weights"
+    return model.to(device).eval(), "SmolLM2-135M architecture, random weights"
 
 
 def make_cache(label: str, model, backend: str):
