@@ -2,6 +2,7 @@
 # One call on a lent GPU machine: versions, the kernel tests on CUDA, the decode-attention table, the tiled kernel's
 # tuning sweep and end-to-end decoding. Each step has its own time limit so one slow step cannot eat the others.
 #   bash benchmarks/gpu_check.sh [tests] [table] [splits] [sweep] [generate] [ncu]   (default: tests table sweep generate)
+# Environment: TESTS_K / TESTS_S, TABLE_ARGS / TABLE_S, SPLITS_S, SWEEP_ARGS / SWEEP_S, GENERATE_RECIPES / GENERATE_S, NCU_S.
 # Logs and JSON go to $OUT when it is set (the device tool's folder), else benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +28,8 @@ for step in $steps; do
              > "$out/gpu_splits.log" 2>&1; grep -E "rror" "$out/gpu_splits.log" | cut -c1-300 | tail -n 4 ;;
     sweep) timeout "${SWEEP_S:-240}" python3 -m benchmarks.gpu_attention --sweep ${SWEEP_ARGS:-} --out "$out/gpu_attention.json" \
              > "$out/gpu_sweep.log" 2>&1; grep -E "best|rror" "$out/gpu_sweep.log" | cut -c1-400 | tail -n 12 ;;
-    generate) timeout "${GENERATE_S:-120}" python3 -m benchmarks.gpu_generate --random-weights --batch 32 --context 8192 \
-             --recipes kivi-4bit kivi-2bit --out "$out/gpu_generate.json" > "$out/gpu_generate.log" 2>&1; tail -n 14 "$out/gpu_generate.log" ;;
+    generate) timeout "${GENERATE_S:-180}" python3 -m benchmarks.gpu_generate --random-weights --batch 32 --context 8192 \
+             --recipes ${GENERATE_RECIPES:-kivi-4bit kivi-4bit-lean kivi-2bit} --out "$out/gpu_generate.json" > "$out/gpu_generate.log" 2>&1; tail -n 14 "$out/gpu_generate.log" ;;
     ncu) timeout "${NCU_S:-60}" ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
              --section ComputeWorkloadAnalysis --section LaunchStats -k regex:uniform_partials --launch-skip 3 -c 1 \
              python3 -m benchmarks.gpu_attention --profile-one > "$out/ncu.txt" 2>&1
