@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.models.adapter import ModelAdapter
 from kvtool.models.cache_argument import with_cache
+from kvtool.models.logits_argument import last_logits_only
 from kvtool.models.rope import apply_rope, unapply_rope
 
 Progress = Callable[[Iterable, str, int], Iterable]
@@ -127,7 +128,7 @@ def stream_batches(
     for batch in progress(batches, "capturing K/V statistics", len(batches)):
         batch = batch.to(device)  # (b, T)
         cache = CaptureCache(adapter, observers, window_rope(adapter, batch))
-        model(input_ids=batch, **with_cache(cache), use_cache=True)
+        model(input_ids=batch, **with_cache(cache), use_cache=True, **last_logits_only(model))  # logits unread
         seen += batch.numel()
     return seen
 

@@ -42,6 +42,7 @@ import torch
 from kvtool.calibration import needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.cache_argument import with_cache
+from kvtool.models.logits_argument import last_logits_only
 from kvtool.plan_bytes import check_predictable, fp16_cache_bytes, predict_cache_bytes, unpredictable_reason
 from kvtool.plan_mix import greedy_mixes, layer_groups, lowered, mix_pairs
 from kvtool.recipe import Recipe, bundled_recipe_dir, load_recipe
@@ -233,7 +234,7 @@ def bytes_while_decoding(runtime, ids: torch.Tensor, prefill: int) -> tuple[int,
     most = 0
     with torch.no_grad():
         for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
-            runtime.model(input_ids=ids[:, start:end], **with_cache(cache), use_cache=True)
+            runtime.model(input_ids=ids[:, start:end], **with_cache(cache), use_cache=True, **last_logits_only(runtime.model))
             most = max(most, cache.nbytes())
     return cache.nbytes(), most
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from kvtool.capture import Progress, no_progress
 from kvtool.errors import RuntimeConfigError
 from kvtool.models.cache_argument import with_cache
+from kvtool.models.logits_argument import last_logits_only
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def _score_batch(model, ids: torch.Tensor, caches: list, prefill: int, chunk: in
     machine load.
     """
     for cache in caches:
-        model(input_ids=ids[:, :prefill], **with_cache(cache), use_cache=True)
+        model(input_ids=ids[:, :prefill], **with_cache(cache), use_cache=True, **last_logits_only(model))  # logits unread
     totals = [[0.0, 0, 0.0] for _ in caches]  # NLL, tokens, seconds
     per_token = [[] for _ in caches]  # per cache: (b, c) NLL per step
     last = ids.shape[1] - 1

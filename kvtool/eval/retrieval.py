@@ -20,6 +20,7 @@ import torch
 from kvtool.capture import Progress, no_progress
 from kvtool.eval.retrieval_request import RetrievalGrid
 from kvtool.models.cache_argument import with_cache
+from kvtool.models.logits_argument import last_logits_only
 
 
 @torch.no_grad()
@@ -36,7 +37,7 @@ def _generate(model, runtime, prompts: torch.Tensor, new_tokens: int, pad_id: in
     ids = prompts.to(device)
     if question_tokens:
         context = ids[:, :-question_tokens]
-        model(input_ids=context, attention_mask=torch.ones_like(context), **with_cache(cache))
+        model(input_ids=context, attention_mask=torch.ones_like(context), **with_cache(cache), **last_logits_only(model))
     out = model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache),
         max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
