@@ -33,6 +33,7 @@ from kvtool.data import DataSpec, token_windows
 from kvtool.eval.paired_delta import paired_delta
 from kvtool.fileio import write_json_atomic
 from kvtool.models.cache_argument import with_cache
+from kvtool.models.logits_argument import last_logits_only
 from kvtool.models.loading import load_model
 from kvtool.recipe import load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
@@ -60,7 +61,7 @@ def score(model, windows: torch.Tensor, runs: dict, batch_size: int) -> dict[str
     for batch in windows.split(batch_size):
         caches = {label: rt.new_cache() for label, rt in runs.items()}
         for cache in caches.values():
-            model(input_ids=batch[:, :prefill], **with_cache(cache), use_cache=True)
+            model(input_ids=batch[:, :prefill], **with_cache(cache), use_cache=True, **last_logits_only(model))
         steps = {label: {"kl": [], "nll": []} for label in runs}
         for s in range(prefill, batch.shape[1] - 1):
             logp = {}
