@@ -28,3 +28,14 @@ def test_bytes_per_token_are_measured_three_ways_and_compressed_caches_fit_more_
         assert 0 < row["cache_bytes"] <= row["reserved_bytes"] <= row["walked_bytes"] <= row["reserved_bytes"] + 4096
         assert row["tokens_in_budget"] == int(budget // row["bytes_per_token"])
         assert row["tokens_in_budget"] > 2 * dynamic["tokens_in_budget"]  # compression really happened
+
+
+def test_decode_reads_the_bytes_held_after_every_step():
+    model = _tiny_llama()
+    dynamic = measure(model, "DynamicCache", 400, 2**30, "cpu", decode=40)
+    kivi = measure(model, "kivi-4bit", 400, 2**30, "cpu", decode=40)
+    per_token = 2 * 2 * 2 * 64 * 2
+    assert dynamic["held_per_step"] == [per_token * (400 + step + 1) for step in range(40)]
+    assert len(kivi["held_per_step"]) == 40 and kivi["held_min_bytes"] <= kivi["held_mean_bytes"] <= kivi["held_max_bytes"]
+    assert kivi["held_max_bytes"] > kivi["held_min_bytes"]  # the float window fills, then flushes into a block
+    assert kivi["held_mean_bytes"] < dynamic["held_mean_bytes"] / 2  # compressed on every step, on average
