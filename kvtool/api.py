@@ -43,6 +43,7 @@ from kvtool.models.adapter import adapter_for
 from kvtool.models.cache_argument import with_cache
 from kvtool.models.loading import DEFAULT_MODEL_DIR, load_model, resolve_model_path
 from kvtool.recipe import EvictionSpec, Recipe, load_recipe
+from kvtool.recipe_layers import resolve_layer_kinds
 from kvtool.runtime.backend import resolve_backend
 from kvtool.runtime.attach import CompressedRuntime, check_context, fastgen_settings, uncompressed_recipe
 
@@ -250,6 +251,8 @@ def calibrate_loaded(
     """
     adapter = adapter_for(hf_model)
     geometry = adapter.geometry
+    written = recipe  # the manifest keeps the recipe as given (layers: sliding / full resolve again at load)
+    recipe = resolve_layer_kinds(recipe, geometry.sliding_windows)
     cal = recipe.calibration
     check_context(adapter, cal.seq_len)
     windows = _windows(tokenizer, data, cal.samples, cal.seq_len, cal.seed, "random")
@@ -273,7 +276,7 @@ def calibrate_loaded(
     manifest = {
         "model": fingerprint,
         "model_source": "(in memory)",
-        "recipe": recipe.to_dict(),
+        "recipe": written.to_dict(),
         "calibration": provenance,
         "expected_bits_per_element": _body_bits(recipe, geometry.head_dim, fitted or [None] * geometry.num_layers),
         "quality": errors.summary(),
@@ -314,7 +317,7 @@ def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: 
 
 def _body_bits(recipe: Recipe, head_dim: int, fitted: list) -> dict:
     """Stored bits per body element (codes, scales, outliers, latents), averaged over layers."""
-    per_layer = [build_quantizers(recipe, head_dim, fitted=layer) for layer in fitted]
+    per_layer = [build_quantizers(recipe.for_layer(i), head_dim, fitted=layer) for i, layer in enumerate(fitted)]
     k = sum(q[0].bits_per_element() for q in per_layer) / len(per_layer)
     v = sum(q[1].bits_per_element() for q in per_layer) / len(per_layer)
     return {"keys": k, "values": v, "body": (k + v) / 2}

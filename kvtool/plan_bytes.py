@@ -67,7 +67,7 @@ def unpredictable_reason(recipe: Recipe) -> str | None:
                 "its larger cascade shares until the first decoded token, so the bytes depend on the text")
     if spec.layer_budgets == "profile":
         return "its per-layer budgets come from a `kvtool profile` run, which the plan does not take (use uniform or pyramid)"
-    if spec.head_budgets == "adaptive" and any(_quantized(recipe.for_layer(o.layers[0])) for o in recipe.layer_overrides):
+    if spec.head_budgets == "adaptive" and any(_quantized(recipe.for_override(o)) for o in recipe.layer_overrides):
         return "AdaKV shares each sequence's budget unevenly among its heads; with quantized layers (layer_overrides) the bytes are not bounded tightly"
     if spec.head_budgets == "adaptive" and _quantized(recipe):
         return ("AdaKV shares each sequence's budget unevenly among its heads, and on quantized blocks the bytes of an "

@@ -619,7 +619,7 @@ class Recipe:
                  "every layer index must be >= 0 and appear in one entry only")
         for n, override in enumerate(self.layer_overrides):
             try:
-                layer = self._resolve(override)
+                layer = self.for_override(override)
             except RecipeError as exc:
                 raise RecipeError(str(exc).replace("recipe field '", f"recipe field 'layer_overrides[{n}].", 1)) from None
             for part in ("keys", "values"):
@@ -628,7 +628,8 @@ class Recipe:
                          f"'{spec.method}' (granularity {spec.granularity}) learns from calibration data; per-layer "
                          "overrides take uniform, fp8 with granularity block, turboquant or none")
 
-    def _resolve(self, override: LayerOverride) -> "Recipe":
+    def for_override(self, override: LayerOverride) -> "Recipe":
+        """The recipe an override's layers store with (whichever layers it names), no overrides left."""
         keys = dataclasses.replace(self.keys, **override.fields("keys"))
         values = dataclasses.replace(self.values, **override.fields("values"))
         return dataclasses.replace(self, keys=keys, values=values, layer_overrides=())
@@ -637,9 +638,13 @@ class Recipe:
         """The recipe layer ``index`` stores with: its override applied, no overrides left (``self`` when none)."""
         if not self.layer_overrides:
             return self
+        unresolved = [o.kind for o in self.layer_overrides if o.kind is not None]
+        if unresolved:  # a caller skipped `resolve_layer_kinds`: applying nothing would store other bits than promised
+            raise RecipeError(f"recipe '{self.name}': layer_overrides name the {' and '.join(unresolved)} layers, which "
+                              "only the model can tell; resolve them first (kvtool.recipe_layers.resolve_layer_kinds)")
         for override in self.layer_overrides:
             if index in override.layers:
-                return self._resolve(override)
+                return self.for_override(override)
         return dataclasses.replace(self, layer_overrides=())
 
     @property

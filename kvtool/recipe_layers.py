@@ -7,6 +7,16 @@ A recipe's optional ``layer_overrides`` section lists entries; each names layers
       - {layers: "0-3", keys: {bits: 2}, values: {bits: 2}}   # layers 0, 1, 2 and 3
       - {layers: [10, 12], values: {method: none}}            # float values in layers 10 and 12
 
+``layers`` may also name a kind of attention layer, resolved against the model when a runtime
+is built (`resolve_layer_kinds`): ``sliding`` (the layers with a sliding window, e.g. 15 of
+Gemma-3-270M's 18) or ``full`` (the others). A recipe written this way fits every size of a
+family (Gemma 3's 1B has 26 layers in the same 5:1 pattern), where indices fit one depth::
+
+    layer_overrides:
+      - {layers: sliding, keys: {bits: 2}}   # keys one bit lower where a layer holds only its window
+
+On a model without such layers the entry changes nothing. An index may not also be named by a kind.
+
 Layers not listed use the recipe's own ``keys`` / ``values``. `Recipe.for_layer(i)` resolves
 layer i; the runtime builds each layer's store from it and `kvtool plan` predicts each layer's
 bytes from it (its per-layer bit mixes are written this way). Only methods that learn nothing
@@ -29,19 +39,26 @@ def _fail(path: str, message: str) -> None:
     raise RecipeError(f"recipe field '{path}': {message}")
 
 
+LAYER_KINDS = ("sliding", "full")  # layers: <kind> -> the sliding-window layers, or the full-attention ones
+
+
 @dataclass(frozen=True)
 class LayerOverride:
-    """Layers (sorted indices) whose keys / values fields differ: ``(("bits", 2), ...)`` per part."""
+    """Layers (sorted indices) whose keys / values fields differ: ``(("bits", 2), ...)`` per part.
+
+    kind: ``sliding`` or ``full`` instead of indices (``layers`` is then empty until
+    `resolve_layer_kinds` turns the entry into the model's indices)."""
 
     layers: tuple[int, ...]
     keys: tuple[tuple[str, Any], ...] = ()
     values: tuple[tuple[str, Any], ...] = ()
+    kind: str | None = None
 
     def fields(self, part: str) -> dict[str, Any]:
         return dict(getattr(self, part))
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"layers": list(self.layers)}
+        out: dict[str, Any] = {"layers": self.kind if self.kind is not None else list(self.layers)}
         for part in ("keys", "values"):
             if getattr(self, part):
                 out[part] = self.fields(part)
@@ -62,7 +79,8 @@ def parse_layers(raw: Any, path: str) -> tuple[int, ...]:
             continue
         parts = item.split("-") if isinstance(item, str) else []
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            _fail(path, f"{item!r} is not a layer index or a range like \"0-5\"")
+            _fail(path, f"{item!r} is not a layer index, a range like \"0-5\" or a kind of layer ({' or '.join(LAYER_KINDS)}, "
+                        "alone)")
         lo, hi = int(parts[0]), int(parts[1])
         if lo > hi:
             _fail(path, f"range {item!r} runs backwards; write \"{hi}-{lo}\"")
@@ -87,15 +105,17 @@ def parse_overrides(raw: Any) -> tuple[LayerOverride, ...]:
             raise RecipeError(f"recipe field '{path}.{unknown[0]}' is unknown; an entry has {list(ENTRY_FIELDS)}")
         if "layers" not in entry:
             raise RecipeError(f"recipe field '{path}.layers' is missing: name the layers the entry changes")
-        layers = parse_layers(entry["layers"], f"{path}.layers")
-        for index in layers:
-            if index in seen:
-                _fail(f"{path}.layers", f"layer {index} is already overridden by layer_overrides[{seen[index]}]")
-            seen[index] = n
+        kind = entry["layers"] if entry["layers"] in LAYER_KINDS else None  # resolved against the model later
+        layers = () if kind is not None else parse_layers(entry["layers"], f"{path}.layers")
+        for key in [kind] if kind is not None else layers:
+            if key in seen:
+                what = f"the {kind} layers are" if kind is not None else f"layer {key} is"
+                _fail(f"{path}.layers", f"{what} already overridden by layer_overrides[{seen[key]}]")
+            seen[key] = n
         parts = {part: _parse_fields(entry.get(part, {}), f"{path}.{part}") for part in ("keys", "values")}
         if not parts["keys"] and not parts["values"]:
             _fail(path, "changes nothing: give keys: {...} and/or values: {...}")
-        out.append(LayerOverride(layers, **parts))
+        out.append(LayerOverride(layers, **parts, kind=kind))
     return tuple(out)
 
 
@@ -119,3 +139,33 @@ def check_layer_count(recipe, num_layers: int) -> None:
             f"recipe '{recipe.name}': layer_overrides name layers {beyond}, but the model has {num_layers} layers "
             f"(0-{num_layers - 1}); remove them or use the recipe with a deeper model"
         )
+
+
+def resolve_layer_kinds(recipe, sliding_windows) -> Any:
+    """The recipe with every ``layers: sliding`` / ``full`` entry turned into the model's layer indices.
+
+    sliding_windows: per layer, the window length or None (full attention), as the adapter's geometry gives
+    them. Entries that name no layer of this model are dropped. The recipe itself when it names no kind.
+    """
+    if not any(o.kind is not None for o in recipe.layer_overrides):
+        return recipe
+    import dataclasses
+
+    kinds = {"sliding": tuple(i for i, w in enumerate(sliding_windows) if w),
+             "full": tuple(i for i, w in enumerate(sliding_windows) if not w)}
+    listed = {i: n for n, o in enumerate(recipe.layer_overrides) if o.kind is None for i in o.layers}
+    out = []
+    for n, override in enumerate(recipe.layer_overrides):
+        if override.kind is None:
+            out.append(override)
+            continue
+        layers = kinds[override.kind]
+        both = sorted(i for i in layers if i in listed)
+        if both:
+            raise RecipeError(
+                f"recipe '{recipe.name}': layer_overrides[{n}] changes the {override.kind} layers, but layers {both} "
+                f"among them are also listed by index (layer_overrides[{listed[both[0]]}]); give each layer one entry"
+            )
+        if layers:
+            out.append(dataclasses.replace(override, layers=layers, kind=None))
+    return dataclasses.replace(recipe, layer_overrides=tuple(out))

@@ -108,5 +108,6 @@ def _with_overrides(recipe: Recipe, part: str) -> str:
     text = tensor_summary(getattr(recipe, part))
     for override in recipe.layer_overrides:
         if getattr(override, part):
-            text += f"; layers {list(override.layers)}: {tensor_summary(getattr(recipe.for_layer(override.layers[0]), part))}"
+            where = f"{override.kind} layers" if override.kind is not None else f"layers {list(override.layers)}"
+            text += f"; {where}: {tensor_summary(getattr(recipe.for_override(override), part))}"
     return text

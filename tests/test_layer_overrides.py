@@ -168,3 +168,80 @@ def test_overrides_built_in_code_are_validated_too():
         dataclasses.replace(load_recipe("kivi-4bit"), layer_overrides=twice)
     with pytest.raises(RecipeError, match=r"layer_overrides\[0\].keys.bits"):
         dataclasses.replace(load_recipe("kivi-4bit"), layer_overrides=(LayerOverride((0,), keys=(("bits", 16),)),))
+
+
+# --- layers: sliding / full (resolved against the model) -----------------------------------------
+
+
+def test_layer_kinds_parse_round_trip_and_resolve_per_model():
+    from kvtool.recipe_layers import resolve_layer_kinds
+
+    recipe = recipe_from_dict(kivi(4, [{"layers": "sliding", "keys": {"bits": 2}}, {"layers": [5], "values": {"bits": 2}}]))
+    assert recipe.layer_overrides[0].kind == "sliding" and recipe.layer_overrides[0].layers == ()
+    again = recipe_from_dict(__import__("yaml").safe_load(dump_recipe(recipe)))
+    assert again == recipe and again.to_dict()["layer_overrides"][0]["layers"] == "sliding"
+    with pytest.raises(RecipeError, match="name the sliding layers, which only the model can tell"):
+        recipe.for_layer(0)  # never silently the base bits
+    gemma_like = resolve_layer_kinds(recipe, (512, 512, None, 512, 512, None))
+    assert [o.layers for o in gemma_like.layer_overrides] == [(0, 1, 3, 4), (5,)]
+    assert [gemma_like.for_layer(i).keys.bits for i in range(6)] == [2, 2, 4, 2, 2, 4]
+    assert gemma_like.for_layer(5).values.bits == 2 and gemma_like.for_layer(0).values.bits == 4
+    full_only = resolve_layer_kinds(recipe, (None,) * 6)  # a model without sliding layers: the entry changes nothing
+    assert [o.layers for o in full_only.layer_overrides] == [(5,)]
+    full = recipe_from_dict(kivi(4, [{"layers": "full", "values": {"bits": 2}}]))
+    assert [o.layers for o in resolve_layer_kinds(full, (8, None, 8)).layer_overrides] == [(1,)]
+    plain = recipe_from_dict(kivi(4, [{"layers": [1], "keys": {"bits": 2}}]))
+    assert resolve_layer_kinds(plain, (8, None)) is plain
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ([{"layers": "sliding", "keys": {"bits": 2}}, {"layers": "sliding", "values": {"bits": 2}}],
+     r"layer_overrides\[1\].layers.*sliding layers are already overridden by layer_overrides\[0\]"),
+    ([{"layers": "sliding"}], r"layer_overrides\[0\]'.*changes nothing"),
+    ([{"layers": "global", "keys": {"bits": 2}}], r"'global' is not a layer index, a range .* \(sliding or full, alone\)"),
+    ([{"layers": ["sliding"], "keys": {"bits": 2}}], r"'sliding' is not a layer index"),
+    ([{"layers": "full", "keys": {"bits": 5}}], r"layer_overrides\[0\].keys.bits.*5 is not supported"),
+])
+def test_bad_layer_kinds_name_the_field_and_the_fix(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        recipe_from_dict(kivi(4, overrides))
+
+
+def test_a_layer_named_by_index_and_by_kind_is_refused_at_attach():
+    from tests.tiny_models import featured_model
+
+    recipe = recipe_from_dict(kivi(4, [{"layers": [0], "values": {"bits": 2}}, {"layers": "sliding", "keys": {"bits": 2}}]))
+    with pytest.raises(RecipeError, match=r"changes the sliding layers, but layers \[0\] among them are also listed"):
+        CompressedRuntime.from_recipe(featured_model("gemma3_text"), recipe)
+
+
+def test_sliding_layers_store_the_override_on_gemma3_and_the_artifact_keeps_the_kind(tmp_path):
+    from kvtool import api
+    from kvtool.artifact import load_artifact, save_artifact
+    from kvtool.recipe_summary import recipe_summary
+    from tests.tiny_models import featured_model
+
+    model = featured_model("gemma3_text")  # layer 0 sliding, layer 1 full attention
+    raw = kivi(4, [{"layers": "sliding", "keys": {"bits": 2}, "values": {"bits": 2}}])
+    raw["cache"]["recent_tokens"] = 0
+    recipe = recipe_from_dict(raw)
+    runtime = CompressedRuntime.from_recipe(model, recipe)
+    assert runtime.recipe.layer_overrides[0].layers == (0,)
+    ids = torch.randint(3, 100, (2, 80), generator=torch.Generator().manual_seed(0))
+    cache, _ = prefill(runtime, ids)
+    assert [(layer.key_format.spec.bits, layer.value_format.spec.bits) for layer in cache.layers] == [(2, 2), (4, 4)]
+    assert recipe_summary(recipe)["keys"] == "uniform 4-bit per channel; sliding layers: uniform 2-bit per channel"
+
+    class Chars:  # calibration reads token ids; the tiny model has no tokenizer of its own
+        def __call__(self, text, **_):
+            return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+    calibration = dataclasses.replace(recipe, calibration=CalibrationSpec(samples=1, seq_len=64))
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    artifact = api.calibrate_loaded(model, Chars(), str(tmp_path / "text.txt"), calibration, batch_size=1)
+    assert artifact.manifest["recipe"]["layer_overrides"][0]["layers"] == "sliding"
+    sqnr = artifact.tensors
+    assert bool((sqnr["quality.layers.0.keys.sqnr_db"] < sqnr["quality.layers.1.keys.sqnr_db"]).all())
+    save_artifact(tmp_path / "a.safetensors", dataclasses.replace(artifact, kind="deployable"))
+    loaded = CompressedRuntime.from_artifact(model, load_artifact(tmp_path / "a.safetensors"))
+    assert [loaded.recipe.for_layer(i).keys.bits for i in (0, 1)] == [2, 4]

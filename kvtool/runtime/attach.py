@@ -23,7 +23,7 @@ from kvtool.calibration import build_quantizers, needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.adapter import ModelAdapter, adapter_for
 from kvtool.recipe import EvictionSpec, Recipe, recipe_from_dict
-from kvtool.recipe_layers import check_layer_count
+from kvtool.recipe_layers import check_layer_count, resolve_layer_kinds
 from kvtool.methods.budget.pyramid import layer_budgets
 from kvtool.methods.evict.base import EvictionPolicy, policy_class
 from kvtool.methods.evict.fastgen import choose_policies
@@ -72,6 +72,7 @@ class CompressedRuntime:
                 "run `kvtool calibrate` and `kvtool export`, then pass the artifact (--artifact)"
             )
         tensors = layer_tensors or [{} for _ in range(geometry.num_layers)]
+        recipe = resolve_layer_kinds(recipe, geometry.sliding_windows)  # layers: sliding / full -> indices
         check_layer_count(recipe, geometry.num_layers)
         # one recipe per distinct per-layer override (layer_overrides), each checked as the whole recipe would be
         layer_recipes: dict[Recipe, int] = {}  # resolved recipe -> its first layer
