@@ -145,9 +145,21 @@ def unpack_mask(packed: torch.Tensor) -> torch.Tensor:
     return ((packed[..., None] >> shifts) & 1).bool().reshape(*packed.shape[:-1], -1)
 
 
+def channel_slot(mask: torch.Tensor) -> torch.Tensor:
+    """(..., D) bool outlier mask -> (..., D) int64: where channel c sits in the block's order (outliers, then the rest,
+    each ascending): its rank among the outliers, or the outlier count plus its rank among the rest."""
+    m = mask.to(torch.int64)
+    outliers_below = m.cumsum(dim=-1) - m  # (..., D) outlier channels before c
+    channel = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask, outliers_below, m.sum(dim=-1, keepdim=True) + channel - outliers_below)
+
+
 def channel_order(mask: torch.Tensor) -> torch.Tensor:
-    """(..., D) bool outlier mask -> (..., D) int64: the outlier channels, then the rest, each ascending."""
-    return torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
+    """(..., D) bool outlier mask -> (..., D) int64: the outlier channels, then the rest, each ascending (the inverse
+    permutation of `channel_slot`; a cumulative count and a scatter, not a sort: this runs per block at every step)."""
+    slot = channel_slot(mask)
+    channel = torch.arange(mask.shape[-1], device=mask.device).expand_as(slot)
+    return torch.empty_like(slot).scatter_(-1, slot, channel)
 
 
 @dataclass(frozen=True)
@@ -329,8 +341,7 @@ class TurboQuantizer(BlockQuantizer):
                  for inst, t in zip(self.instances, on)]
         x = torch.cat(parts, dim=-1)  # (N, S, D) in the block's channel order
         if self.outliers:
-            order = channel_order(unpack_mask(blocks["outlier_mask"]))[:, None, :].expand_as(x)
-            x = torch.empty_like(x).scatter_(-1, order, x)
+            x = x.gather(-1, channel_slot(unpack_mask(blocks["outlier_mask"]))[:, None, :].expand_as(x))  # head channels
         limit = torch.finfo(self.dtype).max
         return x.clamp(-limit, limit).to(self.dtype)[:, None]
 
@@ -340,9 +351,11 @@ class TurboQuantizer(BlockQuantizer):
         sc, nb = blocks["norm"].shape[:2]
         return {name: t.reshape(sc * nb, *t.shape[2:]) for name, t in blocks.items()}, sc, nb
 
-    def _block_order(self, flat, sc: int, nb: int, rows: int) -> torch.Tensor:
-        """(Sc, nb, R, D) int64: each block's channel order, repeated over the R query rows."""
-        order = channel_order(unpack_mask(flat["outlier_mask"]))  # (Sc*nb, D)
+    def _block_order(self, flat, sc: int, nb: int, rows: int, inverse: bool = False) -> torch.Tensor:
+        """(Sc, nb, R, D) int64: each block's channel order (``inverse``: each channel's slot in it), repeated over the R
+        query rows."""
+        mask = unpack_mask(flat["outlier_mask"])  # (Sc*nb, D)
+        order = channel_slot(mask) if inverse else channel_order(mask)
         return order.reshape(sc, nb, 1, self.head_dim).expand(sc, nb, rows, self.head_dim)
 
     def chunk_scores(self, query, blocks, group, keys_to_attention=None):
@@ -381,6 +394,6 @@ class TurboQuantizer(BlockQuantizer):
                 out_rot = out_rot.sum(dim=1, keepdim=True)  # one channel order: sum the blocks, rotate back once
             parts.append(out_rot @ t["rotation"])  # P^T y per row: back to the instance's channels
         out = torch.cat(parts, dim=-1)  # (Sc, 1|nb, R, D) in each block's channel order
-        if self.outliers:
-            out = torch.zeros_like(out).scatter_(-1, self._block_order(flat, sc, nb, rows), out)
+        if self.outliers:  # back to head channels: channel c reads its slot in the block's order
+            out = out.gather(-1, self._block_order(flat, sc, nb, rows, inverse=True))
         return out.sum(dim=1)[:, None]  # (Sc, 1, R, D)
