@@ -135,6 +135,8 @@ def render_perplexity(console: Console, report: dict | list[dict]) -> None:
         ("cache held", [_mib(r[p + "cache_bytes"]) for _, r, p, _ in caches]),
         ("cache reserved", [_mib(r.get(p + "reserved_cache_bytes", r[p + "cache_bytes"])) for _, r, p, _ in caches]),
         (f"size vs {short}", [f"{fp16 / r[p + 'cache_bytes']:.2f}x" for _, r, p, _ in caches]),
+        *(((f"held vs {short}, mean of steps", [_held(r, p) for _, r, p, _ in caches]),)
+          if any(r.get("held_fraction_mean") is not None for r in reports) else ()),
         ("decode tokens/s", [_speed(r, p) for _, r, p, _ in caches]),
     ]
     for label, cells in rows:
@@ -156,6 +158,12 @@ def render_perplexity(console: Console, report: dict | list[dict]) -> None:
         speed = next((r["speed_note"] for r in reports if r.get("speed_note")), None)
         if speed:
             console.print(f"[yellow]note:[/] {escape(speed)}", highlight=False)
+
+
+def _held(report: dict, prefix: str) -> str:
+    """Bytes held over a 16-bit cache's, averaged over the decode steps (blank in reports from before it was read)."""
+    value = report.get(f"{prefix}held_fraction_mean")
+    return "" if value is None else f"{100 * value:.1f}%"
 
 
 def _bits(report: dict, prefix: str, fp16_bytes: float) -> float:

@@ -48,6 +48,10 @@ class PerplexityResult:
     bytes_per_token: float  # cache bytes per token held (all layers, K and V)
     decode_tokens_per_s: float
     kept_fraction: float = 1.0  # tokens held / tokens seen at the end (eviction), averaged over windows
+    # bytes held / a 16-bit cache's for the same tokens after every decode step, averaged over the steps and windows
+    # (None: the cache does not count its bytes). Blocks freed whole (sliding windows, eviction) and the fp16 open
+    # block make the bytes at one moment swing with their phase; this is the figure to compare recipes by.
+    held_fraction_mean: float | None = None
     sparse_read_fraction: float = 1.0  # stored tokens decode steps read / tokens held (sparse attention)
     # (N, S) float32 NLL of every scored token, windows in order: for paired deltas (`kvtool.eval.paired_delta`)
     token_nll: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -67,16 +71,18 @@ def _check_args(windows: torch.Tensor, prefill: int, chunk: int) -> None:
 
 @torch.no_grad()
 def _score_batch(model, ids: torch.Tensor, caches: list, prefill: int, chunk: int,
-                 on_steps: list | None = None) -> list[tuple[float, int, float, torch.Tensor]]:
+                 on_steps: list | None = None) -> list[tuple[float, int, float, torch.Tensor, float | None]]:
     """Prefill then decode one batch of windows (b, T) into every cache, the caches taking turns step by step.
 
-    Returns (sum NLL, scored tokens, decode seconds, per-token NLL (b, S)) per cache. Decode step s
+    Returns (sum NLL, scored tokens, decode seconds, per-token NLL (b, S), mean over the steps of the bytes held /
+    a 16-bit cache's, or None where the cache does not count them) per cache. Decode step s
     runs for cache 0, then cache 1, ..., before step s + 1: the caches' timed steps meet the same
     machine load.
     """
     for cache in caches:
         model(input_ids=ids[:, :prefill], **with_cache(cache), use_cache=True, **last_logits_only(model))  # logits unread
     totals = [[0.0, 0, 0.0] for _ in caches]  # NLL, tokens, seconds
+    held = [[] if hasattr(cache, "fp16_nbytes") else None for cache in caches]  # per cache: bytes held / 16-bit, per step
     per_token = [[] for _ in caches]  # per cache: (b, c) NLL per step
     last = ids.shape[1] - 1
     for start in range(prefill, last, chunk):
@@ -92,9 +98,12 @@ def _score_batch(model, ids: torch.Tensor, caches: list, prefill: int, chunk: in
             totals[row][0] += nll
             totals[row][1] += targets.numel()
             totals[row][2] += seconds
+            if held[row] is not None:  # after the timed step: reading the bytes is not decoding
+                held[row].append(cache.nbytes() / max(cache.fp16_nbytes(), 1))
             if on_steps is not None and on_steps[row] is not None:  # per-step progress and timing
                 on_steps[row](targets.numel(), seconds)
-    return [(*total, torch.cat(steps, dim=1)) for total, steps in zip(totals, per_token)]
+    return [(*total, torch.cat(steps, dim=1), sum(h) / len(h) if h else None)
+            for total, steps, h in zip(totals, per_token, held)]
 
 
 def perplexity(
@@ -140,8 +149,8 @@ def perplexities(
     for batch in progress(batches, "scoring through the cache", len(batches)):
         caches = [new_cache() for new_cache in new_caches]
         scored = _score_batch(model, batch.to(device), caches, prefill, chunk, on_steps)
-        for totals, cache, (nll, count, seconds, token_nll) in zip(rows, caches, scored):
-            totals.add(cache, nll, count, seconds, batch.shape[0], token_nll)
+        for totals, cache, (nll, count, seconds, token_nll, held) in zip(rows, caches, scored):
+            totals.add(cache, nll, count, seconds, batch.shape[0], token_nll, held)
     return [totals.result(windows, prefill, chunk) for totals in rows]
 
 
@@ -153,10 +162,16 @@ class _Totals:
         self.count = self.held = self.expected = self.fp16 = self.reserved = 0
         self.tokens_read = self.tokens_held = 0
         self.token_nll: list[torch.Tensor] = []  # (b, S) per batch
+        self.held_fraction: list[tuple[float, int]] | None = []  # (mean over a batch's steps, its windows)
 
-    def add(self, cache, nll: float, count: int, seconds: float, windows: int, token_nll: torch.Tensor) -> None:
+    def add(self, cache, nll: float, count: int, seconds: float, windows: int, token_nll: torch.Tensor,
+            held_fraction: float | None = None) -> None:
         self.nll, self.count, self.seconds = self.nll + nll, self.count + count, self.seconds + seconds
         self.token_nll.append(token_nll)
+        if held_fraction is None:
+            self.held_fraction = None
+        elif self.held_fraction is not None:
+            self.held_fraction.append((held_fraction, windows))
         self.held, self.expected = self.held + cache.nbytes(), self.expected + cache.expected_nbytes()
         self.fp16, self.reserved = self.fp16 + cache.fp16_nbytes(), self.reserved + cache.reserved_nbytes()
         self.kept += (cache.kept_fraction() if hasattr(cache, "kept_fraction") else 1.0) * windows
@@ -185,6 +200,8 @@ class _Totals:
             bytes_per_token=self.held / tokens_held,
             decode_tokens_per_s=self.count / self.seconds if self.seconds else 0.0,
             kept_fraction=self.kept / windows.shape[0],
+            held_fraction_mean=(sum(f * n for f, n in self.held_fraction) / sum(n for _, n in self.held_fraction)
+                                if self.held_fraction else None),
             sparse_read_fraction=self.tokens_read / self.tokens_held if self.tokens_held else 1.0,
             token_nll=torch.cat(self.token_nll),
         )

@@ -44,7 +44,8 @@ from kvtool.eval.paired_delta import paired_delta
 from kvtool.eval.perplexity import perplexities, perplexity
 from kvtool.eval.speed import StepTimes, machine_load, speed_note
 
-ROW_KEYS = ("ppl", "cache_bytes", "reserved_cache_bytes", "bits_per_element", "bytes_per_token", "decode_tokens_per_s")
+ROW_KEYS = ("ppl", "cache_bytes", "reserved_cache_bytes", "bits_per_element", "bytes_per_token", "decode_tokens_per_s",
+            "held_fraction_mean")
 WARMUP_STEPS = 4  # untimed decode steps per runtime before its row (first-call allocations, lazy imports)
 
 
