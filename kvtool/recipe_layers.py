@@ -26,10 +26,14 @@ others are fitted per layer for one spec, so a recipe that fits anything refuses
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvtool.errors import RecipeError
+
+if TYPE_CHECKING:  # recipe.py imports this module
+    from kvtool.recipe import Recipe
 
 OVERRIDABLE = ("method", "bits", "group_size")  # QuantSpec fields an override may change
 ENTRY_FIELDS = ("layers", "keys", "values")
@@ -141,7 +145,7 @@ def check_layer_count(recipe, num_layers: int) -> None:
         )
 
 
-def resolve_layer_kinds(recipe, sliding_windows) -> Any:
+def resolve_layer_kinds(recipe: "Recipe", sliding_windows: Sequence[int | None]) -> "Recipe":
     """The recipe with every ``layers: sliding`` / ``full`` entry turned into the model's layer indices.
 
     sliding_windows: per layer, the window length or None (full attention), as the adapter's geometry gives
@@ -149,8 +153,6 @@ def resolve_layer_kinds(recipe, sliding_windows) -> Any:
     """
     if not any(o.kind is not None for o in recipe.layer_overrides):
         return recipe
-    import dataclasses
-
     kinds = {"sliding": tuple(i for i, w in enumerate(sliding_windows) if w),
              "full": tuple(i for i, w in enumerate(sliding_windows) if not w)}
     listed = {i: n for n, o in enumerate(recipe.layer_overrides) if o.kind is None for i in o.layers}
