@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reaso
 
 SIDES = [
     "uniform-2", "uniform-3", "uniform-4", "uniform-8", "uniform-4-token-keys-channel-values", "fp8-dynamic", "fp8-static",
-    "int8-static-channel-int4-layer", "int3-static-head-int2-channel",
+    "int8-static-channel-int4-layer", "int3-static-head-int2-channel", "turboquant-3", "turboquant-2.5-3.5",
 ]
 SHAPES = [(64, 1), (64, 4), (128, 8), (256, 1)]  # (head_dim, GQA ratio)
 
@@ -74,7 +74,7 @@ def test_cpu_kernel_rotates_pre_rope_keys_at_their_true_positions(source, side, 
 
 
 @pytest.mark.parametrize("parts", [2, 3, 7])
-@pytest.mark.parametrize("side", ["uniform-4", "uniform-4-token-keys-channel-values", "float"])
+@pytest.mark.parametrize("side", ["uniform-4", "uniform-4-token-keys-channel-values", "float", "turboquant-2.5-3.5"])
 def test_cpu_kernel_split_into_parts_on_threads_equals_the_dense_reference(side, parts):
     """Each stream's tokens cut into ``parts`` pieces of whole blocks (more pieces than some streams have blocks:
     empty pieces), run on two threads and merged by their softmax maxima and sums: the same attention, soft-capped
@@ -180,10 +180,49 @@ def test_cpu_kernel_soft_caps_and_adds_learned_sinks():
     torch.testing.assert_close(out, _float_only_reference(args, 3.0, sinks), rtol=1e-4, atol=1e-4)
 
 
+# TurboQuant sides beyond the kernel matrix's: the split on one side only, Gemma 3's bundled rates (5-bit outliers),
+# and the QJL residual the CPU kernel does not read
+TURBOQUANT_SIDES = {
+    "turboquant-3.5-split-keys-3-values": (
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
+        QuantSpec(method="turboquant", bits=3, path="values")),
+    "turboquant-4-keys-2.5-split-values": (
+        QuantSpec(method="turboquant", bits=4, path="keys"),
+        QuantSpec(method="turboquant", bits=2, extra_bits=0.5, path="values")),
+    "turboquant-k3.5-v2.5": (
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
+        QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.5, path="values")),
+    "turboquant-qjl": (QuantSpec(method="turboquant", bits=3, qjl=True, path="keys"),
+                       QuantSpec(method="turboquant", bits=3, path="values")),
+}
+
+
+@pytest.fixture(autouse=True)
+def _turboquant_sides(monkeypatch):
+    import tests.test_kernels as kernels
+
+    for name, specs in TURBOQUANT_SIDES.items():
+        monkeypatch.setitem(kernels.SIDES, name, specs)
+
+
+@pytest.mark.parametrize("side", [name for name in TURBOQUANT_SIDES if "qjl" not in name])
+@pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1), (128, 8)])
+def test_cpu_kernel_reads_turboquant_blocks_as_the_dense_reference(side, head_dim, gqa):
+    """TurboQuant bodies (`cpu_decode_rotated.py`): queries rotated into each instance's domain (per block with the
+    outlier split, whose channel order is the block's own), value sums rotated back; soft-capped, with learned sinks."""
+    from kvtool.runtime.kernels.cpu_decode import covers, cpu_decode_attention
+
+    for softcap, sinks in ((None, False), (5.0, True)):
+        args, reference = build_case(side, head_dim, gqa, "cpu", softcap=softcap, sinks=sinks, seed=head_dim + gqa)
+        assert covers(args["formats"], torch.float16, head_dim) is None
+        torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
+
+
 def test_cpu_kernel_refuses_what_it_cannot_read():
     from kvtool.runtime.kernels.cpu_decode import covers
 
-    for side in ("nuq-3-1pct", "turboquant-3", "palu-fp16", "turboquant-2.5-3.5", "float"):
+    for side in ("nuq-3-1pct", "palu-fp16", "float", "uniform-4-keys-turboquant-2-values", "turboquant-3.5-keys-palu-values",
+                 "turboquant-qjl"):
         args, _ = build_case(side, 64, 1, "cpu")
         assert covers(args["formats"], torch.float16, 64) is not None, side
     assert "float32" in covers(None, torch.float32, 64)
@@ -278,10 +317,13 @@ def test_auto_is_numba_on_cpu_for_every_store_the_kernel_reads():
     assert backend(load_recipe("uniform-3bit-prerope")) == "numba"  # keys before RoPE: rotated in the kernel
     assert backend(load_recipe("kivi-4bit"), "torch") == "torch"
     assert backend(load_recipe("fp8-e4m3")) == "numba"  # fp8 bytes with a float32 scale per block
-    for name in ("turboquant-3bit", "turboquant-2.5bit"):  # formats the CPU kernel does not read (rotated codes)
-        assert backend(load_recipe(name)) == "torch"
-        with pytest.raises(RuntimeConfigError, match="--backend numba: recipe"):
-            backend(load_recipe(name), "numba")
+    for name in ("turboquant-3bit", "turboquant-2.5bit", "turboquant-k3.5-v2.5"):  # rotated codes, with the split too
+        assert backend(load_recipe(name)) == "numba", name
+    qjl = Recipe(name="tq-qjl", keys=QuantSpec(method="turboquant", bits=3, qjl=True, path="keys"),
+                 values=QuantSpec(method="turboquant", bits=3, path="values"))
+    assert backend(qjl) == "torch"  # the QJL residual is not in the CPU kernel
+    with pytest.raises(RuntimeConfigError, match="--backend numba: recipe"):
+        backend(qjl, "numba")
 
 
 RECIPES = {
@@ -312,6 +354,10 @@ RECIPES = {
         eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8),
     ),
     "uniform-3bit-prerope": load_recipe("uniform-3bit-prerope"),  # keys before RoPE: rotated at recorded positions
+    "turboquant-k3.5-v2.5": load_recipe("turboquant-k3.5-v2.5"),  # rotated codes, each block its own outlier channels
+    "turboquant-3bit": Recipe(name="tq3", keys=QuantSpec(method="turboquant", bits=3, path="keys"),
+                              values=QuantSpec(method="turboquant", bits=3, path="values"),
+                              cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32)),
     "h2o-4bit-prerope": Recipe(  # ... and at the positions an evicting store keeps per slot
         name="h2o4p", keys=QuantSpec(bits=4, pre_rope=True, path="keys"), cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
         eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8),
@@ -392,7 +438,8 @@ def test_pre_rope_keys_stay_on_torch_when_the_rope_frequencies_change_with_lengt
 
 
 SLIDING = [("gemma3_text", "kivi-3bit"), ("gemma3_text", "float16"), ("gemma3_text", "uniform-3bit-prerope"),
-           ("gemma2", "kivi-3bit"), ("mistral", "fp8-e4m3"), ("mistral", "streamingllm-4bit")]
+           ("gemma2", "kivi-3bit"), ("mistral", "fp8-e4m3"), ("mistral", "streamingllm-4bit"),
+           ("gemma3_text", "turboquant-k3.5-v2.5")]
 
 
 @pytest.mark.parametrize("family,name", SLIDING, ids=[f"{f}-{n}" for f, n in SLIDING])

@@ -15,7 +15,8 @@ What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
   tables ``static_scale`` / ``static_zero`` (rows 1 or H_kv, columns 1 or D; int_static); or fp8 e4m3 / e5m2 bytes
   (cap, BS, D) with one float32 ``scale`` per block or a calibrated table (fp8); ``body_table`` (S, Bn) int32, ``body_len``
   (S,) blocks; ``score`` (cap, FBS) / (cap, BS) float32 and ``pos`` (cap, FBS) int32 per slot when the store
-  keeps them (evicting recipes). Body keys stored before RoPE (KVQuant's ``keys.pre_rope``) are decoded and
+  keeps them (evicting recipes); or TurboQuant blocks on both sides (codebook codes of rotated unit vectors with fp16
+  norms, one instance or the outlier split's two, no QJL residual: `cpu_decode_rotated.py`). Body keys stored before RoPE (KVQuant's ``keys.pre_rope``) are decoded and
   rotated at their true positions (the pool's ``pos``, the sequence's recorded positions, or the token index)
   with cos / sin tables computed as the torch path does (`rope_tables`); other formats: torch. A sliding-window
   layer's store keeps ``pos`` per slot (float and body pools): tokens at positions <= the query's - W are not
@@ -55,11 +56,18 @@ def numba_available() -> bool:
 
 
 def reads(fmt) -> bool:
-    """The kernel reads this body format: integer codes (uniform / KIVI with fp16 scale and zero per channel or per
-    token group; int_static with calibrated tables) or fp8 e4m3 / e5m2 bytes (one float32 scale per block, or
-    calibrated per layer / KV head), with no codebook, outliers, latents, rotation, split or QJL residual."""
+    """The kernel's plain read (`cpu_decode_kernel.py`) takes this body format: integer codes (uniform / KIVI with fp16
+    scale and zero per channel or per token group; int_static with calibrated tables) or fp8 e4m3 / e5m2 bytes (one
+    float32 scale per block, or calibrated per layer / KV head), with no codebook, outliers, latents, rotation, split or
+    QJL residual (TurboQuant's rotated codes: `reads_rotated`)."""
     plain = not fmt.levels and not fmt.outliers and not fmt.rank and not fmt.rotated and not fmt.split and not fmt.qjl
     return plain and fmt.bits < 16 and (fmt.uniform or fmt.scales in ("block", "static"))
+
+
+def reads_rotated(fmt) -> bool:
+    """The kernel reads this body format as TurboQuant's (`cpu_decode_rotated.py`): codebook codes of rotated unit
+    vectors with an fp16 norm per token, one instance or the outlier split's two, without the QJL residual."""
+    return fmt.scales == "norm" and (fmt.rotated or fmt.split > 0) and not fmt.qjl and not fmt.rank and not fmt.outliers
 
 
 def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
@@ -68,9 +76,14 @@ def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
         return f"the float blocks are {str(float_dtype).replace('torch.', '')} (the CPU kernel reads float16 and bfloat16)"
     if formats is None:
         return None
+    rotated = [reads_rotated(fmt) for fmt in formats]
+    if all(rotated):
+        return None
+    if any(rotated):
+        return "TurboQuant on one side only (the CPU kernel reads TurboQuant keys with TurboQuant values)"
     for fmt, side in zip(formats, ("keys", "values")):
         if not reads(fmt):
-            return f"{side}: the CPU kernel reads uniform (KIVI), int_static and fp8 codes only"
+            return f"{side}: the CPU kernel reads uniform (KIVI), int_static, fp8 and TurboQuant (without QJL) codes only"
         if fmt.scales == "token" and head_dim % fmt.group:
             return f"{side}: per-token groups of {fmt.group} channels do not tile head_dim {head_dim}"
     return None
@@ -133,8 +146,9 @@ def _kernel():
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER = "workqueue"
     from kvtool.runtime.kernels.cpu_decode_kernel import decode_parallel, decode_serial
+    from kvtool.runtime.kernels.cpu_decode_rotated import decode_rotated_parallel, decode_rotated_serial
 
-    return decode_serial, decode_parallel
+    return {False: (decode_serial, decode_parallel), True: (decode_rotated_serial, decode_rotated_parallel)}
 
 
 _THREADS = [0]  # the thread count last given to Numba
@@ -160,6 +174,52 @@ def _no_side() -> tuple:
     """The placeholder side of a store with no body (never read; built once)."""
     empty8, empty16, empty32 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.float32)
     return (empty8, empty16, empty16, _widths(8), 1, 1, 0, 0, empty32, empty32, True)
+
+
+def _rotated_side(side: dict, fmt) -> tuple:
+    """A TurboQuant side as `cpu_decode_rotated` takes it: (outlier channels d_o (0: no split), outlier codes, codes
+    (cap, rows, d) uint8, outlier norms, norms (cap, BS) fp16 bits, outlier masks (cap, D / 8) uint8, outlier
+    codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
+    outlier slice widths, slice widths); the outlier entries are placeholders without a split."""
+    codes = _held_view(side["codes"])
+    d_o, d_r = int(fmt.split), codes.shape[2]
+    norm = _held_view(side["norm"], "rows")
+    book = side["codebook"].numpy()
+    if d_o == 0:
+        empty8, empty16, empty32 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.float32)
+        rotation = side["rotation"].numpy()
+        return (0, empty8, codes, empty16, norm, empty8[0], empty32[0], book, empty32, rotation, empty32[0, :0],
+                _signs(rotation), _widths(1), _widths(fmt.bits))
+    tables = side["split_tables"].numpy()  # outlier codebook, then P_o and P_r flattened
+    levels = 2**fmt.split_bits
+    rot_o = tables[levels : levels + d_o * d_o].reshape(d_o, d_o)
+    rot_r = tables[levels + d_o * d_o : levels + d_o * d_o + d_r * d_r].reshape(d_r, d_r)
+    return (d_o, _held_view(side["outlier_codes"]), codes, _held_view(side["outlier_norm"], "rows"), norm,
+            _held_view(side["outlier_mask"], "2d"), tables[:levels], book, rot_o, rot_r, _signs(rot_o), _signs(rot_r),
+            _widths(fmt.split_bits), _widths(fmt.bits))
+
+
+_SIGNS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (address, shape) -> (the rotation, its signs or none)
+
+
+def _signs(rotation: np.ndarray) -> np.ndarray:
+    """(d,) float32 s / sqrt(d) when the rotation (d, d) is H diag(s) (TurboQuant's randomized Hadamard rotation of a
+    power-of-two instance, d >= 8; the kernel then runs the fast transform, unnormalized), else (0,): the matrix is read. Found once per rotation (a
+    format's constants live as long as its quantizer; the entry holds the array, so its address is not reused)."""
+    key = (rotation.__array_interface__["data"][0], rotation.shape)
+    held = _SIGNS.get(key)
+    if held is not None and np.array_equal(held[0][0], rotation[0]):
+        return held[1]
+    from kvtool.methods.lowrank.hadamard import hadamard_matrix, is_power_of_two
+
+    d = rotation.shape[0]
+    signs = np.zeros(0, np.float32)
+    if d >= 8 and is_power_of_two(d):
+        candidate = np.sign(rotation[0]).astype(np.float32)  # H's first row is constant
+        if np.allclose(rotation, hadamard_matrix(d).numpy() * candidate[None, :], atol=1e-6):
+            signs = (candidate / np.sqrt(np.float32(d))).astype(np.float32)
+    _SIGNS[key] = (rotation, signs)
+    return signs
 
 
 def _side_arrays(side: dict | None, fmt) -> tuple:
@@ -275,9 +335,11 @@ def cpu_decode_attention(
     out = np.empty((s, r, d), dtype=np.float32)
     has_body = body is not None and body_table is not None and body_table.shape[1] > 0 and body_len is not None
     ftable = _held_view(float_table) if float_table.shape[1] else np.zeros((s, 1), np.int32)
+    rotated = has_body and reads_rotated(formats[0])
     if has_body:
         btable, blen = _held_view(body_table), np.ascontiguousarray(body_len, dtype=np.int64)
-        k_side, v_side = _side_arrays(body[0], formats[0]), _side_arrays(body[1], formats[1])
+        side_arrays = _rotated_side if rotated else _side_arrays
+        k_side, v_side = side_arrays(body[0], formats[0]), side_arrays(body[1], formats[1])
     else:
         btable, blen = np.zeros((s, 1), np.int32), np.zeros(s, np.int64)
         k_side = v_side = _side_arrays(None, None)
@@ -303,7 +365,7 @@ def cpu_decode_attention(
     if positions is not None:  # a sequence's streams are consecutive
         new_pos = np.repeat(np.asarray(positions[1], dtype=np.int32), s // len(positions[1]))
     window_arrays = _window_arrays(window, has_body)
-    serial_kernel, parallel_kernel = _kernel()
+    serial_kernel, parallel_kernel = _kernel()[rotated]
     with _ONE_AT_A_TIME:
         _follow_torch_threads()
         spread = parallel and _THREADS[0] > 1

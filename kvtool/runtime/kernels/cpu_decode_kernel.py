@@ -316,6 +316,82 @@ def window_hidden(s, first, last, n_body, body_table, float_table, bs, fbs, wind
     return hidden
 
 
+@njit(cache=True, inline="always")
+def open_part(s, part, parts, float_len, body_len, bs, fbs, part_max, part_sum, part_acc):
+    """Start work item (s, part): its units [u0, u1) (body blocks of ``bs`` tokens, then float blocks of ``fbs``), its
+    token range [first, last), and its weighted values zeroed; an empty part (u0 >= u1) is finished here (m = -inf,
+    sums 0)."""
+    n_blocks, n_float = body_len[s], float_len[s]
+    u0, u1 = part_units(s, part, parts, float_len, body_len, fbs)
+    part_acc[s, part][:] = 0.0
+    if u0 >= u1:
+        part_max[s, part, :] = -np.inf
+        part_sum[s, part, :] = 0.0
+    n_body = n_blocks * bs
+    first = u0 * bs if u0 <= n_blocks else n_body + (u0 - n_blocks) * fbs
+    last = u1 * bs if u1 <= n_blocks else min(n_body + (u1 - n_blocks) * fbs, n_body + n_float)
+    return u0, u1, first, last
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, bf16, bs, scores):
+    """scores (R, tokens) <- q . k of the float slots among units [u0, u1) of stream s (16-bit keys widened as read)."""
+    rows, fbs = qs.shape[0], float_k.shape[1]
+    for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
+        keys = float_k[float_table[s, fb]]  # (FBS, D) 16-bit
+        base = n_blocks * bs + fb * fbs
+        for t in range(min(fbs, n_float - fb * fbs)):
+            for r in range(rows):
+                scores[r, base + t] = dot_half(qs[r], keys[t], bf16)
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
+                 part_sum):
+    """The part's softmax terms per row, in place over its logits ``scores[:, first:last]`` (soft-capped; a sliding
+    window's hidden tokens at -inf): exp(logit - m), with m and the sum in ``part_max`` / ``part_sum[s, part]``."""
+    rows = scores.shape[0]
+    exponents = np.empty(last - first, dtype=np.int32)
+    hidden = window_hidden(s, first, last, n_blocks * bs, body_table, float_table, bs, fbs, window)
+    for r in range(rows):
+        row = scores[r, first:last]
+        if softcap > 0.0:
+            for x in range(row.shape[0]):
+                row[x] = np.float32(softcap * np.tanh(row[x] / softcap))
+        for x in range(hidden.shape[0]):
+            if hidden[x]:
+                row[x] = -np.inf
+        m = np.float32(-np.inf)
+        for x in range(row.shape[0]):
+            m = max(m, row[x])
+        if m == -np.inf:  # every token of the part is hidden: no terms
+            row[:] = 0.0
+            part_max[s, part, r] = m
+            part_sum[s, part, r] = 0.0
+            continue
+        exp_shifted(row, m, exponents)
+        total = np.float32(0.0)
+        for x in range(row.shape[0]):
+            total += row[x]
+        part_max[s, part, r] = m
+        part_sum[s, part, r] = total
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, bf16, bs, weights, acc):
+    """acc (R, D) += the weighted 16-bit values of the float slots among units [u0, u1) of stream s."""
+    rows, fbs = acc.shape[0], float_v.shape[1]
+    for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
+        values = float_v[float_table[s, fb]]
+        base = n_blocks * bs + fb * fbs
+        for r in range(rows):
+            acc_r = acc[r]
+            for t in range(min(fbs, n_float - fb * fbs)):
+                p = weights[r, base + t]
+                if p != 0.0:
+                    axpy_half(acc_r, p, values[t], bf16)
+
+
 @njit(cache=True, fastmath=FAST)
 def attend_part(
     s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope, window,
@@ -331,20 +407,11 @@ def attend_part(
     ``part_acc[s, part]`` (R, D). An empty part: m = -inf, sums 0."""
     rows, d = q.shape[1], q.shape[2]
     fbs = float_k.shape[1]
-    n_blocks = body_len[s]
-    n_body = n_blocks * bs
-    n_float = float_len[s]
-    u0, u1 = part_units(s, part, parts, float_len, body_len, fbs)
-    qs = q[s]
-    scores = weights[s]
-    acc = part_acc[s, part]
-    acc[:] = 0.0
+    n_blocks, n_float = body_len[s], float_len[s]
+    u0, u1, first, last = open_part(s, part, parts, float_len, body_len, bs, fbs, part_max, part_sum, part_acc)
     if u0 >= u1:
-        part_max[s, part, :] = -np.inf
-        part_sum[s, part, :] = 0.0
         return
-    first = u0 * bs if u0 <= n_blocks else n_body + (u0 - n_blocks) * fbs  # token range [first, last) of the part
-    last = u1 * bs if u1 <= n_blocks else min(n_body + (u1 - n_blocks) * fbs, n_body + n_float)
+    qs, scores, acc = q[s], weights[s], part_acc[s, part]
     # pass 1: logits
     k_codes, k_scale, k_zero, k_widths, k_mode, k_group, k_mantissa, k_bias, k_table, k_table_zero, k_has_zero = k_side
     v_codes, v_scale, v_zero, v_widths, v_mode, v_group, v_mantissa, v_bias, v_table, v_table_zero, v_has_zero = v_side
@@ -386,37 +453,9 @@ def attend_part(
             for t in range(bs):
                 for r in range(rows):
                     scores[r, j * bs + t] = dot(qs[r], body_buf[t])
-    for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
-        keys = float_k[float_table[s, fb]]  # (FBS, D) 16-bit
-        base = n_body + fb * fbs
-        for t in range(min(fbs, n_float - fb * fbs)):
-            for r in range(rows):
-                scores[r, base + t] = dot_half(qs[r], keys[t], bf16)
-    # the part's softmax terms per row (soft-capped logits; a sliding window's hidden tokens at -inf)
-    exponents = np.empty(last - first, dtype=np.int32)
-    hidden = window_hidden(s, first, last, n_body, body_table, float_table, bs, fbs, window)
-    for r in range(rows):
-        row = scores[r, first:last]
-        if softcap > 0.0:
-            for x in range(row.shape[0]):
-                row[x] = np.float32(softcap * np.tanh(row[x] / softcap))
-        for x in range(hidden.shape[0]):
-            if hidden[x]:
-                row[x] = -np.inf
-        m = np.float32(-np.inf)
-        for x in range(row.shape[0]):
-            m = max(m, row[x])
-        if m == -np.inf:  # every token of the part is hidden: no terms
-            row[:] = 0.0
-            part_max[s, part, r] = m
-            part_sum[s, part, r] = 0.0
-            continue
-        exp_shifted(row, m, exponents)
-        total = np.float32(0.0)
-        for x in range(row.shape[0]):
-            total += row[x]
-        part_max[s, part, r] = m
-        part_sum[s, part, r] = total
+    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, bf16, bs, scores)
+    part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
+                 part_sum)
     # pass 2: values
     part_v = np.empty(d, dtype=np.float32)
     for j in range(u0, min(u1, n_blocks)):
@@ -442,15 +481,7 @@ def attend_part(
                     p = scores[r, j * bs + t]
                     if p != 0.0:
                         axpy(acc_r, p, body_buf[t])
-    for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
-        values = float_v[float_table[s, fb]]
-        base = n_body + fb * fbs
-        for r in range(rows):
-            acc_r = acc[r]
-            for t in range(min(fbs, n_float - fb * fbs)):
-                p = scores[r, base + t]
-                if p != 0.0:
-                    axpy_half(acc_r, p, values[t], bf16)
+    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, bf16, bs, scores, acc)
 
 
 @njit(cache=True, fastmath=FAST)

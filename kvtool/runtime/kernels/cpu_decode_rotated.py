@@ -1,0 +1,304 @@
+"""The CPU decode kernel's reading of TurboQuant blocks (Numba; imported only when the ``numba`` backend runs).
+
+A TurboQuant body block holds, per instance (`kvtool.methods.quant.turboquant`), bit-sliced codes (cap, BS * b / 8, d)
+into a Lloyd-Max codebook and one fp16 norm per token; the stored unit vector is rotated, ``y = P x / ||x||`` with P
+(d, d) the instance's rotation. With the outlier split a block has two instances over its own channel order (the
+``d_o`` channels of its ``outlier_mask`` first, then the rest, each ascending), without it one instance over the head's
+D channels in their order. Attention never rebuilds a key or value in head space:
+
+* scores: ``q . x_t = sum_i ||x_t,i|| (P_i q_i) . y_t,i``: each query row is gathered into the block's channel order
+  and rotated into each instance's domain (R (d_o^2 + d_r^2) per block with the split; once per work item without),
+  then dotted with the codebook values of the block's tokens, one contiguous row at a time;
+* values: ``sum_t p_t x_t = P_i^T sum_t p_t ||x_t,i|| y_t,i`` per instance: the weighted codebook rows are summed in the
+  rotated domain and rotated back once per block with the split (then scattered to the block's channels), once per
+  work item without.
+
+A power-of-two instance's rotation, P = H diag(s), runs as the fast Walsh-Hadamard transform (d log2 d per row); the
+Haar-random rotation of any other size (the split's rest, e.g. 192 of 256 channels) as the matrix (d^2 per row). Everything else (float blocks, soft-capping, a sliding window's hidden tokens, the merge of the parts with this
+step's token, the write of the token, scores) is the kernel of `cpu_decode_kernel.py`. The pure-torch reference is
+`TurboQuantizer.chunk_scores` / ``chunk_values``; `tests/test_cpu_decode.py` compares the two. QJL residuals are not
+read here (their stores stay on the torch path).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kvtool.runtime.kernels.cpu_decode_kernel import (
+    FAST,
+    axpy,
+    combine_streams,
+    dot,
+    float_block_scores,
+    float_block_values,
+    half_to_float,
+    open_part,
+    part_scratch,
+    part_softmax,
+)
+
+
+@njit(cache=True, inline="always")
+def block_order(mask, block, order):
+    """order (D,) <- the channels of body block ``block`` in its stored order: those whose bit is set in its packed
+    ``mask`` (cap, D / 8) (channel 8j + i at bit i of byte j) ascending, then the others ascending."""
+    d = order.shape[0]
+    n = 0
+    for c in range(d):
+        if (mask[block, c >> 3] >> (c & 7)) & 1:
+            order[n] = c
+            n += 1
+    for c in range(d):
+        if not (mask[block, c >> 3] >> (c & 7)) & 1:
+            order[n] = c
+            n += 1
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def codebook_tile(codes, block, widths, codebook, index, tile):
+    """tile (BS, d) float32 <- the codebook values of block ``block``'s codes (cap, BS * b / 8, d), bit-sliced and
+    token-split as `cpu_decode_kernel.unpack_block` reads them; the lower slices' bits gather in ``index`` (BS, d)
+    int32, and the last slice's pass looks the whole code up."""
+    bs = tile.shape[0]
+    rows = codes[block]
+    slices = 0
+    while slices < widths.shape[0] and widths[slices] > 0:
+        slices += 1
+    row, low = 0, 0
+    for i in range(slices):
+        w = widths[i]
+        k = 8 // w
+        sub = bs // k
+        mask = np.int32((1 << w) - 1)
+        last = i == slices - 1
+        for j in range(sub):
+            src = rows[row + j]
+            for part in range(k):
+                t = j + part * sub
+                shift = np.int32(part * w)
+                dst, idx = tile[t], index[t]
+                if low == 0 and last:
+                    for c in range(dst.shape[0]):
+                        dst[c] = codebook[(np.int32(src[c]) >> shift) & mask]
+                elif low == 0:
+                    for c in range(dst.shape[0]):
+                        idx[c] = (np.int32(src[c]) >> shift) & mask
+                else:
+                    for c in range(dst.shape[0]):
+                        idx[c] += ((np.int32(src[c]) >> shift) & mask) << low
+                    if last:
+                        for c in range(dst.shape[0]):
+                            dst[c] = codebook[idx[c]]
+        row += sub
+        low += w
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def walsh_hadamard(x):
+    """x (d,) <- sqrt(d) H x in place, H the orthonormal Walsh-Hadamard matrix (Sylvester order; d a power of two >= 8;
+    the caller scales by 1 / sqrt(d)): log2(d) passes of butterflies, as `kvtool.methods.lowrank.hadamard.fwht`. The
+    three passes of pairs 1, 2 and 4 apart run as one pass over groups of 8 (short inner loops do not vectorize)."""
+    d = x.shape[0]
+    for i in range(0, d, 8):
+        a0, a1, a2, a3, a4, a5, a6, a7 = x[i], x[i + 1], x[i + 2], x[i + 3], x[i + 4], x[i + 5], x[i + 6], x[i + 7]
+        b0, b1, b2, b3, b4, b5, b6, b7 = a0 + a1, a0 - a1, a2 + a3, a2 - a3, a4 + a5, a4 - a5, a6 + a7, a6 - a7
+        c0, c1, c2, c3, c4, c5, c6, c7 = b0 + b2, b1 + b3, b0 - b2, b1 - b3, b4 + b6, b5 + b7, b4 - b6, b5 - b7
+        x[i], x[i + 1], x[i + 2], x[i + 3] = c0 + c4, c1 + c5, c2 + c6, c3 + c7
+        x[i + 4], x[i + 5], x[i + 6], x[i + 7] = c0 - c4, c1 - c5, c2 - c6, c3 - c7
+    h = 8
+    while h < d:
+        for i in range(0, d, 2 * h):
+            for j in range(i, i + h):
+                a, b = x[j], x[j + h]
+                x[j] = a + b
+                x[j + h] = a - b
+        h *= 2
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
+    """rotated (R, d) <- P q of every query row qs (R, D) taken at channels ``order[offset : offset + d]``: with
+    ``signs`` (d,) (P = H diag(s), d a power of two) by the fast transform, else by the matrix P (d, d)."""
+    d = rotated.shape[1]
+    fast = signs.shape[0] == d
+    for r in range(qs.shape[0]):
+        qr = qs[r]
+        out = rotated[r]
+        if fast:  # signs already carry H's 1 / sqrt(d)
+            for c in range(d):
+                out[c] = qr[order[offset + c]] * signs[c]
+            walsh_hadamard(out)
+        else:
+            for c in range(d):
+                gathered[c] = qr[order[offset + c]]
+            for j in range(d):
+                out[j] = dot(rotation[j], gathered[:d])
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def unrotate_into(summed, rotation, signs, order, offset, row, acc):
+    """acc (R, D) += P^T summed[r] (an instance's rotated-domain sums (R, d)) at channels ``order[offset : offset + d]``
+    (``row``: (d,) scratch): with ``signs`` diag(s) H y by the fast transform, else by the matrix."""
+    d = summed.shape[1]
+    fast = signs.shape[0] == d
+    for r in range(summed.shape[0]):
+        sr = summed[r]
+        if fast:
+            row[:] = sr
+            walsh_hadamard(row)
+            for c in range(d):
+                row[c] *= signs[c]
+        else:
+            row[:] = 0.0
+            for j in range(d):
+                axpy(row, sr[j], rotation[j])
+        acc_r = acc[r]
+        for c in range(d):
+            acc_r[order[offset + c]] += row[c]
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def instance_scores(scores, base, rotated, tile, norm, block):
+    """scores[r, base + t] += ||x_t|| (P q_r) . y_t over the block's tokens: one instance's share of the logits."""
+    for t in range(tile.shape[0]):
+        nt = half_to_float(norm[block, t])
+        for r in range(rotated.shape[0]):
+            scores[r, base + t] += nt * dot(rotated[r], tile[t])
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def instance_values(weights, base, tile, norm, block, summed):
+    """summed (R, d) += sum_t p_t ||x_t|| y_t over the block's tokens: one instance's weighted rows, rotated domain."""
+    for t in range(tile.shape[0]):
+        nt = half_to_float(norm[block, t])
+        for r in range(summed.shape[0]):
+            p = weights[r, base + t]
+            if p != 0.0:
+                axpy(summed[r], p * nt, tile[t])
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores):
+    """scores[r, j * bs + t] <- the logits of the tokens of body columns [j0, j1) of stream s (TurboQuant keys)."""
+    rows, d = qs.shape
+    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r = side
+    d_r = d - d_o
+    tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
+    index = np.empty((bs, d), dtype=np.int32)  # the codes' lower bits
+    rotated_o, rotated_r = np.empty((rows, max(d_o, 1)), dtype=np.float32), np.empty((rows, d_r), dtype=np.float32)
+    if d_o == 0 and j1 > j0:  # one channel order: the queries rotated once
+        rotate_rows(qs, order, 0, rot_r, signs_r, gathered, rotated_r)
+    for j in range(j0, j1):
+        block = body_table[s, j]
+        base = j * bs
+        scores[:, base : base + bs] = 0.0
+        if d_o > 0:  # the block's own channel order: the queries gathered into it and rotated per block
+            block_order(mask, block, order)
+            rotate_rows(qs, order, 0, rot_o, signs_o, gathered, rotated_o)
+            rotate_rows(qs, order, d_o, rot_r, signs_r, gathered, rotated_r)
+            codebook_tile(codes_o, block, widths_o, book_o, index, tile_o)
+            instance_scores(scores, base, rotated_o, tile_o, norm_o, block)
+        codebook_tile(codes_r, block, widths_r, book_r, index, tile_r)
+        instance_scores(scores, base, rotated_r, tile_r, norm_r, block)
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def body_values(s, j0, j1, body_table, side, bs, order, weights, acc):
+    """acc (R, D) += the weighted values of body columns [j0, j1) of stream s (TurboQuant values; weights (R, tokens))."""
+    rows, d = acc.shape
+    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r = side
+    d_r = d - d_o
+    tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
+    index = np.empty((bs, d), dtype=np.int32)  # the codes' lower bits
+    summed_o, summed_r = np.zeros((rows, max(d_o, 1)), dtype=np.float32), np.zeros((rows, d_r), dtype=np.float32)
+    row = np.empty(d, dtype=np.float32)
+    for j in range(j0, j1):
+        block = body_table[s, j]
+        base = j * bs
+        if d_o > 0:
+            block_order(mask, block, order)
+            summed_o[:] = 0.0
+            summed_r[:] = 0.0
+            codebook_tile(codes_o, block, widths_o, book_o, index, tile_o)
+            instance_values(weights, base, tile_o, norm_o, block, summed_o)
+        codebook_tile(codes_r, block, widths_r, book_r, index, tile_r)
+        instance_values(weights, base, tile_r, norm_r, block, summed_r)
+        if d_o > 0:  # each block its own channel order: back to head channels block by block
+            unrotate_into(summed_o, rot_o, signs_o, order, 0, row[:d_o], acc)
+            unrotate_into(summed_r, rot_r, signs_r, order, d_o, row[:d_r], acc)
+    if d_o == 0 and j1 > j0:  # one channel order: the blocks' sums rotated back once
+        unrotate_into(summed_r, rot_r, signs_r, order, 0, row[:d_r], acc)
+
+
+@njit(cache=True, fastmath=FAST)
+def attend_part_rotated(
+    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope, window,
+    bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+):
+    """`cpu_decode_kernel.attend_part` for TurboQuant bodies (``rope`` and ``stream_head`` are not used: TurboQuant
+    keys are stored after RoPE and need no per-head table). A side is (outlier channels d_o (0: no split), outlier
+    codes, codes, outlier norms, norms (cap, BS) fp16 bits, outlier masks (cap, D / 8), outlier codebook, codebook,
+    outlier rotation (d_o, d_o), rotation (d_r, d_r), their signs (d,) where P = H diag(s) (else length 0: the
+    matrix is read), outlier slice widths, slice widths)."""
+    d = q.shape[2]
+    fbs = float_k.shape[1]
+    n_blocks, n_float = body_len[s], float_len[s]
+    u0, u1, first, last = open_part(s, part, parts, float_len, body_len, bs, fbs, part_max, part_sum, part_acc)
+    if u0 >= u1:
+        return
+    qs, scores, acc = q[s], weights[s], part_acc[s, part]
+    gathered = np.empty(d, dtype=np.float32)
+    order = np.arange(d)  # a block's channel order (the identity without a split)
+    j1 = min(u1, n_blocks)
+    body_scores(s, u0, j1, qs, body_table, k_side, bs, order, gathered, scores)  # pass 1: logits
+    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, bf16, bs, scores)
+    part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
+                 part_sum)
+    body_values(s, u0, j1, body_table, v_side, bs, np.arange(d), scores, acc)  # pass 2: values (own channel orders)
+    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, bf16, bs, scores, acc)
+
+
+# The two drivers repeat `cpu_decode_kernel.decode_serial` / ``decode_parallel`` with this module's work item: Numba's
+# on-disk cache keeps no function that takes another compiled function as an argument or closes over one (it would be
+# compiled again in every process, about 15 s), so each work item gets its drivers spelled out.
+@njit(cache=True, fastmath=FAST)
+def decode_rotated_serial(
+    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
+    window, bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    float_pos, new_pos, write_pos, parts, out,
+):
+    """`cpu_decode_kernel.decode_serial` over TurboQuant bodies."""
+    streams = q.shape[0]
+    weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
+    for item in range(streams * parts):
+        attend_part_rotated(
+            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
+            k_side, v_side, rope, window, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+        )
+    combine_streams(
+        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
+        new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
+        part_max, part_sum, part_acc, out,
+    )
+
+
+@njit(cache=True, parallel=True, fastmath=FAST)
+def decode_rotated_parallel(
+    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
+    window, bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    float_pos, new_pos, write_pos, parts, out,
+):
+    """`cpu_decode_kernel.decode_parallel` over TurboQuant bodies."""
+    streams = q.shape[0]
+    weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
+    for item in prange(streams * parts):
+        attend_part_rotated(
+            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
+            k_side, v_side, rope, window, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+        )
+    combine_streams(
+        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
+        new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
+        part_max, part_sum, part_acc, out,
+    )
