@@ -218,6 +218,25 @@ def test_cpu_kernel_reads_turboquant_blocks_as_the_dense_reference(side, head_di
         torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
 
 
+def test_power_of_two_turboquant_rotations_run_as_the_fast_transform():
+    """The kernel runs H diag(s) by the Walsh-Hadamard transform (signs found from the rotation) and reads any other
+    rotation (the split's Haar-random rest) as its matrix; a matrix whose first row looks like H diag(s)'s is checked
+    whole."""
+    from kvtool.methods.quant.turboquant import Instance, _rotation_matrix
+    from kvtool.runtime.kernels.cpu_decode import _signs
+
+    for dim in (8, 64, 256):
+        inst = Instance("", dim, 3, seed=7, qjl=False)
+        tensors = inst.tensors()
+        signs = _signs(_rotation_matrix(dim, tensors).numpy())
+        np.testing.assert_allclose(signs, tensors["signs"].numpy() / math.sqrt(dim), rtol=1e-6)
+    haar = Instance("", 192, 3, seed=7, qjl=False)
+    assert _signs(_rotation_matrix(192, haar.tensors()).numpy()).shape == (0,)
+    fake = _rotation_matrix(64, Instance("", 64, 3, seed=9, qjl=False).tensors()).numpy().copy()
+    fake[0, 3] *= -1  # a first row of +-1 / sqrt(d) whose matrix is not H diag(s)
+    assert _signs(fake).shape == (0,)
+
+
 def test_cpu_kernel_refuses_what_it_cannot_read():
     from kvtool.runtime.kernels.cpu_decode import covers
 

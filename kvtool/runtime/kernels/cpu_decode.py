@@ -16,9 +16,10 @@ What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
   (cap, BS, D) with one float32 ``scale`` per block or a calibrated table (fp8); ``body_table`` (S, Bn) int32, ``body_len``
   (S,) blocks; ``score`` (cap, FBS) / (cap, BS) float32 and ``pos`` (cap, FBS) int32 per slot when the store
   keeps them (evicting recipes); or TurboQuant blocks on both sides (codebook codes of rotated unit vectors with fp16
-  norms, one instance or the outlier split's two, no QJL residual: `cpu_decode_rotated.py`). Body keys stored before RoPE (KVQuant's ``keys.pre_rope``) are decoded and
-  rotated at their true positions (the pool's ``pos``, the sequence's recorded positions, or the token index)
-  with cos / sin tables computed as the torch path does (`rope_tables`); other formats: torch. A sliding-window
+  norms, one instance or the outlier split's two, no QJL residual: `cpu_decode_rotated.py`). Body keys stored before
+  RoPE (KVQuant's ``keys.pre_rope``) are decoded and rotated at their true positions (the pool's ``pos``, the
+  sequence's recorded positions, or the token index) with cos / sin tables computed as the torch path does
+  (`rope_tables`); other formats: torch. A sliding-window
   layer's store keeps ``pos`` per slot (float and body pools): tokens at positions <= the query's - W are not
   attended (the window's rule frees body blocks whole, so the oldest held block may be partly outside).
 
@@ -199,17 +200,18 @@ def _rotated_side(side: dict, fmt) -> tuple:
             _widths(fmt.split_bits), _widths(fmt.bits))
 
 
-_SIGNS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # (address, shape) -> (the rotation, its signs or none)
+_SIGNS: dict[bytes, np.ndarray] = {}  # a rotation's first row -> its Hadamard signs (or none)
 
 
 def _signs(rotation: np.ndarray) -> np.ndarray:
     """(d,) float32 s / sqrt(d) when the rotation (d, d) is H diag(s) (TurboQuant's randomized Hadamard rotation of a
-    power-of-two instance, d >= 8; the kernel then runs the fast transform, unnormalized), else (0,): the matrix is read. Found once per rotation (a
-    format's constants live as long as its quantizer; the entry holds the array, so its address is not reused)."""
-    key = (rotation.__array_interface__["data"][0], rotation.shape)
-    held = _SIGNS.get(key)
-    if held is not None and np.array_equal(held[0][0], rotation[0]):
-        return held[1]
+    power-of-two instance, d >= 8; the kernel then runs the fast transform, unnormalized), else (0,): the matrix is
+    read. Found once per rotation, keyed by its first row (H diag(s) is determined by it; a Haar-random matrix's first
+    row is never +-1 / sqrt(d) throughout), so the cache holds a few small arrays, never a model's tensors."""
+    key = rotation[0].tobytes()
+    signs = _SIGNS.get(key)
+    if signs is not None:
+        return signs
     from kvtool.methods.lowrank.hadamard import hadamard_matrix, is_power_of_two
 
     d = rotation.shape[0]
@@ -218,7 +220,7 @@ def _signs(rotation: np.ndarray) -> np.ndarray:
         candidate = np.sign(rotation[0]).astype(np.float32)  # H's first row is constant
         if np.allclose(rotation, hadamard_matrix(d).numpy() * candidate[None, :], atol=1e-6):
             signs = (candidate / np.sqrt(np.float32(d))).astype(np.float32)
-    _SIGNS[key] = (rotation, signs)
+    _SIGNS[key] = signs
     return signs
 
 

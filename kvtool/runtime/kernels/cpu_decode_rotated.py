@@ -14,7 +14,8 @@ D channels in their order. Attention never rebuilds a key or value in head space
   work item without.
 
 A power-of-two instance's rotation, P = H diag(s), runs as the fast Walsh-Hadamard transform (d log2 d per row); the
-Haar-random rotation of any other size (the split's rest, e.g. 192 of 256 channels) as the matrix (d^2 per row). Everything else (float blocks, soft-capping, a sliding window's hidden tokens, the merge of the parts with this
+Haar-random rotation of any other size (the split's rest, e.g. 192 of 256 channels) as the matrix (d^2 per row).
+Everything else (float blocks, soft-capping, a sliding window's hidden tokens, the merge of the parts with this
 step's token, the write of the token, scores) is the kernel of `cpu_decode_kernel.py`. The pure-torch reference is
 `TurboQuantizer.chunk_scores` / ``chunk_values``; `tests/test_cpu_decode.py` compares the two. QJL residuals are not
 read here (their stores stay on the torch path).
