@@ -187,7 +187,8 @@ def _rotated_side(side: dict, fmt) -> tuple:
     norm = _held_view(side["norm"], "rows")
     book = side["codebook"].numpy()
     if d_o == 0:
-        empty8, empty16, empty32 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.float32)
+        placeholder = _no_side()  # the outlier instance's entries: never read (built once)
+        empty8, empty16, empty32 = placeholder[0], placeholder[1], placeholder[8]
         rotation = side["rotation"].numpy()
         return (0, empty8, codes, empty16, norm, empty8[0], empty32[0], book, empty32, rotation, empty32[0, :0],
                 _signs(rotation), _widths(1), _widths(fmt.bits))
