@@ -17,7 +17,9 @@ import torch
 
 from kvtool.artifact import Artifact, check_model, load_artifact, save_artifact
 from kvtool.attention_profile import profile_attention
-from kvtool.capture import ChannelStats, InputSecondMoments, Progress, no_progress, stream_batches
+from kvtool.capture import (
+    ChannelStats, InputSecondMoments, Progress, QueryKeyMoments, no_progress, stream_batches, stream_queries,
+)
 from kvtool.calibration import (
     QuantErrorStats,
     RangeStats,
@@ -25,6 +27,7 @@ from kvtool.calibration import (
     fit_layers,
     fit_palu_layers,
     fits_ranges,
+    fits_queries,
     fits_reservoir,
     needs_fisher,
     needs_gradients,
@@ -298,6 +301,10 @@ def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: 
     ranges = None
     if fits_ranges(recipe):
         ranges = RangeStats(max_tokens=FIT_SAMPLE_TOKENS, seed=recipe.calibration.seed, skip_first=skip, parts=range_parts(recipe))
+    queries = None
+    if fits_queries(recipe):  # query statistics come from the attention call, not the cache: a pass of their own
+        queries = QueryKeyMoments(skip_first=skip)
+        stream_queries(hf_model, windows, queries.observe, batch_size, progress)
     moments = InputSecondMoments(adapter) if uses_palu(recipe) else nullcontext()
     plain = [ranges] if ranges is not None else []  # observers fed by a plain forward pass
     with moments:
@@ -308,7 +315,9 @@ def _fit(hf_model, adapter, recipe: Recipe, windows, batch_size: int, progress: 
         if plain:
             stream_batches(hf_model, adapter, windows, plain, batch_size, progress)
     geometry = adapter.geometry
-    fitted = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir if fits_reservoir(recipe) else None, ranges)
+    fitted = fit_layers(
+        recipe, geometry.head_dim, geometry.num_layers, reservoir if fits_reservoir(recipe) else None, ranges, queries
+    )
     if uses_palu(recipe):
         for layer, palu in enumerate(fit_palu_layers(recipe, adapter, reservoir, moments)):
             fitted[layer].update(palu)

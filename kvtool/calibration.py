@@ -4,7 +4,9 @@
    token vectors per layer, with Fisher sensitivities (squared loss gradients) when
    the codebook is Fisher-weighted, goes to `BlockQuantizer.fit`. Static scales (fp8
    per layer / head, int_static; ``fit_source == "ranges"``) instead see every token's
-   range through `RangeStats` and go to `BlockQuantizer.fit_ranges`.
+   range through `RangeStats` and go to `BlockQuantizer.fit_ranges`. TurboQuant keys with
+   ``channel_scale: query`` (``fit_source == "queries"``) see per-channel mean squares of the
+   keys and of the queries (`capture.QueryKeyMoments`) and go to `BlockQuantizer.fit_queries`.
 2. Measure: every layer's key and value quantizers run, exactly as the runtime runs
    them (keys before RoPE when ``keys.pre_rope``), over the calibration K/V in blocks
    of ``block_size`` tokens; the SQNR (dB) per KV head is recorded.
@@ -51,6 +53,14 @@ def fits_reservoir(recipe: Recipe) -> bool:
     """True if a quantizer of the recipe is fitted from a `SampleReservoir` (nuq codebooks, Palu bases)."""
     return any(
         quantizer_class(spec.method).fit_source == "reservoir" and quantizer_class(spec.method).requires_fit(spec)
+        for spec in (recipe.keys, recipe.values)
+    )
+
+
+def fits_queries(recipe: Recipe) -> bool:
+    """True if a quantizer of the recipe is fitted from query and key moments (TurboQuant's channel scales)."""
+    return any(
+        quantizer_class(spec.method).fit_source == "queries" and quantizer_class(spec.method).requires_fit(spec)
         for spec in (recipe.keys, recipe.values)
     )
 
@@ -169,9 +179,10 @@ def palu_entry(recipe: Recipe, adapter, layer: int, reservoir, moment, reservoir
 
 
 def fit_layers(
-    recipe: Recipe, head_dim: int, num_layers: int, reservoir=None, ranges: RangeStats | None = None,
+    recipe: Recipe, head_dim: int, num_layers: int, reservoir=None, ranges: RangeStats | None = None, queries=None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Fit every layer's quantizers from a `SampleReservoir` and / or `RangeStats`; per layer ``{"keys.x": t, ...}``."""
+    """Fit every layer's quantizers from a `SampleReservoir`, `RangeStats` and / or `QueryKeyMoments` (``queries``);
+    per layer ``{"keys.x": t, ...}``."""
     out = []
     for layer in range(num_layers):
         fitted: dict[str, torch.Tensor] = {}
@@ -184,6 +195,12 @@ def fit_layers(
                     raise ValueError(f"method '{spec.method}' is fitted from RangeStats; pass ranges=")
                 source = "values" if part == "values" else ("keys_pre_rope" if spec.pre_rope else "keys")
                 tensors = cls.fit_ranges(spec, head_dim, recipe.cache.block_size, *ranges.ranges(layer, source))
+                fitted.update({f"{part}.{name}": t for name, t in tensors.items()})
+                continue
+            if cls.fit_source == "queries":
+                if queries is None:
+                    raise ValueError(f"method '{spec.method}' is fitted from QueryKeyMoments; pass queries=")
+                tensors = cls.fit_queries(spec, head_dim, *queries.moments(layer))
                 fitted.update({f"{part}.{name}": t for name, t in tensors.items()})
                 continue
             source = "values" if part == "values" else ("keys_pre_rope" if spec.pre_rope else "keys")

@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.models.adapter import ModelAdapter
+from kvtool.models.attention_hook import attention_handler, eager_attention, install, sdpa_reference
 from kvtool.models.cache_argument import with_cache
 from kvtool.models.logits_argument import last_logits_only
 from kvtool.models.rope import apply_rope, unapply_rope
@@ -211,3 +212,65 @@ class InputSecondMoments:
     def moment(self, layer: int) -> torch.Tensor:
         """E[x x^T] of one layer, float32 (d_in, d_in)."""
         return (self.sums[layer] / self.counts[layer]).float()
+
+
+class QueryKeyCapture:
+    """Attention handler: hands each layer's (query, key, scaling) to ``observe`` and returns plain attention."""
+
+    def __init__(self, observe) -> None:
+        self.observe = observe
+
+    def __call__(self, module, query, key, value, attention_mask, scaling, softcap=None, s_aux=None) -> torch.Tensor:
+        self.observe(module.layer_idx, query.detach(), key.detach(), scaling)
+        if softcap is None and s_aux is None:
+            return sdpa_reference(query, key, value, attention_mask, scaling)
+        extra = {name: x for name, x in (("softcap", softcap), ("s_aux", s_aux)) if x is not None}
+        return eager_attention(module, query, key, value, attention_mask, scaling=scaling, **extra)[0]
+
+
+class QueryKeyMoments:
+    """Per layer and KV head, every channel's mean square of the keys (after RoPE) and of the queries that read them.
+
+    ``observe(layer, query (B, H_q, T, D), key (B, H_kv, T, D), scaling)`` as `QueryKeyCapture` hands them; each KV
+    head's H_q / H_kv query heads are pooled; the first ``skip_first`` positions of every window (the cache's float
+    sinks) are left out. float64 sums on CPU.
+    """
+
+    def __init__(self, skip_first: int = 0) -> None:
+        self.skip_first = skip_first
+        self.sums: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}  # layer -> (sum k^2, sum q^2, n_k, n_q)
+
+    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        q, k = query[:, :, self.skip_first :].double(), key[:, :, self.skip_first :].double()
+        if k.shape[2] == 0:
+            return
+        b, hq, t, d = q.shape
+        h = k.shape[1]
+        k2 = k.square().sum(dim=(0, 2)).cpu()  # (H, D)
+        q2 = q.reshape(b, h, hq // h, t, d).square().sum(dim=(0, 2, 3)).cpu()  # (H, D)
+        nk, nq = b * t, b * t * (hq // h)
+        if layer in self.sums:
+            k0, q0, nk0, nq0 = self.sums[layer]
+            k2, q2, nk, nq = k0 + k2, q0 + q2, nk0 + nk, nq0 + nq
+        self.sums[layer] = (k2, q2, nk, nq)
+
+    def moments(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys' mean squares (H_kv, D), queries' (H_kv, D)) float32 of one layer."""
+        if layer not in self.sums:
+            raise KeyError(f"no calibration tokens past the sinks for layer {layer}; use longer calibration windows")
+        k2, q2, nk, nq = self.sums[layer]
+        return (k2 / nk).float(), (q2 / nq).float()
+
+
+@torch.no_grad()
+def stream_queries(
+    model, windows: torch.Tensor, observe, batch_size: int = 4, progress: Progress = no_progress,
+) -> None:
+    """Run token windows (N, T) through the model (no cache) and hand every layer's queries and keys after RoPE to
+    ``observe(layer, query, key, scaling)`` (`QueryKeyCapture`)."""
+    device = next(model.parameters()).device
+    install(model)
+    batches = windows.split(batch_size)
+    with attention_handler(QueryKeyCapture(observe)):
+        for batch in progress(batches, "capturing query statistics", len(batches)):
+            model(input_ids=batch.to(device), use_cache=False, **last_logits_only(model))

@@ -43,6 +43,7 @@ from kvtool.calibration import (
     QuantErrorStats,
     RangeStats,
     fit_layers,
+    fits_queries,
     fits_ranges,
     fits_reservoir,
     needs_fisher,
@@ -54,6 +55,7 @@ from kvtool.calibration import (
 )
 from kvtool.calibration_checkpoint import CheckpointStore, MemoryStore
 from kvtool.capture import CaptureCache, InputSecondMoments, Progress, WindowRope, no_progress, window_rope
+from kvtool.errors import RuntimeConfigError
 from kvtool.models.layer_stack import LayerCall, head_loss_gradient, record_layer_calls, run_layer
 from kvtool.models.offload import execution_device, fingerprint, onloaded
 from kvtool.recipe import Recipe
@@ -152,6 +154,11 @@ def calibrate_layer_by_layer(
     progress: Progress = no_progress,
 ) -> LayerByLayerResult:
     """Fit and measure the recipe's quantizers on token windows (N, T), one decoder layer at a time."""
+    if fits_queries(recipe):
+        raise RuntimeConfigError(
+            "--layer-by-layer does not capture the queries that TurboQuant's channel_scale: query is fitted from; "
+            "calibrate without --layer-by-layer (the model must fit in memory), or use channel_scale: none"
+        )
     model_fingerprint = fingerprint(adapter)
     key = run_key(recipe, windows, model_fingerprint, batch_size, max_fit_tokens)
     store = CheckpointStore(options.checkpoint, key, options.resume) if options.checkpoint else MemoryStore()

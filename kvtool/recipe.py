@@ -37,6 +37,7 @@ GRANULARITIES = {"fp8": ("block", "layer", "head"), "int_static": ("layer", "hea
 SCALE_FITS = ("amax", "mse")
 TURBOQUANT_FRACTIONS = (0.0, 0.5)
 TURBOQUANT_OUTLIER_FRACTIONS = (0.25, 0.5)  # of the channels, coded at bits + extra_bits / fraction
+CHANNEL_SCALES = ("none", "query")  # turboquant keys: none, or fitted from the calibration queries
 RANK_ALLOCATIONS = ("fisher", "gradient", "uniform")
 AXES = ("channel", "token")
 FLOAT_DTYPES = ("float16", "bfloat16", "model")
@@ -123,6 +124,11 @@ class QuantSpec:
     qjl: ``turboquant`` keys only: spend one of the ``bits`` on a 1-bit QJL sketch of the
         residual (unbiased inner products with the query).
     seed: ``turboquant`` only: seed of the random rotation's signs (and of the QJL matrix).
+    channel_scale: ``turboquant`` keys only: ``none`` (default) or ``query``: a per-channel scale s
+        (one per KV head and channel) fitted by `kvtool calibrate` from the calibration queries and
+        keys; the codes hold k / s and attention multiplies the query by s, so q . k is unchanged and
+        the rotation's even spread of the coding error lands where the queries read little:
+        s_c = sqrt(rms(k_c) / rms(q_c)), the minimum of the expected squared score error.
     """
 
     method: str = "uniform"
@@ -145,6 +151,7 @@ class QuantSpec:
     outlier_channel_fraction: float | None = None
     qjl: bool = False
     seed: int = 0
+    channel_scale: str = "none"
     path: str = field(default="keys", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -230,6 +237,12 @@ class QuantSpec:
         _require(not self.qjl or method == "turboquant", f"{p}.qjl", f"needs method 'turboquant', not '{method}'")
         _require(not (self.qjl and p == "values"), f"{p}.qjl", "the QJL sketch corrects inner products with the query: keys only")
         _require(_is_int(self.seed), f"{p}.seed", "must be an integer")
+        _require(self.channel_scale in CHANNEL_SCALES, f"{p}.channel_scale",
+                 f"'{self.channel_scale}' is not one of {list(CHANNEL_SCALES)}")
+        if self.channel_scale != "none":
+            _require(method == "turboquant", f"{p}.channel_scale", f"needs method 'turboquant', not '{method}'")
+            _require(p == "keys", f"{p}.channel_scale",
+                     "'query' weighs key channels by the queries that read them: keys only")
         if method == "turboquant":
             _require(not self.pre_rope, f"{p}.pre_rope", "turboquant rotates keys after RoPE: remove pre_rope")
             _require(not (self.qjl and self.bits < 2), f"{p}.bits", "QJL takes one of the bits: needs bits >= 2")
@@ -237,7 +250,7 @@ class QuantSpec:
     @property
     def learns_from_data(self) -> bool:
         """True when `kvtool calibrate` fits this spec per layer (nuq codebooks, Palu bases, static scales)."""
-        return self.method in ("nuq", "palu") or self.is_static
+        return self.method in ("nuq", "palu") or self.is_static or self.channel_scale != "none"
 
     @property
     def is_static(self) -> bool:
@@ -608,11 +621,13 @@ class Recipe:
 
     def _check_overrides(self) -> None:
         """Every override resolves to a valid recipe, and nothing in the recipe is fitted per layer."""
-        fitted = [f"{part}.method {spec.method}" for part, spec in (("keys", self.keys), ("values", self.values))
-                  if spec.learns_from_data]
+        fitted = [
+            f"{part}.method {spec.method}" + (f" with channel_scale: {spec.channel_scale}" if spec.channel_scale != "none" else "")
+            for part, spec in (("keys", self.keys), ("values", self.values)) if spec.learns_from_data
+        ]
         _require(not fitted, "layer_overrides",
                  f"per-layer overrides need methods that learn nothing from calibration (uniform, fp8 with granularity "
-                 f"block, turboquant, none), but the recipe has {', '.join(fitted)}, fitted per layer for one spec; "
+                 f"block, turboquant without channel_scale, none), but the recipe has {', '.join(fitted)}, fitted per layer for one spec; "
                  "remove layer_overrides or use one of those methods")
         listed = [i for o in self.layer_overrides for i in o.layers]
         _require(len(listed) == len(set(listed)) and min(listed, default=0) >= 0, "layer_overrides",

@@ -41,6 +41,8 @@ def turboquant_summary(spec: QuantSpec) -> str:
         parts.append(f"{spec.outlier_channel_fraction:.0%} outlier channels at {outlier_bits}-bit per block")
     if spec.qjl:
         parts.append("1 bit QJL")
+    if spec.channel_scale == "query":
+        parts.append("channels scaled by the calibration queries")
     return ", ".join(parts)
 
 

@@ -194,6 +194,11 @@ TURBOQUANT_SIDES = {
         QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.5, path="values")),
     "turboquant-qjl": (QuantSpec(method="turboquant", bits=3, qjl=True, path="keys"),
                        QuantSpec(method="turboquant", bits=3, path="values")),
+    "turboquant-k3.5-v2.5-query-scale": (
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25, channel_scale="query"),
+        QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.5, path="values")),
+    "turboquant-3-query-scale": (QuantSpec(method="turboquant", bits=3, channel_scale="query"),
+                                 QuantSpec(method="turboquant", bits=3, path="values")),
 }
 
 
@@ -216,6 +221,24 @@ def test_cpu_kernel_reads_turboquant_blocks_as_the_dense_reference(side, head_di
         args, reference = build_case(side, head_dim, gqa, "cpu", softcap=softcap, sinks=sinks, seed=head_dim + gqa)
         assert covers(args["formats"], torch.float16, head_dim) is None
         torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("side", ["turboquant-k3.5-v2.5-query-scale", "turboquant-3-query-scale"])
+def test_cpu_kernel_scales_the_query_by_the_keys_channel_scale_of_its_kv_head(side):
+    """Keys with ``channel_scale: query`` hold k / s per KV head: the kernel multiplies the body's query by the row of
+    the stream's head (the reference decodes k itself); without the scale, or with one head's for all, it is wrong."""
+    from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+
+    args, reference = build_case(side, 64, 4, "cpu", seed=11)
+    assert args["formats"][0].query_scale
+    torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
+    keys, values = args["body"]
+    unscaled = {name: t for name, t in keys.items() if name != "channel_scale"}
+    out = cpu_decode_attention(**{**_cpu_args(args), "body": (unscaled, values)})
+    assert (out - reference).abs().max() > 1e-2
+    one_head = {**keys, "channel_scale": keys["channel_scale"][:1].expand_as(keys["channel_scale"]).contiguous()}
+    out = cpu_decode_attention(**{**_cpu_args(args), "body": (one_head, values)})
+    assert (out - reference).abs().max() > 1e-2
 
 
 def test_power_of_two_turboquant_rotations_run_as_the_fast_transform():

@@ -126,6 +126,8 @@ def fitted_for(recipe: Recipe, head_dim: int, spreads, generator) -> dict[str, t
                 fitted[f"{part}.channel_lo"], fitted[f"{part}.channel_hi"] = lo * 0.8, hi * 0.8
         elif spec.method == "palu":
             fitted.update(palu_basis(part, KV_HEADS, head_dim, 3 * head_dim // 8, generator))
+        elif spec.method == "turboquant" and spec.channel_scale != "none":  # a different scale per KV head
+            fitted[f"{part}.channel_scale"] = torch.exp(torch.randn(KV_HEADS, head_dim, generator=generator) * 0.7)
     return fitted
 
 

@@ -15,8 +15,10 @@ import math
 import pytest
 import torch
 
-from kvtool.capture import InputSecondMoments, stream_batches
-from kvtool.calibration import RangeStats, fit_layers, fit_palu_layers, needs_fit, needs_gradients, uses_palu
+from kvtool.capture import InputSecondMoments, QueryKeyMoments, stream_batches, stream_queries
+from kvtool.calibration import (
+    RangeStats, fit_layers, fit_palu_layers, fits_queries, needs_fit, needs_gradients, uses_palu,
+)
 from kvtool.models.adapter import adapter_for
 from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe, bundled_recipe_dir, load_recipe
@@ -50,8 +52,12 @@ def fitted_tensors(model, recipe: Recipe) -> list[dict] | None:
         if gradients:
             stream_with_gradients(model, adapter, windows, [reservoir])
         stream_batches(model, adapter, windows, [ranges] if gradients else [reservoir, ranges])
+    queries = None
+    if fits_queries(recipe):  # TurboQuant's channel_scale: query
+        queries = QueryKeyMoments(skip_first=recipe.cache.sink_tokens)
+        stream_queries(model, windows, queries.observe)
     geometry = adapter.geometry
-    tensors = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir, ranges)
+    tensors = fit_layers(recipe, geometry.head_dim, geometry.num_layers, reservoir, ranges, queries)
     if uses_palu(recipe):
         for layer, palu in enumerate(fit_palu_layers(recipe, adapter, reservoir, moments)):
             tensors[layer].update(palu)

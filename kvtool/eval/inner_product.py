@@ -34,26 +34,13 @@ from __future__ import annotations
 import torch
 
 from kvtool.errors import RuntimeConfigError
-from kvtool.models.attention_hook import attention_handler, eager_attention, install, sdpa_reference
+from kvtool.capture import QueryKeyCapture
+from kvtool.models.attention_hook import attention_handler, install
 from kvtool.runtime.layer import LayerPlan, build_formats, storage_dtype
 from kvtool.runtime.positions import RopeTable
 
 STATS = ("bias", "shrink", "error_var", "rel_mse")
 CHUNK_BLOCKS = 8  # body blocks scored per `chunk_scores` call (bounds the temporaries)
-
-
-class QueryKeyCapture:
-    """Attention handler: hands each layer's (query, key, scaling) to ``observe`` and returns plain attention."""
-
-    def __init__(self, observe) -> None:
-        self.observe = observe
-
-    def __call__(self, module, query, key, value, attention_mask, scaling, softcap=None, s_aux=None) -> torch.Tensor:
-        self.observe(module.layer_idx, query.detach(), key.detach(), scaling)
-        if softcap is None and s_aux is None:
-            return sdpa_reference(query, key, value, attention_mask, scaling)
-        extra = {name: x for name, x in (("softcap", softcap), ("s_aux", s_aux)) if x is not None}
-        return eager_attention(module, query, key, value, attention_mask, scaling=scaling, **extra)[0]
 
 
 class InnerProductError:

@@ -44,6 +44,7 @@ class BlockQuantizer:
     needs_fit: bool = False  # True: `fit` must run on calibration data before the quantizer is usable
     # "reservoir": `fit` gets a random sample of token rows (keys before RoPE) with Fisher weights;
     # "ranges": `fit_ranges` gets every calibration token's per-channel min/max and a sample (keys as stored)
+    # "queries": `fit_queries` gets per-channel mean squares of the keys (after RoPE) and of the queries that read them
     fit_source: str = "reservoir"
     heads_per_block: int = 1  # g: KV heads one stored block spans
 
@@ -95,6 +96,14 @@ class BlockQuantizer:
         (N, H_kv, D) float32 a random sample of those tokens (keys after RoPE unless ``spec.pre_rope``).
         """
         raise NotImplementedError(f"method '{cls.name}' is not fitted from calibration ranges")
+
+    @classmethod
+    def fit_queries(
+        cls, spec: QuantSpec, head_dim: int, key_square_mean: torch.Tensor, query_square_mean: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Methods with ``fit_source == "queries"``: one layer's parameters from (H_kv, D) float32 per-channel mean
+        squares of the keys after RoPE and of the queries (each KV head's query heads pooled), sinks left out."""
+        raise NotImplementedError(f"method '{cls.name}' is not fitted from query statistics")
 
     # --- the block API (what the paged store uses) -------------------------------------------
     def block_spec(self) -> BlockSpec:

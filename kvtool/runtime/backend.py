@@ -98,9 +98,11 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
         return reason
     for quantizer, name in zip(quantizers, ("keys", "values")):
         try:
-            quantizer.kernel_format()
+            fmt = quantizer.kernel_format()
         except RuntimeConfigError as exc:
             return f"{name} use method '{quantizer.spec.method}': {exc} ({KERNEL_READS})"
+        if fmt.query_scale:
+            return f"{name} use channel_scale: query (the Triton kernel does not scale the query yet; the CPU kernel does)"
     return None
 
 

@@ -39,6 +39,11 @@ instance (names with the ``outlier_`` prefix for the outlier instance, none for 
 and with the split ``outlier_mask`` (D / 8,) uint8: bit c set when channel c is an outlier.
 A block's channels are ordered outliers first, then the rest, each in increasing channel order.
 
+Keys with ``channel_scale: query`` (calibrated, `fit_queries`): a per-KV-head, per-channel scale s; the codes hold
+k / s and the query is multiplied by s before it is rotated, so ``(q * s) . (k / s) = q . k`` and `decode_blocks`
+multiplies s back. The rotation spreads the coding error evenly over the channels of what it codes; with s the
+error lands on the channels the queries read little (s_c = sqrt(rms(k_c) / rms(q_c)), see `fit_queries`).
+
 Attention never un-rotates keys (`chunk_scores`): the query is rotated into each instance's
 domain, ``q . x = sum_i ||x_i|| * (P_i q_i) . y_i``, and scores are taken against the codebook
 values there (+ the QJL term, with the query sketched as ``G_i P_i q_i``): once per chunk
@@ -55,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtool.errors import RecipeError
+from kvtool.errors import ArtifactError, RecipeError
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.lowrank.hadamard import fwht, hadamard_matrix, is_power_of_two
 from kvtool.methods.quant.codebooks import lookup
@@ -210,6 +215,8 @@ class TurboQuantizer(BlockQuantizer):
     With ``extra_bits`` two instances over an outlier / regular channel split chosen per block.
     """
 
+    fit_source = "queries"  # only ``channel_scale: query`` learns anything (`fit_queries`)
+
     def __init__(self, spec, head_dim, block_size, dtype=torch.float16, fitted=None) -> None:
         super().__init__(spec, head_dim, block_size, dtype, fitted)
         if not is_power_of_two(head_dim) or head_dim < 8:
@@ -226,6 +233,53 @@ class TurboQuantizer(BlockQuantizer):
         else:
             self.instances = (Instance("", head_dim, spec.bits, spec.seed, spec.qjl),)
         self._device_cache: dict[torch.device, list[dict[str, torch.Tensor]]] = {}
+        # (H_kv, D) float32 or None: keys stored divided by it, queries multiplied (``channel_scale: query``)
+        self.channel_scale = self.fitted["channel_scale"].float() if "channel_scale" in self.fitted else None
+        if spec.channel_scale != "none" and self.channel_scale is None:
+            raise RecipeError(
+                f"recipe field '{spec.path}.channel_scale': '{spec.channel_scale}' is fitted on calibration data and "
+                "this runtime has no fitted scales; run kvtool calibrate with this recipe and load its artifact"
+            )
+        self._scale_on: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def requires_fit(cls, spec) -> bool:
+        return spec.channel_scale != "none"
+
+    @classmethod
+    def fit_queries(cls, spec, head_dim, key_square_mean, query_square_mean) -> dict[str, torch.Tensor]:
+        """``channel_scale: query``: s_c = sqrt(rms(k_c) / rms(q_c)) per KV head, normalized to RMS 1.
+
+        The rotation spreads a block's coding error evenly over the channels of what it codes, k / s, so the
+        error of a score q . k is about ||q * s||^2 ||k / s||^2 (times a constant); by Cauchy-Schwarz that is
+        smallest at s_c^2 = rms(k_c) / rms(q_c), where it falls from ||q||^2 ||k||^2 to (sum_c rms(q_c) rms(k_c))^2.
+        Channels the queries barely read are coded coarser. The ratio is clipped to 1/64 .. 64 of the RMS (channels
+        that are silent in the calibration text) so no stored value or query moves far from its float16 range.
+        """
+        k_rms = key_square_mean.double().clamp(min=0).sqrt()  # (H, D)
+        q_rms = query_square_mean.double().clamp(min=0).sqrt()
+        floor = 1e-12 + 1e-6 * torch.maximum(k_rms.amax(dim=-1, keepdim=True), q_rms.amax(dim=-1, keepdim=True))
+        scale = ((k_rms + floor) / (q_rms + floor)).sqrt()
+        scale = scale / scale.square().mean(dim=-1, keepdim=True).sqrt()
+        scale = scale.clamp(1 / 64, 64)
+        scale = scale / scale.square().mean(dim=-1, keepdim=True).sqrt()
+        return {"channel_scale": scale.float()}
+
+    def check_kv_heads(self, num_kv_heads: int) -> None:
+        if self.channel_scale is not None and tuple(self.channel_scale.shape) != (num_kv_heads, self.head_dim):
+            raise ArtifactError(
+                f"turboquant channel scales for '{self.spec.path}' have shape {tuple(self.channel_scale.shape)}, the "
+                f"model needs ({num_kv_heads}, {self.head_dim}): the artifact is for another model; run kvtool "
+                "calibrate again"
+            )
+
+    def _scale(self, group: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """(N, D) float32 channel scale of each block's KV head (``group`` (N,)), or None without scales."""
+        if self.channel_scale is None:
+            return None
+        if device not in self._scale_on:
+            self._scale_on[device] = self.channel_scale.to(device)
+        return self._scale_on[device][group.to(device)]
 
     def _on(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
         """Each instance's fixed tensors on ``device``, plus ``rotation`` P (d, d) as a matrix: attention rotates a few
@@ -268,7 +322,7 @@ class TurboQuantizer(BlockQuantizer):
         rest = self.instances[-1]
         split = dict(split=self.outliers, split_bits=self.instances[0].code_bits) if self.outliers else dict(rotated=True)
         return BodyFormat(bits=rest.code_bits, per_channel=False, group=self.head_dim, scales="norm", zero=False,
-                          levels=2**rest.code_bits, qjl=self.qjl, **split)
+                          levels=2**rest.code_bits, qjl=self.qjl, query_scale=self.channel_scale is not None, **split)
 
     def kernel_constants(self) -> dict[str, torch.Tensor]:
         """``codebook`` (2**b,) of the (rest) instance; ``rotation`` P (D, D), ``rotate(x) = x @ P^T``, and with QJL
@@ -276,13 +330,14 @@ class TurboQuantizer(BlockQuantizer):
         (with QJL, then G_o P_o and G_r P_r flattened: the kernel sketches the head-space query per block)."""
         tables = [inst.tensors() for inst in self.instances]
         rotations = [_rotation_matrix(inst.dim, t) for inst, t in zip(self.instances, tables)]
+        scale = {} if self.channel_scale is None else {"channel_scale": self.channel_scale}  # (H_kv, D)
         if not self.outliers:
-            out = {"codebook": tables[0]["codebook"], "rotation": rotations[0]}
+            out = {"codebook": tables[0]["codebook"], "rotation": rotations[0], **scale}
             return {**out, "qjl_sketch": tables[0]["sketch"]} if self.qjl else out
         parts = [tables[0]["codebook"], rotations[0].flatten(), rotations[1].flatten()]
         if self.qjl:
             parts += [(t["sketch"] @ p).flatten() for t, p in zip(tables, rotations)]  # G_i P_i
-        return {"codebook": tables[1]["codebook"], "split_tables": torch.cat(parts)}
+        return {"codebook": tables[1]["codebook"], "split_tables": torch.cat(parts), **scale}
 
     # --- one instance ---------------------------------------------------------------------------
     def _encode_instance(self, inst: Instance, x: torch.Tensor, on: dict) -> dict[str, torch.Tensor]:
@@ -324,6 +379,9 @@ class TurboQuantizer(BlockQuantizer):
     def encode_blocks(self, x: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
         on = self._on(x.device)
         x = x[:, 0].float()  # (N, S, D)
+        scale = self._scale(group, x.device)
+        if scale is not None:
+            x = x / scale[:, None, :]  # what the codes hold: k / s (the query carries s)
         out = {}
         if self.outliers:
             mask = outlier_mask(x, self.outliers)  # (N, D)
@@ -342,6 +400,9 @@ class TurboQuantizer(BlockQuantizer):
         x = torch.cat(parts, dim=-1)  # (N, S, D) in the block's channel order
         if self.outliers:
             x = x.gather(-1, channel_slot(unpack_mask(blocks["outlier_mask"]))[:, None, :].expand_as(x))  # head channels
+        scale = self._scale(group, x.device)
+        if scale is not None:
+            x = x * scale[:, None, :]
         limit = torch.finfo(self.dtype).max
         return x.clamp(-limit, limit).to(self.dtype)[:, None]
 
@@ -365,6 +426,9 @@ class TurboQuantizer(BlockQuantizer):
         flat, sc, nb = self._flat(blocks)
         s, rows = self.block_size, query.shape[2]
         q = query[:, 0][:, None]  # (Sc, 1, R, D): one channel order for every block
+        scale = self._scale(group, query.device)
+        if scale is not None:
+            q = q * scale[:, None, None, :]  # (q * s) . (k / s) = q . k
         if self.outliers:  # (Sc, nb, R, D): the query in each block's channel order
             q = q.expand(sc, nb, rows, self.head_dim).gather(-1, self._block_order(flat, sc, nb, rows))
         scores, start = 0.0, 0
@@ -396,4 +460,6 @@ class TurboQuantizer(BlockQuantizer):
         out = torch.cat(parts, dim=-1)  # (Sc, 1|nb, R, D) in each block's channel order
         if self.outliers:  # back to head channels: channel c reads its slot in the block's order
             out = out.gather(-1, self._block_order(flat, sc, nb, rows, inverse=True))
-        return out.sum(dim=1)[:, None]  # (Sc, 1, R, D)
+        out = out.sum(dim=1)[:, None]  # (Sc, 1, R, D)
+        scale = self._scale(group, probs.device)
+        return out if scale is None else out * scale[:, None, None, :]

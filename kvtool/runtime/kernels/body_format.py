@@ -62,6 +62,8 @@ class BodyFormat:
     split: int = 0  # > 0: outlier channels per block of a second instance (TurboQuant's outlier split)
     split_bits: int = 0  # code bits of that outlier instance
     qjl: bool = False  # keys: each instance also holds a 1-bit QJL sketch of its residual (TurboQuant ``qjl: true``)
+    query_scale: bool = False  # keys: the codes hold k / s; the query is first multiplied by s, the side's
+    # ``channel_scale`` (H_kv, D) row of its KV head (TurboQuant ``channel_scale: query``; the CPU kernel reads it)
 
     def __post_init__(self) -> None:
         if not self.scales:

@@ -80,6 +80,8 @@ def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
     rotated = [reads_rotated(fmt) for fmt in formats]
     if all(rotated):
         return None
+    if any(fmt.query_scale for fmt in formats):
+        return "keys with channel_scale: query are read with TurboQuant values only"
     if any(rotated):
         return "TurboQuant on one side only (the CPU kernel reads TurboQuant keys with TurboQuant values)"
     for fmt, side in zip(formats, ("keys", "values")):
@@ -181,7 +183,8 @@ def _rotated_side(side: dict, fmt) -> tuple:
     """A TurboQuant side as `cpu_decode_rotated` takes it: (outlier channels d_o (0: no split), outlier codes, codes
     (cap, rows, d) uint8, outlier norms, norms (cap, BS) fp16 bits, outlier masks (cap, D / 8) uint8, outlier
     codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
-    outlier slice widths, slice widths); the outlier entries are placeholders without a split."""
+    outlier slice widths, slice widths, query scale (H_kv, D) float32 of keys with ``channel_scale: query``, else
+    (0, D)); the outlier entries are placeholders without a split."""
     codes = _held_view(side["codes"])
     d_o, d_r = int(fmt.split), codes.shape[2]
     norm = _held_view(side["norm"], "rows")
@@ -191,14 +194,20 @@ def _rotated_side(side: dict, fmt) -> tuple:
         empty8, empty16, empty32 = placeholder[0], placeholder[1], placeholder[8]
         rotation = side["rotation"].numpy()
         return (0, empty8, codes, empty16, norm, empty8[0], empty32[0], book, empty32, rotation, empty32[0, :0],
-                _signs(rotation), _widths(1), _widths(fmt.bits))
+                _signs(rotation), _widths(1), _widths(fmt.bits), _query_scale(side, codes.shape[2]))
     tables = side["split_tables"].numpy()  # outlier codebook, then P_o and P_r flattened
     levels = 2**fmt.split_bits
     rot_o = tables[levels : levels + d_o * d_o].reshape(d_o, d_o)
     rot_r = tables[levels + d_o * d_o : levels + d_o * d_o + d_r * d_r].reshape(d_r, d_r)
     return (d_o, _held_view(side["outlier_codes"]), codes, _held_view(side["outlier_norm"], "rows"), norm,
             _held_view(side["outlier_mask"], "2d"), tables[:levels], book, rot_o, rot_r, _signs(rot_o), _signs(rot_r),
-            _widths(fmt.split_bits), _widths(fmt.bits))
+            _widths(fmt.split_bits), _widths(fmt.bits), _query_scale(side, d_o + d_r))
+
+
+def _query_scale(side: dict, d: int) -> np.ndarray:
+    """(H_kv, D) float32 ``channel_scale`` of TurboQuant keys with ``channel_scale: query``, else (0, D): none."""
+    scale = side.get("channel_scale")
+    return scale.numpy() if scale is not None else np.zeros((0, d), np.float32)
 
 
 _SIGNS: dict[bytes, np.ndarray] = {}  # a rotation's first row -> its Hadamard signs (or none)

@@ -183,7 +183,7 @@ def instance_values(weights, base, tile, norm, block, summed):
 def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores):
     """scores[r, j * bs + t] <- the logits of the tokens of body columns [j0, j1) of stream s (TurboQuant keys)."""
     rows, d = qs.shape
-    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r = side
+    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r, _ = side
     d_r = d - d_o
     tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
     index = np.empty((bs, d), dtype=np.int32)  # the codes' lower bits
@@ -208,7 +208,7 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores):
 def body_values(s, j0, j1, body_table, side, bs, order, weights, acc):
     """acc (R, D) += the weighted values of body columns [j0, j1) of stream s (TurboQuant values; weights (R, tokens))."""
     rows, d = acc.shape
-    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r = side
+    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r, _ = side
     d_r = d - d_o
     tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
     index = np.empty((bs, d), dtype=np.int32)  # the codes' lower bits
@@ -237,11 +237,12 @@ def attend_part_rotated(
     s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope, window,
     bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
-    """`cpu_decode_kernel.attend_part` for TurboQuant bodies (``rope`` and ``stream_head`` are not used: TurboQuant
-    keys are stored after RoPE and need no per-head table). A side is (outlier channels d_o (0: no split), outlier
-    codes, codes, outlier norms, norms (cap, BS) fp16 bits, outlier masks (cap, D / 8), outlier codebook, codebook,
-    outlier rotation (d_o, d_o), rotation (d_r, d_r), their signs (d,) where P = H diag(s) (else length 0: the
-    matrix is read), outlier slice widths, slice widths)."""
+    """`cpu_decode_kernel.attend_part` for TurboQuant bodies (``rope`` is not used: TurboQuant keys are stored after
+    RoPE). A side is (outlier channels d_o (0: no split), outlier codes, codes, outlier norms, norms (cap, BS) fp16
+    bits, outlier masks (cap, D / 8), outlier codebook, codebook, outlier rotation (d_o, d_o), rotation (d_r, d_r),
+    their signs (d,) where P = H diag(s) (else length 0: the matrix is read), outlier slice widths, slice widths,
+    query scale (H_kv, D) or (0, D)). Keys with ``channel_scale: query`` hold k / s: the body's logits take the
+    query times s, the row of the stream's KV head (``stream_head``); the float blocks hold k itself."""
     d = q.shape[2]
     fbs = float_k.shape[1]
     n_blocks, n_float = body_len[s], float_len[s]
@@ -252,7 +253,14 @@ def attend_part_rotated(
     gathered = np.empty(d, dtype=np.float32)
     order = np.arange(d)  # a block's channel order (the identity without a split)
     j1 = min(u1, n_blocks)
-    body_scores(s, u0, j1, qs, body_table, k_side, bs, order, gathered, scores)  # pass 1: logits
+    query_scale = k_side[14]
+    qk = qs.copy()  # (R, D) the query the body's codes are read with
+    if query_scale.shape[0] > 0:
+        h = stream_head[s]
+        for r in range(qk.shape[0]):
+            for c in range(d):
+                qk[r, c] *= query_scale[h, c]
+    body_scores(s, u0, j1, qk, body_table, k_side, bs, order, gathered, scores)  # pass 1: logits
     float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, bf16, bs, scores)
     part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum)
