@@ -622,13 +622,14 @@ class Recipe:
     def _check_overrides(self) -> None:
         """Every override resolves to a valid recipe, and nothing in the recipe is fitted per layer."""
         fitted = [
-            f"{part}.method {spec.method}" + (f" with channel_scale: {spec.channel_scale}" if spec.channel_scale != "none" else "")
+            f"{part}.method {spec.method}"
+            + (f" with channel_scale: {spec.channel_scale}" if spec.channel_scale != "none" else "")
             for part, spec in (("keys", self.keys), ("values", self.values)) if spec.learns_from_data
         ]
         _require(not fitted, "layer_overrides",
                  f"per-layer overrides need methods that learn nothing from calibration (uniform, fp8 with granularity "
-                 f"block, turboquant without channel_scale, none), but the recipe has {', '.join(fitted)}, fitted per layer for one spec; "
-                 "remove layer_overrides or use one of those methods")
+                 f"block, turboquant without channel_scale, none), but the recipe has {', '.join(fitted)}, fitted per "
+                 "layer for one spec; remove layer_overrides or use one of those methods")
         listed = [i for o in self.layer_overrides for i in o.layers]
         _require(len(listed) == len(set(listed)) and min(listed, default=0) >= 0, "layer_overrides",
                  "every layer index must be >= 0 and appear in one entry only")

@@ -80,8 +80,6 @@ def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
     rotated = [reads_rotated(fmt) for fmt in formats]
     if all(rotated):
         return None
-    if any(fmt.query_scale for fmt in formats):
-        return "keys with channel_scale: query are read with TurboQuant values only"
     if any(rotated):
         return "TurboQuant on one side only (the CPU kernel reads TurboQuant keys with TurboQuant values)"
     for fmt, side in zip(formats, ("keys", "values")):

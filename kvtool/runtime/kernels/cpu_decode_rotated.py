@@ -254,8 +254,9 @@ def attend_part_rotated(
     order = np.arange(d)  # a block's channel order (the identity without a split)
     j1 = min(u1, n_blocks)
     query_scale = k_side[14]
-    qk = qs.copy()  # (R, D) the query the body's codes are read with
+    qk = qs  # (R, D) the query the body's codes are read with
     if query_scale.shape[0] > 0:
+        qk = qs.copy()
         h = stream_head[s]
         for r in range(qk.shape[0]):
             for c in range(d):
