@@ -55,6 +55,7 @@ SPARSE_METHODS = ("none", "rocketkv")
 UNREAD_RULES = ("drop", "estimate", "estimate_blocks")  # sparse_attention.unread
 READ_BUDGETS = ("per_head", "shared")  # sparse_attention.read_budget
 CHANNEL_SCORES = ("query", "query_key")  # sparse_attention.channel_score
+SMALL_BLOCK_METHODS = ("turboquant", "none")  # block_size 16 allowed: codes read as bytes, not 32-token words
 # policies that do not score tokens by attention while decoding: sparse attention reads only some blocks per step
 DECODE_UNSCORED = ("none", "streamingllm", "knorm", "rocketkv")
 
@@ -263,7 +264,9 @@ class CacheSpec:
     """Layout of the runtime cache.
 
     block_size: tokens per storage block; the body is quantized a block at a
-        time (power of two, at least 32 so codes fill 32-bit words).
+        time (power of two, at least 32 so codes fill 32-bit words; 16 where every
+        quantized side is turboquant, whose codes are read as bytes: the newest
+        0 .. block_size - 1 tokens wait in 16 bits, so a smaller block holds less).
     sink_tokens: first tokens kept in full precision (attention sinks).
     recent_tokens: most recent tokens kept in full precision (KIVI residual).
     float_dtype: dtype of every float the cache stores (sinks, recent window,
@@ -278,9 +281,9 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         _require(
-            _is_int(self.block_size) and _is_power_of_two(self.block_size) and self.block_size >= 32,
+            _is_int(self.block_size) and _is_power_of_two(self.block_size) and self.block_size >= 16,
             "cache.block_size",
-            f"{self.block_size} must be a power of two >= 32",
+            f"{self.block_size} must be a power of two >= 32 (16 for turboquant codes)",
         )
         _require(_is_int(self.sink_tokens) and self.sink_tokens >= 0, "cache.sink_tokens", "must be an integer >= 0")
         _require(
@@ -592,6 +595,12 @@ class CalibrationSpec:
         _require(_is_int(self.seed), "calibration.seed", "must be an integer")
 
 
+def _fit_ignores_bits(spec: QuantSpec) -> bool:
+    """True when what calibration fits for ``spec`` does not depend on its bits (turboquant's channel_scale is fitted
+    from query and key moments alone), so layers may store it at other widths (``layer_overrides`` of ``bits``)."""
+    return spec.method == "turboquant" and spec.channel_scale != "none"
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A complete, validated compression recipe."""
@@ -610,6 +619,12 @@ class Recipe:
         _require(isinstance(self.name, str) and self.name.strip() != "", "name", "must be a non-empty string")
         if self.layer_overrides:
             self._check_overrides()
+        if self.cache.block_size < 32:  # an override's layers are checked as their own recipe (`_check_overrides`)
+            word_packed = sorted({spec.method for spec in (self.keys, self.values) if spec.method not in SMALL_BLOCK_METHODS})
+            _require(not word_packed, "cache.block_size",
+                     f"{self.cache.block_size} needs every quantized side to be {' or '.join(SMALL_BLOCK_METHODS)} (their "
+                     f"codes are read as bytes), but the recipe has {', '.join(word_packed)}, whose codes are read as "
+                     "32-bit words of 32 tokens; use block_size: 32 or more")
         if self.sparse_attention.enabled:
             p = "sparse_attention.method"
             _require(not (self.quantizes or self.keys.pre_rope), p,
@@ -623,23 +638,32 @@ class Recipe:
         """Every override resolves to a valid recipe, and nothing in the recipe is fitted per layer."""
         fitted = [
             f"{part}.method {spec.method}"
-            + (f" with channel_scale: {spec.channel_scale}" if spec.channel_scale != "none" else "")
-            for part, spec in (("keys", self.keys), ("values", self.values)) if spec.learns_from_data
+            for part, spec in (("keys", self.keys), ("values", self.values))
+            if spec.learns_from_data and not _fit_ignores_bits(spec)
         ]
         _require(not fitted, "layer_overrides",
                  f"per-layer overrides need methods that learn nothing from calibration (uniform, fp8 with granularity "
-                 f"block, turboquant without channel_scale, none), but the recipe has {', '.join(fitted)}, fitted per "
-                 "layer for one spec; remove layer_overrides or use one of those methods")
+                 f"block, turboquant, none), but the recipe has {', '.join(fitted)}, fitted per layer for one spec; "
+                 "remove layer_overrides or use one of those methods")
         listed = [i for o in self.layer_overrides for i in o.layers]
         _require(len(listed) == len(set(listed)) and min(listed, default=0) >= 0, "layer_overrides",
                  "every layer index must be >= 0 and appear in one entry only")
         for n, override in enumerate(self.layer_overrides):
+            for part in ("keys", "values"):
+                base = getattr(self, part)
+                if _fit_ignores_bits(base):  # turboquant with channel_scale: one fit serves every width
+                    changed = sorted(name for name, value in override.fields(part).items() if getattr(base, name) != value)
+                    _require(changed in ([], ["bits"]), f"layer_overrides[{n}].{part}",
+                             f"{part} with channel_scale: {base.channel_scale} are fitted once for every layer, so an "
+                             f"override may change only their bits, not {', '.join(c for c in changed if c != 'bits')}")
             try:
                 layer = self.for_override(override)
             except RecipeError as exc:
                 raise RecipeError(str(exc).replace("recipe field '", f"recipe field 'layer_overrides[{n}].", 1)) from None
             for part in ("keys", "values"):
                 spec = getattr(layer, part)
+                if _fit_ignores_bits(getattr(self, part)):  # its bits alone differ (checked above)
+                    continue
                 _require(not spec.learns_from_data, f"layer_overrides[{n}].{part}.method",
                          f"'{spec.method}' (granularity {spec.granularity}) learns from calibration data; per-layer "
                          "overrides take uniform, fp8 with granularity block, turboquant or none")

@@ -21,7 +21,9 @@ Layers not listed use the recipe's own ``keys`` / ``values``. `Recipe.for_layer(
 layer i; the runtime builds each layer's store from it and `kvtool plan` predicts each layer's
 bytes from it (its per-layer bit mixes are written this way). Only methods that learn nothing
 from calibration can be mixed (uniform, fp8 with per-block scales, TurboQuant, none): the
-others are fitted per layer for one spec, so a recipe that fits anything refuses overrides.
+others are fitted per layer for one spec, so a recipe that fits anything refuses overrides. The
+exception is TurboQuant keys with ``channel_scale: query``: their scale comes from query and key
+moments alone, whatever the width, so an override may change their ``bits`` (nothing else).
 """
 
 from __future__ import annotations

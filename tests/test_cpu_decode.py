@@ -7,6 +7,7 @@ included). End to end: the numba backend generates the torch backend's tokens an
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 
@@ -223,6 +224,17 @@ def test_cpu_kernel_reads_turboquant_blocks_as_the_dense_reference(side, head_di
         torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("side", ["turboquant-3", "turboquant-k3.5-v2.5", "turboquant-k3.5-v2.5-query-scale"])
+@pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1)])
+def test_cpu_kernel_reads_16_token_turboquant_blocks(side, head_dim, gqa):
+    """``cache.block_size: 16`` (turboquant only): the kernel reads the shorter blocks as the dense reference."""
+    from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+
+    args, reference = build_case(side, head_dim, gqa, "cpu", seed=head_dim + gqa + 5, bs=16)
+    assert args["block_size"] == 16
+    torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("side", ["turboquant-k3.5-v2.5-query-scale", "turboquant-3-query-scale"])
 def test_cpu_kernel_scales_the_query_by_the_keys_channel_scale_of_its_kv_head(side):
     """Keys with ``channel_scale: query`` hold k / s per KV head: the kernel multiplies the body's query by the row of
@@ -400,6 +412,13 @@ RECIPES = {
     "turboquant-3bit": Recipe(name="tq3", keys=QuantSpec(method="turboquant", bits=3, path="keys"),
                               values=QuantSpec(method="turboquant", bits=3, path="values"),
                               cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32)),
+    "turboquant-k3.5-v2.5-block16": dataclasses.replace(  # 16-token blocks: a block encoded every 16 steps
+        load_recipe("turboquant-k3.5-v2.5"), cache=CacheSpec(block_size=16, sink_tokens=4, recent_tokens=0)),
+    "turboquant-3bit-h2o-block16": Recipe(  # ... evicting whole 16-token blocks
+        name="tq3h", keys=QuantSpec(method="turboquant", bits=3, path="keys"),
+        values=QuantSpec(method="turboquant", bits=3, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=16),
+        eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8)),
     "h2o-4bit-prerope": Recipe(  # ... and at the positions an evicting store keeps per slot
         name="h2o4p", keys=QuantSpec(bits=4, pre_rope=True, path="keys"), cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
         eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8),
@@ -437,7 +456,7 @@ def test_numba_backend_generates_the_torch_backends_tokens_and_store(name):
     """Batch of two, row 1 left-padded (ragged streams), GQA 4:2; 24 tokens cross block flushes and float-block
     boundaries, so the kernel's own writes (`LayerStore.quiet_appends`) and the torch path's alternate; with scored
     eviction the kernel's steps (stores, positions, scores) and the torch path's cuts alternate too."""
-    steps = {"float16": 23, "h2o-4bit": 12, "h2o-4bit-prerope": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
+    steps = {"float16": 23, "h2o-4bit": 12, "h2o-4bit-prerope": 12, "turboquant-3bit-h2o-block16": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
     _assert_numba_matches_torch(tiny_model("llama", kv_heads=2), RECIPES[name], steps)
 
 
@@ -481,7 +500,7 @@ def test_pre_rope_keys_stay_on_torch_when_the_rope_frequencies_change_with_lengt
 
 SLIDING = [("gemma3_text", "kivi-3bit"), ("gemma3_text", "float16"), ("gemma3_text", "uniform-3bit-prerope"),
            ("gemma2", "kivi-3bit"), ("mistral", "fp8-e4m3"), ("mistral", "streamingllm-4bit"),
-           ("gemma3_text", "turboquant-k3.5-v2.5")]
+           ("gemma3_text", "turboquant-k3.5-v2.5"), ("gemma3_text", "turboquant-k3.5-v2.5-block16")]
 
 
 @pytest.mark.parametrize("family,name", SLIDING, ids=[f"{f}-{n}" for f, n in SLIDING])

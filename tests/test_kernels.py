@@ -169,14 +169,16 @@ def _rotated(keys: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
     return apply_rope(keys[None, None], cos, sin, rope.interleaved)[0, 0]
 
 
-def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0, rope=None):
+def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0, rope=None, bs=BS):
     """A random store (float region + body blocks of one format), queries, the new token, and the dense reference.
 
     rope: (source, rotary_dim, interleaved): body keys are stored before RoPE and rotated at made-up positions.
+    bs: tokens per body block (16 only for sides whose codes are bytes: turboquant).
     """
+    assert rope is None or bs == BS  # `_body_rope` makes positions for BS-token blocks
     g = torch.Generator().manual_seed(seed)
     key_spec, value_spec = SIDES[side]
-    recipe = Recipe(name=side, keys=key_spec, values=value_spec, cache=CacheSpec(block_size=BS))
+    recipe = Recipe(name=side, keys=key_spec, values=value_spec, cache=CacheSpec(block_size=bs))
     key_spread, value_spread = torch.linspace(0.2, 3, head_dim), torch.ones(head_dim)  # keys: channel outliers
     fitted = fitted_for(recipe, head_dim, (key_spread, value_spread), g)
     kq, vq = build_quantizers(recipe, head_dim, torch.float32, fitted)  # decode without rounding to fp16, as attention does
@@ -184,17 +186,17 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     float_tokens = [f for f, _ in RAGGED]
     body_blocks = [b for _, b in RAGGED]
     ftable, fcap = _pool_tables(float_tokens, FBS, g)
-    btable, bcap = _pool_tables([b * BS for b in body_blocks], BS, g)
+    btable, bcap = _pool_tables([b * bs for b in body_blocks], bs, g)
     float_k = torch.randn(fcap, FBS, head_dim, generator=g).half()
     float_v = torch.randn(fcap, FBS, head_dim, generator=g).half()
-    raw_k = torch.randn(bcap, 1, BS, head_dim, generator=g) * key_spread
-    raw_v = torch.randn(bcap, 1, BS, head_dim, generator=g) * value_spread
+    raw_k = torch.randn(bcap, 1, bs, head_dim, generator=g) * key_spread
+    raw_v = torch.randn(bcap, 1, bs, head_dim, generator=g) * value_spread
     stream_group = torch.arange(s) % KV_HEADS  # (S,) the KV head of each stream
     group = torch.zeros(bcap, dtype=torch.long)  # (cap,) the KV head of each pool block
     for i in range(s):
         group[btable[i, : body_blocks[i]].long()] = stream_group[i]
     kb, vb = kq.encode_blocks(raw_k, group), vq.encode_blocks(raw_v, group)
-    dec_k, dec_v = kq.decode_blocks(kb, group)[:, 0].float(), vq.decode_blocks(vb, group)[:, 0].float()  # (cap, BS, D)
+    dec_k, dec_v = kq.decode_blocks(kb, group)[:, 0].float(), vq.decode_blocks(vb, group)[:, 0].float()  # (cap, bs, D)
     q = torch.randn(s, gqa, head_dim, generator=g) / head_dim**0.5
     new_k, new_v = torch.randn(s, head_dim, generator=g), torch.randn(s, head_dim, generator=g)
     sink_logits = torch.randn(s, gqa, generator=g) if sinks else None
@@ -222,7 +224,7 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     args = dict(
         q=to(q), new_k=to(new_k), new_v=to(new_v), float_k=to(float_k), float_v=to(float_v), float_table=to(ftable),
         float_len=to(torch.tensor(float_tokens)), body=body, body_table=to(btable),
-        body_len=to(torch.tensor(body_blocks)), formats=(kq.kernel_format(), vq.kernel_format()), block_size=BS,
+        body_len=to(torch.tensor(body_blocks)), formats=(kq.kernel_format(), vq.kernel_format()), block_size=bs,
         softcap=softcap, sink_logits=None if sink_logits is None else to(sink_logits), stream_group=to(stream_group),
     )
     if body_rope is not None:
@@ -239,6 +241,54 @@ def test_decode_kernel_equals_the_dense_reference(side, head_dim, gqa, device):
     args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa)
     out = paged_decode_attention(**args, kernel="general")  # every format, one block at a time
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+SMALL_BLOCK_SIDES = ["turboquant-3", "turboquant-2.5-3.5"]  # block_size 16: codes read as bytes (cache.block_size)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("side", SMALL_BLOCK_SIDES)
+@pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1)])
+def test_decode_kernel_reads_16_token_turboquant_blocks(side, head_dim, gqa, device):
+    """TurboQuant bodies of 16-token blocks (a 3-bit block is 6 rows of bytes, a 5-bit outlier instance 10): the
+    kernel walks them as it walks 32-token ones, ragged streams included."""
+    from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+    args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa + 3, bs=16)
+    assert args["block_size"] == 16
+    out = paged_decode_attention(**args, kernel="general")
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+QUERY_SCALE_SIDES = {  # TurboQuant keys with channel_scale: query (codes of k / s, the body scored against q * s)
+    "turboquant-3-query-scale": (QuantSpec(method="turboquant", bits=3, channel_scale="query", path="keys"),
+                                 QuantSpec(method="turboquant", bits=3, path="values")),
+    "turboquant-k3.5-v2.5-query-scale": (
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25, channel_scale="query",
+                  path="keys"),
+        QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.5, path="values")),
+}
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("side", list(QUERY_SCALE_SIDES))
+@pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1)])
+def test_decode_kernel_scales_the_query_by_the_keys_channel_scale(side, head_dim, gqa, device, monkeypatch):
+    """The reference decodes k itself (the codes times s); the kernel scores the codes against q * s, with the row of
+    each stream's KV head (streams alternate between two). Unscaled, or one head's row for both, it is wrong."""
+    from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+
+    monkeypatch.setitem(SIDES, side, QUERY_SCALE_SIDES[side])
+    args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa + 7)
+    assert args["formats"][0].query_scale
+    torch.testing.assert_close(paged_decode_attention(**args, kernel="general").cpu(), reference, rtol=1e-4, atol=1e-4)
+    keys, values = args["body"]
+    one_head = {**keys, "channel_scale": keys["channel_scale"][:1].expand_as(keys["channel_scale"]).contiguous()}
+    out = paged_decode_attention(**{**args, "body": (one_head, values)}, kernel="general").cpu()
+    assert (out - reference).abs().max() > 1e-2
+    unscaled = dataclasses.replace(args["formats"][0], query_scale=False)
+    out = paged_decode_attention(**{**args, "formats": (unscaled, args["formats"][1])}, kernel="general").cpu()
+    assert (out - reference).abs().max() > 1e-2
 
 
 # the formats the tiled fast kernel (`uniform_decode.py`) reads; the others go to the general kernel
@@ -529,6 +579,7 @@ def _static_layer_tensors(model) -> list[dict]:
         "values.lo": torch.full((1, 1), -2.5), "values.hi": torch.full((1, 1), 2.5),  # int layer
         "values.codebook": torch.linspace(-1, 1, 8) ** 3,  # nuq 3-bit: denser levels near 0
         **palu_basis("keys", heads, d, 3 * d // 8, g), **palu_basis("values", heads, d, 3 * d // 8, g),  # palu per head
+        "keys.channel_scale": torch.exp(torch.randn(heads, d, generator=g) * 0.7),  # turboquant channel_scale: query
     }
     return [dict(one) for _ in range(layers)]
 
@@ -581,6 +632,17 @@ GENERATION_RECIPES = {
         name="tq25", keys=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.25, path="keys"),
         values=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, path="values"),
         cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+    ),
+    "turboquant-k3.5-v2.5-query-scale-block16": Recipe(  # keys of k / s (the query times s), the split, 16-token blocks
+        name="tqqs", keys=QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25,
+                                    channel_scale="query", path="keys"),
+        values=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.5, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=0, block_size=16),
+    ),
+    "turboquant-3bit-block16": Recipe(  # 16-token blocks (turboquant only): a block encoded every 16 steps
+        name="tq3b16", keys=QuantSpec(method="turboquant", bits=3, path="keys"),
+        values=QuantSpec(method="turboquant", bits=3, path="values"),
+        cache=CacheSpec(sink_tokens=2, recent_tokens=0, block_size=16),
     ),
 }
 CASES = [(name, "llama") for name in GENERATION_RECIPES] + [

@@ -109,7 +109,8 @@ def test_section_defaults_fill_axis_and_none_bits():
         ("values.group_size", 48),
         ("values.group_size", 0),
         ("cache.block_size", 48),
-        ("cache.block_size", 16),
+        ("cache.block_size", 16),  # 16 only when every quantized side is turboquant
+        ("cache.block_size", 8),
         ("cache.block_size", 0),
         ("cache.sink_tokens", -1),
         ("cache.recent_tokens", -4),
@@ -123,6 +124,26 @@ def test_section_defaults_fill_axis_and_none_bits():
 def test_bad_value_names_field(path, value):
     with pytest.raises(RecipeError, match=rf"recipe field '{path}'"):
         recipe_from_dict(with_field(path, value))
+
+
+def test_block_size_16_only_for_turboquant_codes():
+    """16-token blocks take turboquant (byte-read codes) on every quantized side, overrides included; uniform codes
+    are read as 32-token words, so the error names the method and the fix."""
+    raw = good()
+    raw["keys"] = {"method": "turboquant", "bits": 3, "extra_bits": 0.5, "outlier_channel_fraction": 0.25}
+    raw["values"] = {"method": "turboquant", "bits": 2}
+    raw["cache"]["block_size"] = 16
+    assert recipe_from_dict(raw).cache.block_size == 16
+    raw["values"] = {"method": "none", "bits": 16}
+    assert recipe_from_dict(raw).cache.block_size == 16
+    raw["values"] = {"method": "uniform", "bits": 4, "axis": "token"}
+    with pytest.raises(RecipeError, match=r"'cache\.block_size': 16 needs every quantized side to be turboquant or none.*"
+                                          r"uniform.*block_size: 32"):
+        recipe_from_dict(raw)
+    raw["values"] = {"method": "turboquant", "bits": 2}
+    raw["layer_overrides"] = [{"layers": [0], "values": {"method": "uniform", "bits": 4}}]
+    with pytest.raises(RecipeError, match=r"'layer_overrides\[0\]\.cache\.block_size'.*uniform"):
+        recipe_from_dict(raw)
 
 
 def test_bits_5_for_uniform_message():

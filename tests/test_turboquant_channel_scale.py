@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvtool.api import calibrate_loaded
+from kvtool.calibration import build_quantizers
 from kvtool.capture import QueryKeyMoments
 from kvtool.errors import ArtifactError, RecipeError, RuntimeConfigError
 from kvtool.eval.inner_product import inner_product_error
@@ -123,9 +124,15 @@ def test_the_recipe_refuses_it_where_it_means_nothing(fields, match):
         QuantSpec(**fields)
 
 
-def test_per_layer_overrides_are_refused_with_the_reason():
-    raw = {**scaled_recipe().to_dict(), "layer_overrides": [{"layers": [0], "keys": {"bits": 2}}]}
-    with pytest.raises(RecipeError, match="channel_scale: query"):
+def test_per_layer_overrides_may_change_the_bits_only():
+    """The scale is fitted from query and key moments, whatever the width: an override may set other bits (or
+    restate the method), nothing else."""
+    raw = {**scaled_recipe().to_dict(), "layer_overrides": [{"layers": "sliding", "keys": {"bits": 2}}]}
+    assert recipe_from_dict(raw).layer_overrides[0].keys == (("bits", 2),)
+    raw["layer_overrides"] = [{"layers": [0], "keys": {"bits": 4, "method": "turboquant"}}]
+    assert recipe_from_dict(raw).for_layer(0).keys.channel_scale == "query"
+    raw["layer_overrides"] = [{"layers": [0], "keys": {"method": "uniform"}}]
+    with pytest.raises(RecipeError, match=r"layer_overrides\[0\]\.keys'.*only their bits, not method"):
         recipe_from_dict(raw)
 
 
@@ -178,14 +185,41 @@ def test_calibrate_fits_it_exports_it_and_generation_runs_on_it(tmp_path):
     assert result.texts != plain.texts  # the scale reached the codes (the same codes would give the same tokens)
 
 
-def test_the_cpu_kernel_takes_it_and_the_triton_kernel_says_it_does_not():
+def test_layers_at_other_bits_read_the_same_fitted_scale(tmp_path):
+    """``layer_overrides`` of bits on scaled keys: one calibration, layer 0 stores 2-bit keys with its fitted scale
+    (fewer bytes than the 3-bit layers, generation runs on both backends alike)."""
+    from kvtool import api
+    from kvtool.artifact import load_artifact
+
+    recipe_file = tmp_path / "tq-mixed.yaml"
+    recipe_file.write_text(SCALED_RECIPE + "layer_overrides:\n  - {layers: [0], keys: {bits: 2}}\n")
+    data = str(shared_path("data/text/tinystories_val_head.txt"))
+    api.calibrate(data, tmp_path / "c.safetensors", None, str(recipe_file))
+    api.export(tmp_path / "c.safetensors", tmp_path / "a.safetensors")
+    artifact = load_artifact(tmp_path / "a.safetensors")
+    assert all(artifact.layer_tensors(i)["keys.channel_scale"].shape == (2, 64) for i in range(2))
+    prompts = ["Once upon a time there was a", "The little dog ran to the park and"]
+    result = api.generate(prompts, artifact=tmp_path / "a.safetensors", max_new_tokens=40, backend="torch")
+    kernel = api.generate(prompts, artifact=tmp_path / "a.safetensors", max_new_tokens=40, backend="numba")
+    assert kernel.texts == result.texts and kernel.memory["kernel_steps"] > 0
+    recipe = recipe_from_dict(artifact.manifest["recipe"])
+    layer0, layer1 = (build_quantizers(recipe.for_layer(i), 64, fitted=artifact.layer_tensors(i))[0] for i in (0, 1))
+    assert (layer0.spec.bits, layer1.spec.bits) == (2, 3)
+    assert torch.equal(layer0.channel_scale.float(), artifact.layer_tensors(0)["keys.channel_scale"].float())
+    plain_file = tmp_path / "tq-plain.yaml"
+    plain_file.write_text(SCALED_RECIPE.replace("channel_scale: query", "channel_scale: none"))
+    plain = api.generate(prompts, recipe=str(plain_file), max_new_tokens=40)  # every layer's keys at 3 bits
+    assert result.memory["cache_bytes"] < plain.memory["cache_bytes"]
+
+
+def test_both_kernels_take_it():
     from kvtool.runtime.backend import cpu_kernel_unsupported, kernel_unsupported, numba_available
 
     recipe = scaled_recipe("turboquant-3bit")
     keys = TurboQuantizer(recipe.keys, D, S, torch.float16, {"channel_scale": torch.ones(1, D)})
     values = TurboQuantizer(recipe.values, D, S, torch.float16)
     assert cpu_kernel_unsupported(recipe, (keys, values)) is None
-    assert "channel_scale: query" in kernel_unsupported(recipe, (keys, values))
+    assert kernel_unsupported(recipe, (keys, values)) is None  # the Triton kernel scores the body against q * s
     expected = "numba" if numba_available() else "torch"
     assert resolve_backend("auto", torch.device("cpu"), recipe, (keys, values)) == expected
 

@@ -101,8 +101,6 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
             fmt = quantizer.kernel_format()
         except RuntimeConfigError as exc:
             return f"{name} use method '{quantizer.spec.method}': {exc} ({KERNEL_READS})"
-        if fmt.query_scale:
-            return f"{name} use channel_scale: query (the Triton kernel does not scale the query yet; the CPU kernel does)"
     return None
 
 

@@ -121,12 +121,14 @@ def _decode_partials(
     SPLITS, HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
-    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_BLC: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
+    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_BLC: tl.constexpr, K_ROTATED: tl.constexpr,
+    K_QSCALED: tl.constexpr, K_SPLIT: tl.constexpr,
     K_O_BITS: tl.constexpr, K_O_W0: tl.constexpr, K_O_W1: tl.constexpr, K_O_W2: tl.constexpr, K_O_LEVELS: tl.constexpr,
     K_BDO: tl.constexpr, K_BDR: tl.constexpr, K_BDOC: tl.constexpr, K_BDRC: tl.constexpr, K_QJL: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
     V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
-    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_BLC: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
+    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_BLC: tl.constexpr, V_ROTATED: tl.constexpr,
+    V_QSCALED: tl.constexpr, V_SPLIT: tl.constexpr,
     V_O_BITS: tl.constexpr, V_O_W0: tl.constexpr, V_O_W1: tl.constexpr, V_O_W2: tl.constexpr, V_O_LEVELS: tl.constexpr,
     V_BDO: tl.constexpr, V_BDR: tl.constexpr, V_BDOC: tl.constexpr, V_BDRC: tl.constexpr,
 ):
@@ -150,7 +152,7 @@ def _decode_partials(
         tt = tl.arange(0, TT)
         valid_b = tt < TT
         qb = q
-        if K_ROTATED:  # keys stored rotated (TurboQuant): scored against the query rotated once, P q
+        if K_ROTATED or K_QSCALED:  # keys stored rotated (TurboQuant): scored against P q; keys of k / s: q * s
             qb = tl.load(qb_ptr + s * R * D + r[:, None] * D + c[None, :], mask=(r < R)[:, None] & cmask[None, :], other=0.0)
         if K_QJL:  # keys with the QJL residual, one instance: the rotated query sketched once, G P q
             if K_SPLIT == 0:
@@ -161,7 +163,7 @@ def _decode_partials(
             block = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
             if K_QJL:  # the outlier split: each instance's sketch of the query in this block's channel order
                 if K_SPLIT > 0:
-                    qs_o, qs_r = split_sketched_queries(q, kxm_ptr, kxt_ptr, block, c, cmask, D, K_SPLIT, K_O_LEVELS, K_BDO,
+                    qs_o, qs_r = split_sketched_queries(qb, kxm_ptr, kxt_ptr, block, c, cmask, D, K_SPLIT, K_O_LEVELS, K_BDO,
                                                         K_BDR)  # (BR, BDO), (BR, BDR)
             for sub in tl.static_range(BS // TT):  # the block in token tiles of TT rows (bounded registers)
                 tb = sub * TT + tt
@@ -400,7 +402,11 @@ def paged_decode_attention(
     rope_args, rope_constants = _rope_arguments(rope if has_body else None, s, device)
     if vf.qjl:
         raise ValueError("paged_decode_attention: values never carry the QJL residual (keys only)")
-    q_body = rotated_query(q, body[0]) if kf.rotated else q  # (S, R, D) the query body keys are scored against
+    q_body = q  # (S, R, D) the query body keys are scored against
+    if kf.query_scale:  # keys hold k / s (TurboQuant channel_scale: query): q * s, the row of the stream's KV head
+        q_body = (q * body[0]["channel_scale"].float()[group][:, None, :]).contiguous()
+    if kf.rotated:
+        q_body = rotated_query(q_body, body[0])
     q_sketch = sketched_query(q_body, body[0]) if kf.qjl and not kf.split else zeros(1, torch.float32, device)  # (S, R, D)
     qjl_ptrs = qjl_pointers(body[0] if has_body and kf.qjl else None, zeros(1, torch.float32, device))
     acc_rot = torch.zeros_like(acc) if vf.rotated else zeros(1, torch.float32, device)
