@@ -250,3 +250,40 @@ def test_gemma3_scores_lose_less_with_the_scale(gemma3):
         errors[name] = inner_product_error(runtime, window).summary()["rel_mse"]
     # measured 2026-11-28: see benchmarks/RESULTS.md "Query-weighted key channels"
     assert errors["scaled"] < 0.75 * errors["plain"], errors
+
+
+def test_the_bundled_sliding_recipe_calibrates_and_decodes_on_a_tiny_gemma3(tmp_path):
+    """`turboquant-k2.5sliding-v2.5-qscale` (scaled keys, 2.5 bits on the sliding layers by kind, 16-token blocks) on
+    a tiny Gemma 3 (layer 0 sliding, window 24): one calibration fits both layers' scales; the sliding layer stores
+    2-bit keys, the global one 3-bit; the CPU kernel and the Triton kernel (interpreter) give the torch path's
+    tokens."""
+    from kvtool.models.cache_argument import with_cache
+    from kvtool.recipe import CalibrationSpec
+    from kvtool.runtime.backend import triton_available
+    from tests.tiny_models import featured_model, tiny_tokenizer_free_inputs
+
+    model = featured_model("gemma3_text", sliding_window=24, kv_heads=2)
+    recipe = load_recipe("turboquant-k2.5sliding-v2.5-qscale")
+    assert recipe.cache.block_size == 16 and recipe.keys.channel_scale == "query"
+
+    class Chars:  # calibration reads token ids; the tiny model has no tokenizer of its own
+        def __call__(self, text, **_):
+            return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    calibration = dataclasses.replace(recipe, calibration=CalibrationSpec(samples=2, seq_len=96))
+    artifact = calibrate_loaded(model, Chars(), str(tmp_path / "text.txt"), calibration, batch_size=1)
+    deployable = dataclasses.replace(artifact, kind="deployable")
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=70)
+    outputs = {}
+    for backend in ["torch", "numba"] + (["triton"] if triton_available(torch.device("cpu")) else []):
+        runtime = CompressedRuntime.from_artifact(model, deployable, backend=backend)
+        assert [runtime.recipe.for_layer(i).keys.bits for i in (0, 1)] == [2, 3]
+        cache = runtime.new_cache()
+        with torch.no_grad():
+            outputs[backend] = model.generate(ids, attention_mask=mask, **with_cache(cache), max_new_tokens=24,
+                                              do_sample=False)
+        if backend != "torch":
+            assert cache.memory_report()["kernel_steps"] > 0, backend
+    for backend, tokens in outputs.items():
+        assert torch.equal(tokens, outputs["torch"]), backend

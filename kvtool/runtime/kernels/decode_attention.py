@@ -23,7 +23,9 @@ its GQA group, already multiplied by the softmax scale) and attends to
   per partial (`body_rotated.py`); with TurboQuant's outlier split, both instances of a block
   rebuilt in head space through the block's channel mask (`body_split.py`); TurboQuant keys with
   the 1-bit QJL residual add each body key's QJL term to its score, against the query sketched
-  once per step (once per block with the split) (`body_qjl.py`).
+  once per step (once per block with the split) (`body_qjl.py`); TurboQuant keys with
+  ``channel_scale: query`` hold k / s, so body keys are scored against q * s (the row of the
+  stream's KV head, multiplied once per step in torch, before the rotation).
   Keys stored before RoPE (``keys.pre_rope``, `body_rope.BodyRope`) are rotated in registers at
   each body token's true position, read in place (per-slot ``pos`` of an evicting store, or the
   cache's per-sequence position table).
