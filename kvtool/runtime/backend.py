@@ -98,7 +98,7 @@ def kernel_unsupported(recipe: Recipe, quantizers=(), ropes=()) -> str | None:
         return reason
     for quantizer, name in zip(quantizers, ("keys", "values")):
         try:
-            fmt = quantizer.kernel_format()
+            quantizer.kernel_format()
         except RuntimeConfigError as exc:
             return f"{name} use method '{quantizer.spec.method}': {exc} ({KERNEL_READS})"
     return None

@@ -196,16 +196,14 @@ def split_chunk(dim: int, head_dim: int) -> int:
 
 def side_constants(fmt, head_dim: int) -> dict:
     """The decode kernel's constants for one side's `BodyFormat`, without the K_ / V_ prefix: `load_body`'s, the
-    latent rank, its width BL and reconstruction chunk BLC, whether the side is rotated, whether its keys hold k / s
-    (QSCALED: the body is scored against the query times s, `paged_decode_attention`'s ``q_body``), and the outlier split's
+    latent rank, its width BL and reconstruction chunk BLC, whether the side is rotated, and the outlier split's
     instances (widths BDO, BDR; chunks BDOC, BDRC)."""
     w0, w1, w2 = fmt.widths()
     o0, o1, o2 = fmt.widths(fmt.split_bits)
     mantissa, bias = fmt.fp8_layout()
     return dict(BITS=fmt.bits, W0=w0, W1=w1, W2=w2, FP8_MANTISSA=mantissa, FP8_BIAS=bias, SCALES=fmt.scale_mode(),
                 GROUP=fmt.group, HAS_ZERO=fmt.zero, LEVELS=fmt.levels, OUTLIERS=fmt.outliers, RANK=fmt.rank,
-                BL=_lanes(fmt.rank), BLC=latent_chunk(fmt.rank, head_dim), ROTATED=fmt.rotated, QSCALED=fmt.query_scale,
-                SPLIT=fmt.split,
+                BL=_lanes(fmt.rank), BLC=latent_chunk(fmt.rank, head_dim), ROTATED=fmt.rotated, SPLIT=fmt.split,
                 O_BITS=fmt.split_bits, O_W0=o0, O_W1=o1, O_W2=o2, O_LEVELS=2**fmt.split_bits if fmt.split else 0,
                 BDO=_lanes(fmt.split),
                 BDR=_lanes(head_dim - fmt.split), BDOC=split_chunk(fmt.split, head_dim),

@@ -123,14 +123,13 @@ def _decode_partials(
     SPLITS, HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
-    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_BLC: tl.constexpr, K_ROTATED: tl.constexpr,
-    K_QSCALED: tl.constexpr, K_SPLIT: tl.constexpr,
+    K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_BLC: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
     K_O_BITS: tl.constexpr, K_O_W0: tl.constexpr, K_O_W1: tl.constexpr, K_O_W2: tl.constexpr, K_O_LEVELS: tl.constexpr,
     K_BDO: tl.constexpr, K_BDR: tl.constexpr, K_BDOC: tl.constexpr, K_BDRC: tl.constexpr, K_QJL: tl.constexpr,
+    K_QSCALED: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
     V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
-    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_BLC: tl.constexpr, V_ROTATED: tl.constexpr,
-    V_QSCALED: tl.constexpr, V_SPLIT: tl.constexpr,
+    V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_BLC: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
     V_O_BITS: tl.constexpr, V_O_W0: tl.constexpr, V_O_W1: tl.constexpr, V_O_W2: tl.constexpr, V_O_LEVELS: tl.constexpr,
     V_BDO: tl.constexpr, V_BDR: tl.constexpr, V_BDOC: tl.constexpr, V_BDRC: tl.constexpr,
 ):
@@ -425,7 +424,7 @@ def paged_decode_attention(
         m, l, acc, acc_rot, r, float(softcap or 0.0),
         D=d, BR=br, BD=bd, FBS=fbs, BS=bs, TT=tile or token_tile(bs, bd, kf.bits != 16 or vf.bits != 16), SPLITS=splits,
         HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants, **_prefixed(k_constants, "K_"),
-        **_prefixed(v_constants, "V_"), K_QJL=kf.qjl, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        **_prefixed(v_constants, "V_"), K_QJL=kf.qjl, K_QSCALED=kf.query_scale, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if vf.rotated:
         fold_rotated_values(acc, acc_rot, body[1])
