@@ -33,7 +33,12 @@ Storage per block of one (sequence, KV head) stream (S tokens; leading block dim
 instance (names with the ``outlier_`` prefix for the outlier instance, none for the other):
 
 * ``codes``: (S * b / 8, d) uint8, bit-sliced (`packing.py`), b = code bits, d = its channels;
-* ``norm``: (S,) float16, the norm of the token's channels in this instance;
+* ``norm``: (S,) float16, the norm of the token's channels in this instance; with ``norm_bits: 8``
+  (S + 4,) uint8 instead: S codes c_t, then the block's range of log2 norms as two int16 (little-endian)
+  in 1/1024 octave, hi >= the largest and lo <= the smallest (at most 16 octaves under hi); each norm
+  reads as ``2 ** ((hi - c_t (hi - lo) / 255) / 1024)``: 255 steps spread over the block's own range,
+  so within 0.14% of the norm for a block whose norms span a factor 2 and 1.1% for a factor 256 (a
+  key's norm error moves its logit in proportion: a coarse fixed grid showed in the output KL);
 * QJL: ``qjl_signs`` (S / 8, d) uint8 (1 bit per coordinate), ``residual_norm`` (S,) float16;
 
 and with the split ``outlier_mask`` (D / 8,) uint8: bit c set when channel c is an outlier.
@@ -69,6 +74,8 @@ from kvtool.methods.registry import register
 
 _GRID = 1 << 16  # points of the density grid the Lloyd-Max iteration runs on
 _LLOYD_STEPS = 300
+NORM_LEVEL_UNITS = 1024  # 8-bit norms: a block's range of log2 norms is stored in 1/1024 octave (int16: 2**-32 .. 2**32)
+NORM_RANGE_OCTAVES = 16  # 8-bit norms: the widest range a block's codes span (smaller norms read at its floor)
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)  # of the 8 channels one mask byte holds, lowest channel first
 
 
@@ -129,6 +136,28 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """x = s * H y: the inverse of `rotate` (H is symmetric and its own inverse)."""
     return fwht(y) * signs
+
+
+def encode_norms8(norm: torch.Tensor) -> torch.Tensor:
+    """norm (N, S) float32 >= 0 -> (N, S + 4) uint8: the codes c = round((hi - level) * 255 / (hi - lo)) (0 where
+    hi = lo), then hi and lo as int16 bytes (little-endian); level = NORM_LEVEL_UNITS * log2(norm), clamped to
+    -32767 .. 32767 (norms under 2**-32 read as 2**-32: nothing a cache holds), hi = ceil(max level), lo = floor(min
+    level) but at most NORM_RANGE_OCTAVES under hi."""
+    level = (torch.log2(norm.double()) * NORM_LEVEL_UNITS).clamp(-32767, 32767)  # (N, S); a zero norm -> -32767
+    hi = level.amax(dim=-1, keepdim=True).ceil()  # (N, 1)
+    lo = torch.maximum(level.amin(dim=-1, keepdim=True).floor(), hi - NORM_RANGE_OCTAVES * NORM_LEVEL_UNITS)
+    span = (hi - lo).clamp(min=1)
+    codes = ((hi - level) * (255 / span)).round().clamp(0, 255)
+    bounds = torch.cat([hi, lo], dim=-1).to(torch.int16)  # (N, 2)
+    return torch.cat([codes.to(torch.uint8), bounds.view(torch.uint8).reshape(-1, 4)], dim=-1)
+
+
+def decode_norms8(stored: torch.Tensor) -> torch.Tensor:
+    """(..., S + 4) uint8 from `encode_norms8` -> (..., S) float32 norms, 2 ** ((hi - c (hi - lo) / 255) / 1024)."""
+    bounds = stored[..., -4:].contiguous().view(torch.int16).float()  # (..., 2)
+    hi, lo = bounds[..., :1], bounds[..., 1:]
+    level = hi - stored[..., :-4].float() * ((hi - lo) / 255)
+    return torch.exp2(level * (1.0 / NORM_LEVEL_UNITS))
 
 
 def outlier_mask(x: torch.Tensor, count: int) -> torch.Tensor:
@@ -225,6 +254,7 @@ class TurboQuantizer(BlockQuantizer):
                 f"head_dim (>= 8), the model has {head_dim}; use another method for this model"
             )
         self.qjl = spec.qjl
+        self.norm_bits = spec.norm_bits  # 16: float16 per token; 8: log codes under the block's maximum
         self.outliers = round(head_dim * spec.outlier_channel_fraction) if spec.extra_bits else 0  # per block
         if self.outliers:
             outlier_bits = spec.bits + round(spec.extra_bits / spec.outlier_channel_fraction)
@@ -306,7 +336,7 @@ class TurboQuantizer(BlockQuantizer):
         for inst in self.instances:
             p = inst.prefix
             spec[p + "codes"] = ((packed_rows(s, inst.code_bits), inst.dim), torch.uint8)
-            spec[p + "norm"] = ((s,), torch.float16)
+            spec[p + "norm"] = ((s,), torch.float16) if self.norm_bits == 16 else ((s + 4,), torch.uint8)
             if inst.qjl:
                 spec[p + "qjl_signs"] = ((packed_rows(s, 1), inst.dim), torch.uint8)
                 spec[p + "residual_norm"] = ((s,), torch.float16)
@@ -321,7 +351,8 @@ class TurboQuantizer(BlockQuantizer):
 
         rest = self.instances[-1]
         split = dict(split=self.outliers, split_bits=self.instances[0].code_bits) if self.outliers else dict(rotated=True)
-        return BodyFormat(bits=rest.code_bits, per_channel=False, group=self.head_dim, scales="norm", zero=False,
+        norm = "norm" if self.norm_bits == 16 else "norm8"
+        return BodyFormat(bits=rest.code_bits, per_channel=False, group=self.head_dim, scales=norm, zero=False,
                           levels=2**rest.code_bits, qjl=self.qjl, query_scale=self.channel_scale is not None, **split)
 
     def kernel_constants(self) -> dict[str, torch.Tensor]:
@@ -344,7 +375,10 @@ class TurboQuantizer(BlockQuantizer):
         """x (N, S, d) float32, the instance's channels -> its storage tensors."""
         p, out = inst.prefix, {}
         norm = x.norm(dim=-1)  # (N, S)
-        out[p + "norm"] = norm.clamp(max=65504.0).to(torch.float16)
+        if self.norm_bits == 16:
+            out[p + "norm"] = norm.clamp(max=65504.0).to(torch.float16)
+        else:
+            out[p + "norm"] = encode_norms8(norm.reshape(-1, norm.shape[-1])).reshape(*norm.shape[:-1], -1)
         y = rotate_with(x / norm.clamp(min=1e-30)[..., None], on)  # (N, S, d) unit vectors, rotated
         codebook = on["codebook"]
         codes = torch.bucketize(y.contiguous(), (codebook[1:] + codebook[:-1]) / 2)  # nearest level
@@ -355,6 +389,11 @@ class TurboQuantizer(BlockQuantizer):
             out[p + "qjl_signs"] = pack_codes((projected >= 0).to(torch.uint8), 1)
             out[p + "residual_norm"] = residual.norm(dim=-1).to(torch.float16)
         return out
+
+    def _norms(self, inst: Instance, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(..., S) float32: the stored norm of every token of the blocks, for one instance."""
+        stored = blocks[inst.prefix + "norm"]
+        return stored.float() if self.norm_bits == 16 else decode_norms8(stored)
 
     def _reconstruct(self, inst: Instance, blocks: dict[str, torch.Tensor], on: dict) -> torch.Tensor:
         """Packed codes (N, ...) -> y_hat (N, S, d) float32 in the instance's rotated domain (codes only)."""
@@ -395,7 +434,7 @@ class TurboQuantizer(BlockQuantizer):
 
     def decode_blocks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
         on = self._on(blocks["norm"].device)
-        parts = [unrotate_with(self._rotated_estimate(inst, blocks, t), t) * blocks[inst.prefix + "norm"].float()[..., None]
+        parts = [unrotate_with(self._rotated_estimate(inst, blocks, t), t) * self._norms(inst, blocks)[..., None]
                  for inst, t in zip(self.instances, on)]
         x = torch.cat(parts, dim=-1)  # (N, S, D) in the block's channel order
         if self.outliers:
@@ -440,7 +479,7 @@ class TurboQuantizer(BlockQuantizer):
                 signs = self._qjl_signs(inst, flat).reshape(sc, nb, s, inst.dim)  # (Sc, nb, S, d)
                 q_sketch = q_rot @ t["sketch"].T  # (Sc, 1|nb, R, d): G q
                 part = part + torch.matmul(q_sketch, signs.transpose(-1, -2)) * self._qjl_gamma(inst, flat).reshape(sc, nb, 1, s)
-            scores = scores + part * flat[inst.prefix + "norm"].float().reshape(sc, nb, 1, s)
+            scores = scores + part * self._norms(inst, flat).reshape(sc, nb, 1, s)
             start += inst.dim
         return scores.transpose(1, 2).reshape(sc, rows, nb * s)[:, None]  # (Sc, 1, R, T)
 
@@ -452,7 +491,7 @@ class TurboQuantizer(BlockQuantizer):
         parts = []
         for inst, t in zip(self.instances, on):
             y = self._rotated_estimate(inst, flat, t).reshape(sc, nb, s, inst.dim)  # (Sc, nb, S, d)
-            weights = p * flat[inst.prefix + "norm"].float().reshape(sc, nb, 1, s)  # (Sc, nb, R, S): p_t ||x_t||
+            weights = p * self._norms(inst, flat).reshape(sc, nb, 1, s)  # (Sc, nb, R, S): p_t ||x_t||
             out_rot = torch.matmul(weights, y)  # (Sc, nb, R, d) in the rotated domain
             if not self.outliers:
                 out_rot = out_rot.sum(dim=1, keepdim=True)  # one channel order: sum the blocks, rotate back once

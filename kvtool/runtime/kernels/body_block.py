@@ -111,11 +111,33 @@ def _outliers(x, oidx_ptr, oval_ptr, block, t, c, D: tl.constexpr, K: tl.constex
 
 
 @triton.jit
+def token_norms(norm_ptr, block, t, BS: tl.constexpr, SCALES: tl.constexpr):
+    """TurboQuant's norms (TT,) float32 of a block's tokens t (0 past BS): SCALES 5, one fp16 per token (cap, BS); 6,
+    8-bit codes c (cap, BS + 4) uint8 whose last 4 bytes are the block's log2 range hi, lo (int16, 1/1024 octave):
+    2**((hi - c (hi - lo) / 255) / 1024) (`kvtool.methods.quant.turboquant.encode_norms8`)."""
+    if SCALES == 5:
+        return tl.load(norm_ptr + block * BS + t, mask=t < BS, other=0.0).to(tl.float32)
+    row = norm_ptr + block * (BS + 4)
+    hi = _int16_at(row + BS)
+    lo = _int16_at(row + BS + 2)
+    code = tl.load(row + t, mask=t < BS, other=0).to(tl.float32)
+    return tl.where(t < BS, tl.exp2((hi - code * ((hi - lo) / 255.0)) * (1.0 / 1024.0)), 0.0)
+
+
+@triton.jit
+def _int16_at(ptr):
+    """The little-endian int16 at byte ``ptr`` as float32."""
+    bits = tl.load(ptr).to(tl.int32) | (tl.load(ptr + 1).to(tl.int32) << 8)
+    return tl.where(bits >= 32768, bits - 65536, bits).to(tl.float32)
+
+
+@triton.jit
 def load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_ptr, srow, scol, block, head, t, c, cmask,
               D: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
               FP8_MANTISSA: tl.constexpr, FP8_BIAS: tl.constexpr, SCALES: tl.constexpr, GROUP: tl.constexpr,
               HAS_ZERO: tl.constexpr, LEVELS: tl.constexpr, OUTLIERS: tl.constexpr):
-    """One body block of one side as float32 (BS, BD); SCALES: 0 none, 1 channel, 2 token, 3 block, 4 static, 5 norm.
+    """One body block of one side as float32 (BS, BD); SCALES: 0 none, 1 channel, 2 token, 3 block, 4 static, 5 norm,
+    6 norm8 (`token_norms`).
 
     D is the width of what the block stores: head_dim, or the latent rank of a low-rank format.
     """
@@ -158,8 +180,8 @@ def load_body(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
             x = x * tl.load(scale_ptr + head * srow + c * scol, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if HAS_ZERO:
                 x = x + tl.load(zero_ptr + head * srow + c * scol, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        elif SCALES == 5:  # one fp16 per token (TurboQuant's norm)
-            x = x * tl.load(scale_ptr + block * BS + t, mask=t < BS, other=0.0).to(tl.float32)[:, None]
+        elif SCALES >= 5:  # TurboQuant's per-token norm
+            x = x * token_norms(scale_ptr, block, t, BS, SCALES)[:, None]
         if OUTLIERS > 0:
             x = _outliers(x, oidx_ptr, oval_ptr, block, t, c, D, OUTLIERS, OUTLIER_CHUNK)
     return x

@@ -15,6 +15,9 @@ A body element is read in steps, each chosen by one field (constants for the ker
    * ``"static"``: calibrated tables beside the store, rows 1 or H_kv (per layer or per KV
      head), columns 1 or D (per channel): fp8 static (no zero), int_static, nuq channel axis;
    * ``"norm"``: the block, one fp16 per token and no zero (TurboQuant's per-token norm);
+   * ``"norm8"``: the same norm as an 8-bit log code per token, (BS + 4,) uint8 per block: BS codes c
+     then the block's log2 range hi, lo as int16 in 1/1024 octave, read as
+     ``2 ** ((hi - c (hi - lo) / 255) / 1024)`` (TurboQuant's ``norm_bits: 8``);
    * ``"none"``: float data;
 
 4. **outliers** (``outliers > 0``, nuq): that many (int16 flat index, fp16 value) pairs per
@@ -43,7 +46,8 @@ from dataclasses import dataclass
 
 from kvtool.methods.quant.packing import slice_widths
 
-SCALE_MODES = ("none", "channel", "token", "block", "static", "norm")
+SCALE_MODES = ("none", "channel", "token", "block", "static", "norm", "norm8")
+NORM_MODES = ("norm", "norm8")  # TurboQuant's per-token norm: float16, or 8-bit log codes under the block's maximum
 FP8_LAYOUTS = {"e4m3": (3, 7), "e5m2": (2, 15)}  # mantissa bits, exponent bias
 
 
@@ -73,7 +77,7 @@ class BodyFormat:
             raise ValueError(f"BodyFormat.scales: '{self.scales}' is not one of {SCALE_MODES}")
         if self.fp8 and (self.fp8 not in FP8_LAYOUTS or self.bits != 8):
             raise ValueError(f"BodyFormat.fp8: '{self.fp8}' needs bits 8 and one of {list(FP8_LAYOUTS)}")
-        if self.qjl and not (self.scales == "norm" and (self.rotated or self.split)):
+        if self.qjl and not (self.scales in NORM_MODES and (self.rotated or self.split)):
             raise ValueError("BodyFormat.qjl: the QJL residual is TurboQuant's: needs scales 'norm' and rotated or split")
 
     @property

@@ -93,7 +93,8 @@ def load_side(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_
     if SPLIT > 0:  # TurboQuant's outlier split: two instances rebuilt in head space
         x_partner = tl.zeros((TT, c.shape[0]), tl.float32)
         x = load_split(codes_ptr, scale_ptr, lut_ptr, xcodes_ptr, xnorm_ptr, xmask_ptr, xtables_ptr, block, t, c, cmask,
-                       D, BS, BITS, W0, W1, W2, LEVELS, SPLIT, O_BITS, O_W0, O_W1, O_W2, O_LEVELS, BDO, BDR, BDOC, BDRC)
+                       D, BS, BITS, W0, W1, W2, LEVELS, SPLIT, O_BITS, O_W0, O_W1, O_W2, O_LEVELS, BDO, BDR, BDOC, BDRC,
+                       SCALES)
     elif RANK > 0:  # low-rank latents: the block is (BS, RANK) wide
         x, x_partner = reconstruct(data_ptr, codes_ptr, scale_ptr, zero_ptr, lut_ptr, oidx_ptr, oval_ptr, w_ptr, b_ptr, srow,
                                    scol, block, head, t, c, cmask, partner, BS, BITS, W0, W1, W2, FP8_MANTISSA, FP8_BIAS,

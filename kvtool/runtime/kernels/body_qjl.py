@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtool.runtime.kernels.body_block import _packed_codes
+from kvtool.runtime.kernels.body_block import _packed_codes, token_norms
 from kvtool.runtime.kernels.body_split import channel_ranks, placement
 
 SQRT_HALF_PI = tl.constexpr(math.sqrt(math.pi / 2))  # the QJL estimator's scale, before the 1 / d
@@ -56,7 +56,8 @@ def qjl_pointers(tensors: dict[str, torch.Tensor] | None, dummy: torch.Tensor) -
 
 
 @triton.jit
-def qjl_logits(qs, signs_ptr, rnorm_ptr, norm_ptr, block, t, DIM: tl.constexpr, BDI: tl.constexpr, BS: tl.constexpr):
+def qjl_logits(qs, signs_ptr, rnorm_ptr, norm_ptr, block, t, DIM: tl.constexpr, BDI: tl.constexpr, BS: tl.constexpr,
+               SCALES: tl.constexpr):
     """QJL terms (BR, TT) float32 of one instance for the block's tokens t (TT,), queries sketched as qs (BR, BDI)
     (zero past DIM): ``||x|| * sqrt(pi/2) / DIM * ||r|| * qs . sign``."""
     j = tl.arange(0, BDI)
@@ -66,7 +67,7 @@ def qjl_logits(qs, signs_ptr, rnorm_ptr, norm_ptr, block, t, DIM: tl.constexpr, 
     dots = tl.dot(qs, tl.trans(sign), input_precision="tf32x3")  # (BR, TT)
     tmask = t < BS
     gamma = tl.load(rnorm_ptr + block * BS + t, mask=tmask, other=0.0).to(tl.float32) * (SQRT_HALF_PI / DIM)  # (TT,)
-    norm = tl.load(norm_ptr + block * BS + t, mask=tmask, other=0.0).to(tl.float32)  # (TT,) ||x_i||
+    norm = token_norms(norm_ptr, block, t, BS, SCALES)  # (TT,) ||x_i||
     return dots * (gamma * norm)[None, :]
 
 

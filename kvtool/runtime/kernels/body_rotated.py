@@ -5,9 +5,10 @@ block of one side holds, for its BS tokens,
 
 * ``codes`` (cap, BS * b / 8, D) uint8 bit-sliced, token-split b-bit indices into the Lloyd-Max
   ``codebook`` (2**b,) float32 of the rotated unit vector ``y = P x / ||x||``;
-* ``norm`` (cap, BS) fp16, ``||x||`` per token;
+* ``norm`` (cap, BS) fp16, ``||x||`` per token (``norm_bits: 8``: (cap, BS + 4) uint8, 8-bit log codes over
+  the block's range, ``BodyFormat.scales == "norm8"``, `body_block.token_norms`);
 
-read by `body_block.load_body` as ``codebook[code] * norm`` (``BodyFormat.scales == "norm"``):
+read by `body_block.load_body` as ``codebook[code] * norm`` (``BodyFormat.scales == "norm"`` or ``"norm8"``):
 ``norm * y_hat``, the token in the rotated domain. ``P = H diag(s)`` (orthonormal Walsh-Hadamard
 times the seed's random signs) comes as the side's ``rotation`` (D, D) float32 (`kernel_tensors`).
 

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from kvtool.methods.quant.packing import slice_widths
+from kvtool.runtime.kernels.body_format import NORM_MODES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16)  # the float pool dtypes the kernel reads
 
@@ -67,8 +68,8 @@ def reads(fmt) -> bool:
 
 def reads_rotated(fmt) -> bool:
     """The kernel reads this body format as TurboQuant's (`cpu_decode_rotated.py`): codebook codes of rotated unit
-    vectors with an fp16 norm per token, one instance or the outlier split's two, without the QJL residual."""
-    return fmt.scales == "norm" and (fmt.rotated or fmt.split > 0) and not fmt.qjl and not fmt.rank and not fmt.outliers
+    vectors with a norm per token (fp16, or 8-bit log codes over the block's range), one instance or the outlier split's two, without the QJL residual."""
+    return fmt.scales in NORM_MODES and (fmt.rotated or fmt.split > 0) and not fmt.qjl and not fmt.rank and not fmt.outliers
 
 
 def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
@@ -179,13 +180,14 @@ def _no_side() -> tuple:
 
 def _rotated_side(side: dict, fmt) -> tuple:
     """A TurboQuant side as `cpu_decode_rotated` takes it: (outlier channels d_o (0: no split), outlier codes, codes
-    (cap, rows, d) uint8, outlier norms, norms (cap, BS) fp16 bits, outlier masks (cap, D / 8) uint8, outlier
+    (cap, rows, d) uint8, outlier norms, norms (cap, BS) fp16 bits or (cap, BS + 4) uint8 8-bit codes, outlier masks (cap, D / 8) uint8, outlier
     codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
     outlier slice widths, slice widths, query scale (H_kv, D) float32 of keys with ``channel_scale: query``, else
     (0, D)); the outlier entries are placeholders without a split."""
     codes = _held_view(side["codes"])
     d_o, d_r = int(fmt.split), codes.shape[2]
-    norm = _held_view(side["norm"], "rows")
+    norm_view = "rows" if fmt.scales == "norm" else "2d"  # fp16 bits, or 8-bit codes then the block's range
+    norm = _held_view(side["norm"], norm_view)
     book = side["codebook"].numpy()
     if d_o == 0:
         placeholder = _no_side()  # the outlier instance's entries: never read (built once)
@@ -197,7 +199,7 @@ def _rotated_side(side: dict, fmt) -> tuple:
     levels = 2**fmt.split_bits
     rot_o = tables[levels : levels + d_o * d_o].reshape(d_o, d_o)
     rot_r = tables[levels + d_o * d_o : levels + d_o * d_o + d_r * d_r].reshape(d_r, d_r)
-    return (d_o, _held_view(side["outlier_codes"]), codes, _held_view(side["outlier_norm"], "rows"), norm,
+    return (d_o, _held_view(side["outlier_codes"]), codes, _held_view(side["outlier_norm"], norm_view), norm,
             _held_view(side["outlier_mask"], "2d"), tables[:levels], book, rot_o, rot_r, _signs(rot_o), _signs(rot_r),
             _widths(fmt.split_bits), _widths(fmt.bits), _query_scale(side, d_o + d_r))
 

@@ -39,6 +39,8 @@ from kvtool.runtime.kernels.cpu_decode_kernel import (
     part_softmax,
 )
 
+LN2 = 0.6931471805599453  # 8-bit norms: 2**x = exp(x ln 2)
+
 
 @njit(cache=True, inline="always")
 def block_order(mask, block, order):
@@ -159,11 +161,40 @@ def unrotate_into(summed, rotation, signs, order, offset, row, acc):
             acc_r[order[offset + c]] += row[c]
 
 
+@njit(cache=True, inline="always")
+def _int16_at(norm, block, i):
+    """The little-endian int16 at bytes i, i + 1 of a block's row."""
+    bits = np.int32(norm[block, i]) | (np.int32(norm[block, i + 1]) << 8)
+    return bits - 65536 if bits >= 32768 else bits
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def block_norm_range(norm, block, bs):
+    """(hi, step) float32 in octaves of a block whose ``norm`` holds 8-bit codes ((cap, bs + 4) uint8: the codes, then
+    the block's log2 range hi, lo as int16 in 1/1024 octave): a code c reads 2**(hi - c step); (0, 0) for fp16 norms
+    ((cap, bs) fp16 bits)."""
+    if norm.shape[1] == bs:
+        return np.float32(0.0), np.float32(0.0)
+    hi, lo = _int16_at(norm, block, bs), _int16_at(norm, block, bs + 2)
+    return np.float32(hi / 1024.0), np.float32((hi - lo) / (255.0 * 1024.0))
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def token_norm(norm, block, t, hi, step, bs):
+    """||x_t|| of token t of the block (bs tokens): its fp16 bits, or with 8-bit codes (norm (cap, bs + 4)) 2**(hi - c
+    step) from the block's range (`block_norm_range`)."""
+    if norm.shape[1] != bs:
+        return np.float32(np.exp((hi - np.float32(norm[block, t]) * step) * np.float32(LN2)))
+    return half_to_float(np.uint16(norm[block, t]))  # (typed for both arrays: the branch above runs for uint8 ones)
+
+
 @njit(cache=True, inline="always", fastmath=FAST)
 def instance_scores(scores, base, rotated, tile, norm, block):
     """scores[r, base + t] += ||x_t|| (P q_r) . y_t over the block's tokens: one instance's share of the logits."""
-    for t in range(tile.shape[0]):
-        nt = half_to_float(norm[block, t])
+    bs = tile.shape[0]
+    hi, step = block_norm_range(norm, block, bs)
+    for t in range(bs):
+        nt = token_norm(norm, block, t, hi, step, bs)
         for r in range(rotated.shape[0]):
             scores[r, base + t] += nt * dot(rotated[r], tile[t])
 
@@ -171,8 +202,10 @@ def instance_scores(scores, base, rotated, tile, norm, block):
 @njit(cache=True, inline="always", fastmath=FAST)
 def instance_values(weights, base, tile, norm, block, summed):
     """summed (R, d) += sum_t p_t ||x_t|| y_t over the block's tokens: one instance's weighted rows, rotated domain."""
-    for t in range(tile.shape[0]):
-        nt = half_to_float(norm[block, t])
+    bs = tile.shape[0]
+    hi, step = block_norm_range(norm, block, bs)
+    for t in range(bs):
+        nt = token_norm(norm, block, t, hi, step, bs)
         for r in range(summed.shape[0]):
             p = weights[r, base + t]
             if p != 0.0:

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from kvtool.runtime.kernels.body_block import load_body, side_constants
-from kvtool.runtime.kernels.body_format import BodyFormat
+from kvtool.runtime.kernels.body_format import NORM_MODES, BodyFormat
 from kvtool.runtime.kernels.body_lowrank import load_side
 from kvtool.runtime.kernels.body_qjl import qjl_logits, qjl_pointers, sketched_query, split_sketched_queries
 from kvtool.runtime.kernels.body_rope import SOURCES, BodyRope, body_positions, partner_channels, rotate_keys
@@ -188,10 +188,12 @@ def _decode_partials(
                 if K_QJL:  # the codebook score plus each instance's QJL term
                     logits = tl.dot(qb, tl.trans(k), input_precision="tf32x3")  # (BR, TT)
                     if K_SPLIT > 0:
-                        logits = logits + qjl_logits(qs_o, kxsg_ptr, kxrn_ptr, kxn_ptr, block, tb, K_SPLIT, K_BDO, BS)
-                        logits = logits + qjl_logits(qs_r, ksg_ptr, krn_ptr, ks_ptr, block, tb, D - K_SPLIT, K_BDR, BS)
+                        logits = logits + qjl_logits(qs_o, kxsg_ptr, kxrn_ptr, kxn_ptr, block, tb, K_SPLIT, K_BDO, BS,
+                                                     K_SCALES)
+                        logits = logits + qjl_logits(qs_r, ksg_ptr, krn_ptr, ks_ptr, block, tb, D - K_SPLIT, K_BDR, BS,
+                                                     K_SCALES)
                     else:
-                        logits = logits + qjl_logits(qs, ksg_ptr, krn_ptr, ks_ptr, block, tb, D, BD, BS)
+                        logits = logits + qjl_logits(qs, ksg_ptr, krn_ptr, ks_ptr, block, tb, D, BD, BS, K_SCALES)
                     m, l, alpha, p = _softmax_logits(logits, valid_b, m, l, SOFTCAP, softcap)
                 else:
                     m, l, alpha, p = _softmax_step(qb, k, valid_b, m, l, SOFTCAP, softcap)
@@ -271,7 +273,7 @@ def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> t
     ``recon`` (H_kv, r, D) / ``recon_bias`` (H_kv, D) float32 of low-rank latents, ``split_tables``
     of TurboQuant's outlier split, see `body_split.py`, ``qjl_sketch`` of its QJL keys, see
     `body_qjl.py`, whose signs and residual norms `body_qjl.qjl_pointers` passes). Float data is
-    ``data`` (method none) or ``latent`` (Palu), the per-token scale of ``"norm"`` is ``norm``.
+    ``data`` (method none) or ``latent`` (Palu), the per-token scale of ``"norm"`` / ``"norm8"`` is ``norm``.
     Unused pointers are a 1-element dummy.
     """
     tensors = tensors or {}
@@ -283,7 +285,7 @@ def _side(tensors: dict[str, torch.Tensor] | None, fmt: BodyFormat, device) -> t
         srow = scale.shape[1] if scale.shape[0] > 1 else 0
         scol = 1 if scale.shape[1] > 1 else 0
     else:
-        scale, zero = pick("norm" if fmt.scales == "norm" else "scale"), pick("zero")
+        scale, zero = pick("norm" if fmt.scales in NORM_MODES else "scale"), pick("zero")
     data = pick("latent" if fmt.rank else "data")
     pointers = (data, pick("codes"), scale, zero, pick("codebook"), pick("outlier_index"), pick("outlier_value"),
                 pick("recon"), pick("recon_bias"), pick("outlier_codes"), pick("outlier_norm"), pick("outlier_mask"),
