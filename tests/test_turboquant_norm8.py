@@ -21,6 +21,7 @@ from kvtool.methods.quant.turboquant import (
     encode_norms8,
 )
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe, load_recipe, recipe_from_dict
+from tests.test_kernels import devices
 
 KEYS_35 = dict(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25)
 VALUES_25 = dict(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.5)
@@ -155,17 +156,17 @@ def test_cpu_kernel_reads_8_bit_norms_as_the_dense_reference(side, head_dim, gqa
 
 
 @needs_triton
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("side", [*SIDES, *QJL_SIDES])
 @pytest.mark.parametrize("head_dim, gqa, bs", [(64, 4, 32), (256, 1, 16)])
-def test_triton_kernel_reads_8_bit_norms_as_the_dense_reference(side, head_dim, gqa, bs, sides):
+def test_triton_kernel_reads_8_bit_norms_as_the_dense_reference(side, head_dim, gqa, bs, device, sides):
+    """Under the interpreter on CPU (CI), on CUDA with the ``gpu`` marker."""
     from kvtool.runtime.kernels.decode_attention import paged_decode_attention
-    from tests.test_kernels import build_case, devices
+    from tests.test_kernels import build_case
 
-    if "cpu" not in devices():
-        pytest.skip("the Triton interpreter is off")
-    args, reference = build_case(side, head_dim, gqa, "cpu", seed=head_dim + gqa + bs + 7, bs=bs)
+    args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + gqa + bs + 7, bs=bs)
     out = paged_decode_attention(**args, kernel="general")
-    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
 
 
 # --- generation ----------------------------------------------------------------------------------------------------
@@ -196,13 +197,12 @@ def test_numba_generation_with_8_bit_norms_equals_torch_and_holds_fewer_bytes():
 
 
 @needs_triton
-def test_triton_generation_with_8_bit_norms_equals_torch():
-    from tests.test_kernels import _generate, devices
+@pytest.mark.parametrize("device", devices())
+def test_triton_generation_with_8_bit_norms_equals_torch(device):
+    from tests.test_kernels import _generate
     from tests.tiny_models import tiny_model, tiny_tokenizer_free_inputs
 
-    if "cpu" not in devices():
-        pytest.skip("the Triton interpreter is off")
-    model = tiny_model("llama", kv_heads=2)
+    model = tiny_model("llama", kv_heads=2).to(device)
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=80)
     by_torch, _ = _generate(model, NORM8_RECIPE, "torch", ids, mask)
     by_triton, cache = _generate(model, NORM8_RECIPE, "triton", ids, mask)

@@ -254,7 +254,7 @@ class TurboQuantizer(BlockQuantizer):
                 f"head_dim (>= 8), the model has {head_dim}; use another method for this model"
             )
         self.qjl = spec.qjl
-        self.norm_bits = spec.norm_bits  # 16: float16 per token; 8: log codes under the block's maximum
+        self.norm_bits = spec.norm_bits  # 16: float16 per token; 8: log codes over the block's range (`encode_norms8`)
         self.outliers = round(head_dim * spec.outlier_channel_fraction) if spec.extra_bits else 0  # per block
         if self.outliers:
             outlier_bits = spec.bits + round(spec.extra_bits / spec.outlier_channel_fraction)
