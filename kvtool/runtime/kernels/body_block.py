@@ -121,7 +121,7 @@ def token_norms(norm_ptr, block, t, BS: tl.constexpr, SCALES: tl.constexpr):
     hi = _int16_at(row + BS)
     lo = _int16_at(row + BS + 2)
     code = tl.load(row + t, mask=t < BS, other=0).to(tl.float32)
-    return tl.where(t < BS, tl.exp2((hi - code * ((hi - lo) / 255.0)) * (1.0 / 1024.0)), 0.0)
+    return tl.where(t < BS, tl.exp2((hi - code * ((hi - lo) / 255.0)) * (1.0 / 1024.0)), 0.0)  # 1024: NORM_LEVEL_UNITS
 
 
 @triton.jit

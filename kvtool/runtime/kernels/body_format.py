@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from kvtool.methods.quant.packing import slice_widths
 
 SCALE_MODES = ("none", "channel", "token", "block", "static", "norm", "norm8")
-NORM_MODES = ("norm", "norm8")  # TurboQuant's per-token norm: float16, or 8-bit log codes under the block's maximum
+NORM_MODES = ("norm", "norm8")  # TurboQuant's per-token norm: float16, or 8-bit log codes over the block's range
 FP8_LAYOUTS = {"e4m3": (3, 7), "e5m2": (2, 15)}  # mantissa bits, exponent bias
 
 
@@ -78,7 +78,8 @@ class BodyFormat:
         if self.fp8 and (self.fp8 not in FP8_LAYOUTS or self.bits != 8):
             raise ValueError(f"BodyFormat.fp8: '{self.fp8}' needs bits 8 and one of {list(FP8_LAYOUTS)}")
         if self.qjl and not (self.scales in NORM_MODES and (self.rotated or self.split)):
-            raise ValueError("BodyFormat.qjl: the QJL residual is TurboQuant's: needs scales 'norm' and rotated or split")
+            raise ValueError("BodyFormat.qjl: the QJL residual is TurboQuant's: needs scales 'norm' or 'norm8' and rotated "
+                             "or split")
 
     @property
     def uniform(self) -> bool:

@@ -68,7 +68,8 @@ def reads(fmt) -> bool:
 
 def reads_rotated(fmt) -> bool:
     """The kernel reads this body format as TurboQuant's (`cpu_decode_rotated.py`): codebook codes of rotated unit
-    vectors with a norm per token (fp16, or 8-bit log codes over the block's range), one instance or the outlier split's two, without the QJL residual."""
+    vectors with a norm per token (fp16, or 8-bit log codes over the block's range), one instance or the outlier
+    split's two, without the QJL residual."""
     return fmt.scales in NORM_MODES and (fmt.rotated or fmt.split > 0) and not fmt.qjl and not fmt.rank and not fmt.outliers
 
 
@@ -180,8 +181,8 @@ def _no_side() -> tuple:
 
 def _rotated_side(side: dict, fmt) -> tuple:
     """A TurboQuant side as `cpu_decode_rotated` takes it: (outlier channels d_o (0: no split), outlier codes, codes
-    (cap, rows, d) uint8, outlier norms, norms (cap, BS) fp16 bits or (cap, BS + 4) uint8 8-bit codes, outlier masks (cap, D / 8) uint8, outlier
-    codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
+    (cap, rows, d) uint8, outlier norms, norms (cap, BS) fp16 bits or (cap, BS + 4) uint8 8-bit codes, outlier masks
+    (cap, D / 8) uint8, outlier codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
     outlier slice widths, slice widths, query scale (H_kv, D) float32 of keys with ``channel_scale: query``, else
     (0, D)); the outlier entries are placeholders without a split."""
     codes = _held_view(side["codes"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kvtool.methods.quant.turboquant import NORM_LEVEL_UNITS
 from kvtool.runtime.kernels.cpu_decode_kernel import (
     FAST,
     axpy,
@@ -176,7 +177,7 @@ def block_norm_range(norm, block, bs):
     if norm.shape[1] == bs:
         return np.float32(0.0), np.float32(0.0)
     hi, lo = _int16_at(norm, block, bs), _int16_at(norm, block, bs + 2)
-    return np.float32(hi / 1024.0), np.float32((hi - lo) / (255.0 * 1024.0))
+    return np.float32(hi / NORM_LEVEL_UNITS), np.float32((hi - lo) / (255.0 * NORM_LEVEL_UNITS))
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
