@@ -1,7 +1,8 @@
-"""TurboQuant's 8-bit norms (``norm_bits: 8``): a log code per token under a per-block exponent.
+"""TurboQuant's 8-bit norms (``norm_bits: 8``): a log code per token over its block's own range of norms.
 
 The codes, the bytes they save, the error they add (small beside the codes' own), and every reader against the
-dense reference built from `decode_blocks`: the CPU kernel, the Triton kernel (interpreter), generation on both.
+dense reference built from `decode_blocks`: the CPU kernel, the Triton kernel (interpreter; CUDA with the ``gpu``
+marker), generation on both.
 """
 
 from __future__ import annotations
