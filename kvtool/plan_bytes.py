@@ -41,7 +41,7 @@ from kvtool.errors import RecipeError
 from kvtool.recipe import Recipe
 from kvtool.runtime.eviction import SlidingWindowRule, WindowedBudget
 from kvtool.runtime.layer import build_formats, summary_tokens, slot_meta, storage_dtype, token_sum_layout
-from kvtool.runtime.store import FLOAT_BLOCK, LayerStore, StoreLayout
+from kvtool.runtime.store import LayerStore, StoreLayout
 
 INDEX_BYTES = 4  # int32 block-table entries
 LENGTH_BYTES = 8  # int64 lengths
@@ -97,7 +97,7 @@ def stream_split(recipe: Recipe, tokens: int) -> tuple[int, int]:
 
 def _split_bytes(store: LayerStore, float_tokens: int, body_blocks: int) -> int:
     """Bytes of one stream's blocks and block-table entries."""
-    float_blocks = _ceil_div(float_tokens, FLOAT_BLOCK)
+    float_blocks = _ceil_div(float_tokens, store.fbs)
     total = float_blocks * store.float_pool.block_nbytes() + (float_blocks + body_blocks) * INDEX_BYTES
     if store.body_pool is not None:
         total += body_blocks * store.body_pool.block_nbytes()
@@ -118,7 +118,8 @@ def _empty_store(recipe: Recipe, fitted: dict, geometry, dtype: torch.dtype, pol
     layout = StoreLayout(block_size=recipe.cache.block_size, heads_per_stream=g, head_dim=geometry.head_dim,
                          float_dtype=dtype, quantized=_quantized(recipe), sink_tokens=recipe.cache.sink_tokens,
                          recent_tokens=recipe.cache.recent_tokens, meta=slot_meta(policy),
-                         summary_tokens=summary_tokens(recipe), **token_sum_layout(recipe, window))
+                         summary_tokens=summary_tokens(recipe), float_block=recipe.cache.float_block_size,
+                         **token_sum_layout(recipe, window))
     return LayerStore(layout, key_format, value_format, 0, "cpu")
 
 
@@ -135,7 +136,8 @@ def _evicting_sequence_bytes(recipe: Recipe, store: LayerStore, budget: int, con
     if most is not None:
         tokens = min(tokens, most)
     if recipe.eviction.head_budgets == "adaptive":  # a float store (see unpredictable_reason): blocks of the shared total
-        blocks = min((streams * tokens + streams * (FLOAT_BLOCK - 1)) // FLOAT_BLOCK, streams * _ceil_div(context, FLOAT_BLOCK))
+        fbs = store.fbs
+        blocks = min((streams * tokens + streams * (fbs - 1)) // fbs, streams * _ceil_div(context, fbs))
         return blocks * (store.float_pool.block_nbytes() + INDEX_BYTES)
     if _quantized(recipe):
         return streams * _largest_split(recipe, store, tokens)

@@ -35,9 +35,10 @@ FP8_FORMATS = ("e4m3", "e5m2")
 # int_static layer, head or channel (static, calibrated; channel = per KV head and channel)
 GRANULARITIES = {"fp8": ("block", "layer", "head"), "int_static": ("layer", "head", "channel")}
 SCALE_FITS = ("amax", "mse")
-TURBOQUANT_FRACTIONS = (0.0, 0.5)
+TURBOQUANT_FRACTIONS = (0.0, 0.25, 0.5)
 TURBOQUANT_NORM_BITS = (16, 8)  # a token's norm per instance: float16, or an 8-bit log code over the block's range
-TURBOQUANT_OUTLIER_FRACTIONS = (0.25, 0.5)  # of the channels, coded at bits + extra_bits / fraction
+TURBOQUANT_OUTLIER_FRACTIONS = (0.125, 0.25, 0.5)  # of the channels, coded at bits + extra_bits / fraction
+TURBOQUANT_OUTLIER_EXTRA = (1, 2)  # extra_bits / outlier_channel_fraction: the outliers' bits over the rest's
 CHANNEL_SCALES = ("none", "query")  # turboquant keys: none, or fitted from the calibration queries
 RANK_ALLOCATIONS = ("fisher", "gradient", "uniform")
 AXES = ("channel", "token")
@@ -117,12 +118,14 @@ class QuantSpec:
         head, or per KV head and channel).
     scale_fit: static scales only: ``amax`` (the calibration data's range) or ``mse`` (the
         clipping of that range with the least squared error on the calibration sample).
-    extra_bits: ``turboquant`` only: 0 or 0.5; 0.5 is the paper's outlier split: per stored block,
-        the channels with the most energy (``outlier_channel_fraction`` of them) and the rest are
-        coded by two independent TurboQuant instances, the outliers at ``bits + extra_bits /
+    extra_bits: ``turboquant`` only: 0, 0.25 or 0.5; > 0 is the paper's outlier split: per stored
+        block, the channels with the most energy (``outlier_channel_fraction`` of them) and the rest
+        are coded by two independent TurboQuant instances, the outliers at ``bits + extra_bits /
         outlier_channel_fraction``: bits 2 + extra_bits 0.5 = 2.5 bits per channel on average.
-    outlier_channel_fraction: ``turboquant`` with ``extra_bits`` only: 0.5 (half the channels at
-        one more bit, the default) or 0.25 (a quarter at two more bits).
+    outlier_channel_fraction: ``turboquant`` with ``extra_bits`` only: the outliers one or two
+        bits above the rest. extra_bits 0.5: 0.5 (half the channels at one more bit) or 0.25 (a
+        quarter at two more); extra_bits 0.25: 0.25 or 0.125 (an eighth at two more). Default:
+        ``extra_bits`` (one more bit).
     qjl: ``turboquant`` keys only: spend one of the ``bits`` on a 1-bit QJL sketch of the
         residual (unbiased inner products with the query).
     seed: ``turboquant`` only: seed of the random rotation's signs (and of the QJL matrix).
@@ -232,11 +235,16 @@ class QuantSpec:
                  f"{self.extra_bits} is not one of {list(TURBOQUANT_FRACTIONS)}")
         _require(method == "turboquant" or self.extra_bits == 0, f"{p}.extra_bits", f"needs method 'turboquant', not '{method}'")
         if self.outlier_channel_fraction is None:
-            object.__setattr__(self, "outlier_channel_fraction", 0.5 if self.extra_bits else 0.0)
+            object.__setattr__(self, "outlier_channel_fraction", self.extra_bits)  # one more bit (0 without a split)
         if self.extra_bits:
             _require(self.outlier_channel_fraction in TURBOQUANT_OUTLIER_FRACTIONS
                      and not isinstance(self.outlier_channel_fraction, bool), f"{p}.outlier_channel_fraction",
                      f"{self.outlier_channel_fraction} is not one of {list(TURBOQUANT_OUTLIER_FRACTIONS)}")
+            extra = self.extra_bits / self.outlier_channel_fraction
+            _require(extra in TURBOQUANT_OUTLIER_EXTRA, f"{p}.outlier_channel_fraction",
+                     f"extra_bits {self.extra_bits} over a fraction {self.outlier_channel_fraction} of the channels puts "
+                     f"the outliers {extra:g} bits above the rest; use a fraction that makes it 1 or 2 (extra_bits 0.5: "
+                     "0.5 or 0.25; extra_bits 0.25: 0.25 or 0.125)")
         else:
             _require(self.outlier_channel_fraction == 0, f"{p}.outlier_channel_fraction",
                      "the outlier split makes the extra_bits: needs method 'turboquant' with extra_bits: 0.5")
@@ -281,12 +289,19 @@ class CacheSpec:
     float_dtype: dtype of every float the cache stores (sinks, recent window,
         ``none`` bodies): ``float16``, ``bfloat16``, or ``model`` (whatever the
         model computes in, e.g. float32 on CPU; makes a no-op cache bit-exact).
+    float_block_size: tokens per float block (sinks, recent window, the open
+        block's tokens; every token of a recipe that quantizes nothing): a power
+        of two from 2 to 64. A float block is held whole once it has a token, so
+        smaller blocks waste fewer 16-bit slots (a window-less quantized stream
+        holds its sinks and 0 .. block_size - 1 open tokens); larger ones mean
+        fewer block-table entries for float-only caches.
     """
 
     block_size: int = 32
     sink_tokens: int = 4
     recent_tokens: int = 64
     float_dtype: str = "float16"
+    float_block_size: int = 16
 
     def __post_init__(self) -> None:
         _require(
@@ -302,6 +317,12 @@ class CacheSpec:
             self.float_dtype in FLOAT_DTYPES,
             "cache.float_dtype",
             f"'{self.float_dtype}' is not one of {list(FLOAT_DTYPES)}",
+        )
+        _require(
+            _is_int(self.float_block_size) and _is_power_of_two(self.float_block_size)
+            and 2 <= self.float_block_size <= 64,
+            "cache.float_block_size",
+            f"{self.float_block_size} must be a power of two from 2 to 64 (tokens per float block)",
         )
 
 
@@ -570,7 +591,7 @@ class SparseAttentionSpec:
         _require(_is_fraction(self.read_fraction), f"{p}.read_fraction",
                  f"{self.read_fraction} must be a fraction in (0, 1] (0.25 reads a quarter of the tokens per step)")
         _require(self.summary_tokens in (1, 2, 4, 8, 16), f"{p}.summary_tokens",
-                 f"{self.summary_tokens} must be 1, 2, 4, 8 or 16 (tokens per key summary within a 16-token block)")
+                 f"{self.summary_tokens} must be 1, 2, 4, 8 or 16 (tokens per key summary within a float block)")
         _require(_is_fraction(self.channels), f"{p}.channels",
                  f"{self.channels} must be a fraction in (0, 1] of the head dimension (1 = every channel)")
         _require(_is_int(self.min_tokens) and self.min_tokens >= 1, f"{p}.min_tokens",
@@ -635,6 +656,9 @@ class Recipe:
                      f"codes are read as bytes), but the recipe has {', '.join(word_packed)}, whose codes are read as "
                      "32-bit words of 32 tokens; use block_size: 32 or more")
         if self.sparse_attention.enabled:
+            _require(self.sparse_attention.summary_tokens <= self.cache.float_block_size, "sparse_attention.summary_tokens",
+                     f"{self.sparse_attention.summary_tokens} tokens per key summary do not fit a float block of "
+                     f"{self.cache.float_block_size} (cache.float_block_size); use summary_tokens <= float_block_size")
             p = "sparse_attention.method"
             _require(not (self.quantizes or self.keys.pre_rope), p,
                      "sparse attention reads float blocks only: use keys/values method none (quantized bodies "

@@ -169,11 +169,12 @@ def _rotated(keys: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
     return apply_rope(keys[None, None], cos, sin, rope.interleaved)[0, 0]
 
 
-def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0, rope=None, bs=BS):
+def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0, rope=None, bs=BS,
+               fbs=FBS):
     """A random store (float region + body blocks of one format), queries, the new token, and the dense reference.
 
     rope: (source, rotary_dim, interleaved): body keys are stored before RoPE and rotated at made-up positions.
-    bs: tokens per body block (16 only for sides whose codes are bytes: turboquant).
+    bs: tokens per body block (16 only for sides whose codes are bytes: turboquant); fbs: tokens per float block.
     """
     assert rope is None or bs == BS  # `_body_rope` makes positions for BS-token blocks
     g = torch.Generator().manual_seed(seed)
@@ -185,10 +186,10 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     s = len(RAGGED)
     float_tokens = [f for f, _ in RAGGED]
     body_blocks = [b for _, b in RAGGED]
-    ftable, fcap = _pool_tables(float_tokens, FBS, g)
+    ftable, fcap = _pool_tables(float_tokens, fbs, g)
     btable, bcap = _pool_tables([b * bs for b in body_blocks], bs, g)
-    float_k = torch.randn(fcap, FBS, head_dim, generator=g).half()
-    float_v = torch.randn(fcap, FBS, head_dim, generator=g).half()
+    float_k = torch.randn(fcap, fbs, head_dim, generator=g).half()
+    float_v = torch.randn(fcap, fbs, head_dim, generator=g).half()
     raw_k = torch.randn(bcap, 1, bs, head_dim, generator=g) * key_spread
     raw_v = torch.randn(bcap, 1, bs, head_dim, generator=g) * value_spread
     stream_group = torch.arange(s) % KV_HEADS  # (S,) the KV head of each stream
@@ -203,7 +204,7 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     body_rope, body_pos = _body_rope(*rope, body_blocks, bcap, btable, g) if rope else (None, None)
     reference = []
     for i in range(s):
-        f_ids = ftable[i, : -(-float_tokens[i] // FBS)].long()
+        f_ids = ftable[i, : -(-float_tokens[i] // fbs)].long()
         fk = float_k[f_ids].reshape(-1, head_dim)[: float_tokens[i]].float()
         fv = float_v[f_ids].reshape(-1, head_dim)[: float_tokens[i]].float()
         b_ids = btable[i, : body_blocks[i]].long()

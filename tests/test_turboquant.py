@@ -3,6 +3,7 @@ the outlier channel split of the fractional rates."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from kvtool.methods.quant.turboquant import (TurboQuantizer, lloyd_max_codebook,
                                             rotation_signs, unpack_mask, unrotate)
 from kvtool.recipe import QuantSpec, load_recipe
 from kvtool.recipe_summary import tensor_summary
+from tests.test_kernels import devices
 
 D, S = 64, 32
 
@@ -195,8 +197,72 @@ def test_qjl_is_keys_only_and_needs_a_power_of_two_head_dim():
     with pytest.raises(RecipeError, match="power-of-two head_dim"):
         tq(head_dim=96)
     with pytest.raises(RecipeError, match="extra_bits"):
-        QuantSpec(method="turboquant", bits=3, extra_bits=0.25, path="keys")
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.75, path="keys")
     with pytest.raises(RecipeError, match="outlier_channel_fraction"):
         QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.1, path="keys")
     with pytest.raises(RecipeError, match="outlier_channel_fraction"):
         QuantSpec(method="turboquant", bits=3, outlier_channel_fraction=0.5, path="keys")
+
+
+# --- a quarter bit over the codes: extra_bits 0.25 ---------------------------------------------------------------
+
+@pytest.mark.parametrize("fraction, outliers, outlier_bits", [(0.25, 16, 4), (0.125, 8, 5)])
+def test_a_quarter_bit_split_codes_a_quarter_at_one_more_bit_or_an_eighth_at_two(fraction, outliers, outlier_bits):
+    q = tq(bits=3, extra_bits=0.25, outlier_channel_fraction=fraction)
+    assert [(i.dim, i.bits) for i in q.instances] == [(outliers, outlier_bits), (D - outliers, 3)]
+    assert float(q.channel_bits(torch.arange(D) < outliers).float().mean()) == 3.25
+    assert q.block_nbytes() == S * (outliers * outlier_bits + (D - outliers) * 3) // 8 + S * 2 * 2 + D // 8
+    assert QuantSpec(method="turboquant", bits=3, extra_bits=0.25, path="keys").outlier_channel_fraction == 0.25
+    x, picked = _with_outlier_channels(seed=11)
+    masks = unpack_mask(q.encode(x)["outlier_mask"]).reshape(-1, D)
+    assert bool(masks[:, picked].all())  # every block found the outlier channels
+    # between 3 bits and the half-bit split with the outliers as many bits up (twice the outlier channels)
+    half = tq(bits=3, extra_bits=0.5, outlier_channel_fraction=2 * fraction)
+    quarter = sqnr_db(x, q.roundtrip(x))
+    assert sqnr_db(x, tq(bits=3).roundtrip(x)) + 1.0 < quarter < sqnr_db(x, half.roundtrip(x))
+
+
+@pytest.mark.parametrize("extra, fraction", [(0.25, 0.5), (0.5, 0.125), (0.25, 0.0625)])
+def test_a_split_puts_the_outliers_one_or_two_bits_above_the_rest(extra, fraction):
+    with pytest.raises(RecipeError, match="outlier_channel_fraction"):
+        QuantSpec(method="turboquant", bits=3, extra_bits=extra, outlier_channel_fraction=fraction, path="keys")
+
+
+QUARTER_SIDES = {
+    "turboquant-k3.25-eighth-v2.25": (
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.25, outlier_channel_fraction=0.125, norm_bits=8, path="keys"),
+        QuantSpec(method="turboquant", bits=2, extra_bits=0.25, path="values")),
+}
+
+
+@pytest.fixture
+def quarter_sides(monkeypatch):
+    import tests.test_kernels as kernels
+
+    for name, specs in QUARTER_SIDES.items():
+        monkeypatch.setitem(kernels.SIDES, name, specs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
+@pytest.mark.parametrize("head_dim, gqa, bs", [(64, 4, 32), (256, 1, 16)])
+def test_cpu_kernel_reads_quarter_bit_splits_as_the_dense_reference(head_dim, gqa, bs, quarter_sides):
+    from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+    from tests.test_cpu_decode import _cpu_args
+    from tests.test_kernels import build_case
+
+    for side in QUARTER_SIDES:
+        args, reference = build_case(side, head_dim, gqa, "cpu", seed=head_dim + bs, bs=bs)
+        torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("head_dim, gqa, bs", [(64, 4, 32), (256, 1, 16)])
+def test_triton_kernel_reads_quarter_bit_splits_as_the_dense_reference(head_dim, gqa, bs, device, quarter_sides):
+    from kvtool.runtime.kernels.decode_attention import paged_decode_attention
+    from tests.test_kernels import build_case
+
+    for side in QUARTER_SIDES:
+        args, reference = build_case(side, head_dim, gqa, device, seed=head_dim + bs + 1, bs=bs)
+        out = paged_decode_attention(**args, kernel="general")
+        torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)

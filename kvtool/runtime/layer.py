@@ -196,7 +196,7 @@ class KvtoolLayer(CacheLayerMixin):
         layout = StoreLayout(
             block_size=recipe.cache.block_size, heads_per_stream=self.g, head_dim=d, float_dtype=store_dtype,
             quantized=recipe.quantizes or recipe.keys.pre_rope, sink_tokens=recipe.cache.sink_tokens, recent_tokens=recipe.cache.recent_tokens,
-            meta=slot_meta(policy), summary_tokens=summary_tokens(recipe),
+            meta=slot_meta(policy), summary_tokens=summary_tokens(recipe), float_block=recipe.cache.float_block_size,
             **token_sum_layout(recipe, window),
         )
         self.store = LayerStore(layout, self.key_format, self.value_format, b * self.groups, self.device)

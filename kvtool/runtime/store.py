@@ -9,7 +9,7 @@ the longest stream, never expanded to query heads. Layout (what the Triton kerne
   plus per-slot metadata where the cache needs it: ``pos`` (cap, fbs) int32 original
   positions, ``score`` (cap, fbs) float32 accumulated attention, ``feature`` (cap, fbs)
   float32 a policy's static token score, ``cls`` (cap, fbs) uint8 FastGen token classes.
-  Float blocks hold ``fbs = FLOAT_BLOCK`` (16) tokens. With sparse attention
+  Float blocks hold ``fbs = layout.float_block`` tokens (``cache.float_block_size``, 16 by default). With sparse attention
   (``summary_tokens`` = n > 1) each float block also keeps ``kmax`` / ``kmin`` (cap, fbs / n,
   g, D): per group of n consecutive slots, the per-channel max and min of their keys
   (RocketKV's stage-2 summaries), exact for the group's valid slots; with n = 1 the keys are
@@ -56,7 +56,7 @@ import torch
 from kvtool.runtime.pool import BlockPool
 from kvtool.runtime.staging import to_device
 
-FLOAT_BLOCK = 16  # tokens per float block
+FLOAT_BLOCK = 16  # tokens per float block unless the recipe says otherwise (`cache.float_block_size`)
 META_DTYPES = {"pos": torch.int32, "score": torch.float32, "feature": torch.float32, "cls": torch.uint8}
 LENGTHS = ("float_len", "body_len", "n_sink")
 SUMMARIES = ("kmax", "kmin", "ksum", "vsum", "k2sum")  # per-block (not per-slot) float pool tensors
@@ -77,6 +77,7 @@ class StoreLayout:
     summary_tokens: int = 0  # > 0: float blocks keep per-channel key max/min per this many slots (sparse attention)
     token_sums: bool = False  # float blocks keep the sums of their keys and values (sparse attention's unread estimate)
     key_squares: bool = False  # ... and of their squared keys, float32 (sparse attention's channel_score: query_key)
+    float_block: int = FLOAT_BLOCK  # tokens per float block
 
 
 def _ceil_div(a, b):
@@ -112,7 +113,7 @@ class LayerStore:
         self.layout, self.key_format, self.value_format = layout, key_format, value_format
         self.device = torch.device(device)
         g, d = layout.heads_per_stream, layout.head_dim
-        self.fbs, self.bs = FLOAT_BLOCK, layout.block_size
+        self.fbs, self.bs = layout.float_block, layout.block_size
         meta = lambda tokens: {name: ((tokens,), META_DTYPES[name]) for name in layout.meta}  # noqa: E731
         kv = {"k": ((self.fbs, g, d), layout.float_dtype), "v": ((self.fbs, g, d), layout.float_dtype)}
         n = layout.summary_tokens

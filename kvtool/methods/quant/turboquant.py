@@ -16,15 +16,16 @@ No calibration. One *instance* codes a vector x (d,) as
    ``E[sqrt(pi/2) / d * ||r|| * (G q) . sign(G r)] = q . r``: inner products are unbiased
    (the plain codes alone shrink them: ``E[q . y_hat] != q . y``).
 
-Integer rates: one instance over the head's D channels. Fractional rates (``extra_bits: 0.5``)
+Integer rates: one instance over the head's D channels. Fractional rates (``extra_bits: 0.5`` or ``0.25``)
 are the paper's outlier split (section 4.3): the channels are split *before* the rotation into an
 outlier set and the rest, and two independent instances code them, the outliers at more bits.
 KV caches have a few channels that carry much of the energy (keys especially); an instance's
 rotation spreads them only over its own set, so the outliers no longer inflate the error of the
 others, and their extra bits go where the energy is. ``outlier_channel_fraction`` f of the D
-channels (f = 1/2 or 1/4) are coded at ``bits + extra_bits / f`` (+1 or +2 bits), the rest at
-``bits``: ``bits + extra_bits`` per channel on average (the paper's example, 32 of 128 channels at
-3 bits and 96 at 2, is 2.25 bits; f = 1/4 at +2 bits is 2.5). No calibration: each stored block
+channels (f = 1/2 or 1/4; with ``extra_bits: 0.25``, 1/4 or 1/8) are coded at ``bits + extra_bits / f``
+(+1 or +2 bits), the rest at ``bits``: ``bits + extra_bits`` per channel on average (the paper's
+example, 32 of 128 channels at 3 bits and 96 at 2, is ``extra_bits: 0.25``, 2.25 bits; f = 1/4 at
++2 bits is 2.5). No calibration: each stored block
 picks its own outlier set, the ``f * D`` channels with the most energy ``sum_t x[t, c]**2`` over
 the block's S tokens (post-RoPE key channels drift as their rotary pairs turn), stored as a D-bit
 mask per block.

@@ -1,6 +1,6 @@
 """TurboQuant's outlier split in the decode kernel: two instances per block, rebuilt in registers.
 
-Layout read (`kvtool.methods.quant.turboquant` with ``extra_bits: 0.5``): a body block of
+Layout read (`kvtool.methods.quant.turboquant` with ``extra_bits`` 0.5 or 0.25): a body block of
 one side holds its own outlier set and, per instance (the outlier one with the ``outlier_``
 prefix; d_o = ``split`` channels at ``split_bits``, the rest d_r = D - d_o at ``bits``),
 
