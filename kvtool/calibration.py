@@ -5,8 +5,9 @@
    the codebook is Fisher-weighted, goes to `BlockQuantizer.fit`. Static scales (fp8
    per layer / head, int_static; ``fit_source == "ranges"``) instead see every token's
    range through `RangeStats` and go to `BlockQuantizer.fit_ranges`. TurboQuant keys with
-   ``channel_scale: query`` (``fit_source == "queries"``) see per-channel mean squares of the
-   keys and of the queries (`capture.QueryKeyMoments`) and go to `BlockQuantizer.fit_queries`.
+   ``channel_scale: query`` or ``outlier_channels: calibrated`` (``fit_source == "queries"``) see
+   per-channel mean squares of the keys, the queries and the values (`capture.QueryKeyMoments`) and
+   go to `BlockQuantizer.fit_queries`.
 2. Measure: every layer's key and value quantizers run, exactly as the runtime runs
    them (keys before RoPE when ``keys.pre_rope``), over the calibration K/V in blocks
    of ``block_size`` tokens; the SQNR (dB) per KV head is recorded.
@@ -200,7 +201,8 @@ def fit_layers(
             if cls.fit_source == "queries":
                 if queries is None:
                     raise ValueError(f"method '{spec.method}' is fitted from QueryKeyMoments; pass queries=")
-                tensors = cls.fit_queries(spec, head_dim, *queries.moments(layer))
+                values = queries.value_moments(layer) if part == "values" else None
+                tensors = cls.fit_queries(spec, head_dim, *queries.moments(layer), value_square_mean=values)
                 fitted.update({f"{part}.{name}": t for name, t in tensors.items()})
                 continue
             source = "values" if part == "values" else ("keys_pre_rope" if spec.pre_rope else "keys")

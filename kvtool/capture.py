@@ -215,13 +215,13 @@ class InputSecondMoments:
 
 
 class QueryKeyCapture:
-    """Attention handler: hands each layer's (query, key, scaling) to ``observe`` and returns plain attention."""
+    """Attention handler: hands each layer's (query, key, scaling, value) to ``observe`` and returns plain attention."""
 
     def __init__(self, observe) -> None:
         self.observe = observe
 
     def __call__(self, module, query, key, value, attention_mask, scaling, softcap=None, s_aux=None) -> torch.Tensor:
-        self.observe(module.layer_idx, query.detach(), key.detach(), scaling)
+        self.observe(module.layer_idx, query.detach(), key.detach(), scaling, value.detach())
         if softcap is None and s_aux is None:
             return sdpa_reference(query, key, value, attention_mask, scaling)
         extra = {name: x for name, x in (("softcap", softcap), ("s_aux", s_aux)) if x is not None}
@@ -229,21 +229,27 @@ class QueryKeyCapture:
 
 
 class QueryKeyMoments:
-    """Per layer and KV head, every channel's mean square of the keys (after RoPE) and of the queries that read them.
+    """Per layer and KV head, every channel's mean square of the keys (after RoPE), of the queries that read them and
+    of the values.
 
-    ``observe(layer, query (B, H_q, T, D), key (B, H_kv, T, D), scaling)`` as `QueryKeyCapture` hands them; each KV
-    head's H_q / H_kv query heads are pooled; the first ``skip_first`` positions of every window (the cache's float
-    sinks) are left out. float64 sums on CPU.
+    ``observe(layer, query (B, H_q, T, D), key (B, H_kv, T, D), scaling, value (B, H_kv, T, D))`` as `QueryKeyCapture`
+    hands them; each KV head's H_q / H_kv query heads are pooled; the first ``skip_first`` positions of every window
+    (the cache's float sinks) are left out. float64 sums on CPU.
     """
 
     def __init__(self, skip_first: int = 0) -> None:
         self.skip_first = skip_first
         self.sums: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}  # layer -> (sum k^2, sum q^2, n_k, n_q)
+        self.value_sums: dict[int, torch.Tensor] = {}  # layer -> sum v^2 (H, D), over the keys' n_k tokens
 
-    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
+                value: torch.Tensor | None = None) -> None:
         q, k = query[:, :, self.skip_first :].double(), key[:, :, self.skip_first :].double()
         if k.shape[2] == 0:
             return
+        if value is not None:
+            v2 = value[:, :, self.skip_first :].double().square().sum(dim=(0, 2)).cpu()  # (H, D)
+            self.value_sums[layer] = self.value_sums[layer] + v2 if layer in self.value_sums else v2
         b, hq, t, d = q.shape
         h = k.shape[1]
         k2 = k.square().sum(dim=(0, 2)).cpu()  # (H, D)
@@ -260,6 +266,12 @@ class QueryKeyMoments:
             raise KeyError(f"no calibration tokens past the sinks for layer {layer}; use longer calibration windows")
         k2, q2, nk, nq = self.sums[layer]
         return (k2 / nk).float(), (q2 / nq).float()
+
+    def value_moments(self, layer: int) -> torch.Tensor:
+        """The values' mean squares (H_kv, D) float32 of one layer."""
+        if layer not in self.value_sums:
+            raise KeyError(f"no calibration values past the sinks for layer {layer}; use longer calibration windows")
+        return (self.value_sums[layer] / self.sums[layer][2]).float()
 
 
 @torch.no_grad()

@@ -156,8 +156,9 @@ def calibrate_layer_by_layer(
     """Fit and measure the recipe's quantizers on token windows (N, T), one decoder layer at a time."""
     if fits_queries(recipe):
         raise RuntimeConfigError(
-            "--layer-by-layer does not capture the queries that TurboQuant's channel_scale: query is fitted from; "
-            "calibrate without --layer-by-layer (the model must fit in memory), or use channel_scale: none"
+            "--layer-by-layer does not capture the attention statistics that TurboQuant's channel_scale: query and "
+            "outlier_channels: calibrated are fitted from; calibrate without --layer-by-layer (the model must fit in "
+            "memory), or use channel_scale: none and outlier_channels: block"
         )
     model_fingerprint = fingerprint(adapter)
     key = run_key(recipe, windows, model_fingerprint, batch_size, max_fit_tokens)

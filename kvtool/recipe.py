@@ -39,6 +39,7 @@ TURBOQUANT_FRACTIONS = (0.0, 0.25, 0.5)
 TURBOQUANT_NORM_BITS = (16, 8)  # a token's norm per instance: float16, or an 8-bit log code over the block's range
 TURBOQUANT_OUTLIER_FRACTIONS = (0.125, 0.25, 0.5)  # of the channels, coded at bits + extra_bits / fraction
 TURBOQUANT_OUTLIER_EXTRA = (1, 2)  # extra_bits / outlier_channel_fraction: the outliers' bits over the rest's
+OUTLIER_CHANNELS = ("block", "calibrated")  # turboquant's split: each block's own channels, or calibrated per KV head
 CHANNEL_SCALES = ("none", "query")  # turboquant keys: none, or fitted from the calibration queries
 RANK_ALLOCATIONS = ("fisher", "gradient", "uniform")
 AXES = ("channel", "token")
@@ -126,6 +127,11 @@ class QuantSpec:
         bits above the rest. extra_bits 0.5: 0.5 (half the channels at one more bit) or 0.25 (a
         quarter at two more); extra_bits 0.25: 0.25 or 0.125 (an eighth at two more). Default:
         ``extra_bits`` (one more bit).
+    outlier_channels: ``turboquant`` with ``extra_bits`` only: which channels the outlier instance
+        codes. ``block`` (default): each stored block picks its own (the most energy over its
+        tokens) and stores them as a D-bit mask. ``calibrated``: `kvtool calibrate` picks them once
+        per layer and KV head from the calibration text's mean squares (keys after RoPE, divided by
+        ``channel_scale`` where there is one; values); blocks store no mask.
     qjl: ``turboquant`` keys only: spend one of the ``bits`` on a 1-bit QJL sketch of the
         residual (unbiased inner products with the query).
     seed: ``turboquant`` only: seed of the random rotation's signs (and of the QJL matrix).
@@ -162,6 +168,7 @@ class QuantSpec:
     seed: int = 0
     channel_scale: str = "none"
     norm_bits: int = 16
+    outlier_channels: str = "block"
     path: str = field(default="keys", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -258,6 +265,11 @@ class QuantSpec:
             _require(method == "turboquant", f"{p}.channel_scale", f"needs method 'turboquant', not '{method}'")
             _require(p == "keys", f"{p}.channel_scale",
                      "'query' weighs key channels by the queries that read them: keys only")
+        _require(self.outlier_channels in OUTLIER_CHANNELS, f"{p}.outlier_channels",
+                 f"'{self.outlier_channels}' is not one of {list(OUTLIER_CHANNELS)}")
+        _require(self.outlier_channels == "block" or (method == "turboquant" and self.extra_bits), f"{p}.outlier_channels",
+                 "'calibrated' chooses the channels of turboquant's outlier split: needs method 'turboquant' with "
+                 "extra_bits 0.25 or 0.5")
         _require(self.norm_bits in TURBOQUANT_NORM_BITS and not isinstance(self.norm_bits, bool), f"{p}.norm_bits",
                  f"{self.norm_bits} is not one of {list(TURBOQUANT_NORM_BITS)}")
         _require(method == "turboquant" or self.norm_bits == 16, f"{p}.norm_bits", f"needs method 'turboquant', not '{method}'")
@@ -268,7 +280,8 @@ class QuantSpec:
     @property
     def learns_from_data(self) -> bool:
         """True when `kvtool calibrate` fits this spec per layer (nuq codebooks, Palu bases, static scales)."""
-        return self.method in ("nuq", "palu") or self.is_static or self.channel_scale != "none"
+        return (self.method in ("nuq", "palu") or self.is_static or self.channel_scale != "none"
+                or self.outlier_channels != "block")
 
     @property
     def is_static(self) -> bool:
@@ -626,9 +639,10 @@ class CalibrationSpec:
 
 
 def _fit_ignores_bits(spec: QuantSpec) -> bool:
-    """True when what calibration fits for ``spec`` does not depend on its bits (turboquant's channel_scale is fitted
-    from query and key moments alone), so layers may store it at other widths (``layer_overrides`` of ``bits``)."""
-    return spec.method == "turboquant" and spec.channel_scale != "none"
+    """True when what calibration fits for ``spec`` does not depend on its bits (turboquant's channel_scale and
+    calibrated outlier channels come from mean squares alone), so layers may store it at other widths
+    (``layer_overrides`` of ``bits``)."""
+    return spec.method == "turboquant" and (spec.channel_scale != "none" or spec.outlier_channels != "block")
 
 
 @dataclass(frozen=True)
@@ -687,7 +701,8 @@ class Recipe:
                 if _fit_ignores_bits(base):  # turboquant with channel_scale: one fit serves every width
                     changed = sorted(name for name, value in override.fields(part).items() if getattr(base, name) != value)
                     _require(changed in ([], ["bits"]), f"layer_overrides[{n}].{part}",
-                             f"{part} with channel_scale: {base.channel_scale} are fitted once for every layer, so an "
+                             f"{part} with channel_scale: {base.channel_scale} and outlier_channels: {base.outlier_channels} "
+                             "are fitted once for every layer, so an "
                              f"override may change only their bits, not {', '.join(c for c in changed if c != 'bits')}")
             try:
                 layer = self.for_override(override)
@@ -752,7 +767,8 @@ class Recipe:
             if bits == 16:
                 return dataclasses.replace(spec, method="none", bits=16, outlier_fraction=0.0, qnorm=False,
                                            granularity=None, scale_fit="amax", fp8_format="e4m3", extra_bits=0.0,
-                                           outlier_channel_fraction=0.0, qjl=False, norm_bits=16)
+                                           outlier_channel_fraction=0.0, qjl=False, norm_bits=16,
+                                           outlier_channels="block")
             return dataclasses.replace(spec, method="uniform" if spec.method == "none" else spec.method, bits=bits)
 
         return dataclasses.replace(self, name=f"{self.name}@{bits}bit", keys=change(self.keys), values=change(self.values),

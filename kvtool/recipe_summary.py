@@ -38,7 +38,8 @@ def turboquant_summary(spec: QuantSpec) -> str:
     parts = [f"turboquant {spec.bits + spec.extra_bits:g}-bit"]
     if spec.extra_bits:
         outlier_bits = spec.bits + round(spec.extra_bits / spec.outlier_channel_fraction)
-        parts.append(f"{spec.outlier_channel_fraction:.0%} outlier channels at {outlier_bits}-bit per block")
+        where = "calibrated per KV head" if spec.outlier_channels == "calibrated" else "per block"
+        parts.append(f"{spec.outlier_channel_fraction:.1%} outlier channels at {outlier_bits}-bit {where}".replace(".0%", "%"))
     if spec.qjl:
         parts.append("1 bit QJL")
     if spec.channel_scale == "query":

@@ -128,6 +128,12 @@ def fitted_for(recipe: Recipe, head_dim: int, spreads, generator) -> dict[str, t
             fitted.update(palu_basis(part, KV_HEADS, head_dim, 3 * head_dim // 8, generator))
         elif spec.method == "turboquant" and spec.channel_scale != "none":  # a different scale per KV head
             fitted[f"{part}.channel_scale"] = torch.exp(torch.randn(KV_HEADS, head_dim, generator=generator) * 0.7)
+        if spec.method == "turboquant" and spec.outlier_channels == "calibrated":  # other channels per KV head
+            from kvtool.methods.quant.turboquant import pack_mask
+
+            count = round(head_dim * spec.outlier_channel_fraction)
+            picked = torch.stack([torch.randperm(head_dim, generator=generator)[:count] for _ in range(KV_HEADS)])
+            fitted[f"{part}.outlier_channels"] = pack_mask(torch.zeros(KV_HEADS, head_dim, dtype=torch.bool).scatter_(-1, picked, True))
     return fitted
 
 

@@ -104,7 +104,7 @@ class StoredKeyScores:
             self.formats[layer] = key_format
         return self.formats[layer]
 
-    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, value=None) -> None:
         b, hq, t, d = query.shape
         h = key.shape[1]
         recipe = self.recipe.for_layer(layer)

@@ -100,9 +100,11 @@ class BlockQuantizer:
     @classmethod
     def fit_queries(
         cls, spec: QuantSpec, head_dim: int, key_square_mean: torch.Tensor, query_square_mean: torch.Tensor,
+        value_square_mean: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Methods with ``fit_source == "queries"``: one layer's parameters from (H_kv, D) float32 per-channel mean
-        squares of the keys after RoPE and of the queries (each KV head's query heads pooled), sinks left out."""
+        squares of the keys after RoPE and of the queries (each KV head's query heads pooled), and of the values for
+        a values spec, sinks left out."""
         raise NotImplementedError(f"method '{cls.name}' is not fitted from query statistics")
 
     # --- the block API (what the paged store uses) -------------------------------------------

@@ -272,13 +272,40 @@ class TurboQuantizer(BlockQuantizer):
                 "this runtime has no fitted scales; run kvtool calibrate with this recipe and load its artifact"
             )
         self._scale_on: dict[torch.device, torch.Tensor] = {}
+        # (H_kv, D / 8) uint8 or None: the split's outlier channels per KV head (``outlier_channels: calibrated``)
+        self.static_mask = self.fitted["outlier_channels"].to(torch.uint8) if "outlier_channels" in self.fitted else None
+        if spec.outlier_channels == "calibrated" and self.static_mask is None:
+            raise RecipeError(
+                f"recipe field '{spec.path}.outlier_channels': 'calibrated' channels are chosen on calibration data and "
+                "this runtime has none; run kvtool calibrate with this recipe and load its artifact"
+            )
+        self._mask_on: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def requires_fit(cls, spec) -> bool:
-        return spec.channel_scale != "none"
+        return spec.channel_scale != "none" or spec.outlier_channels == "calibrated"
 
     @classmethod
-    def fit_queries(cls, spec, head_dim, key_square_mean, query_square_mean) -> dict[str, torch.Tensor]:
+    def fit_queries(cls, spec, head_dim, key_square_mean, query_square_mean, value_square_mean=None) -> dict[str, torch.Tensor]:
+        """``channel_scale: query`` (`fit_channel_scale`) and / or ``outlier_channels: calibrated``: per KV head, the
+        ``outlier_channel_fraction`` of the channels with the largest mean square of what the codes hold (keys after
+        RoPE divided by the scale, or values), packed as `pack_mask` (H_kv, D / 8) uint8 ``outlier_channels``."""
+        out = {}
+        square_mean = value_square_mean if spec.path == "values" else key_square_mean
+        if spec.channel_scale != "none":
+            out.update(cls.fit_channel_scale(key_square_mean, query_square_mean))
+            square_mean = key_square_mean / out["channel_scale"].square()  # (H, D) the mean square of k / s
+        if spec.outlier_channels == "calibrated":
+            if square_mean is None:
+                raise ValueError(f"{spec.path}: calibrated outlier channels need the values' mean squares")
+            count = round(head_dim * spec.outlier_channel_fraction)
+            top = square_mean.float().topk(count, dim=-1).indices  # (H, count)
+            mask = torch.zeros(square_mean.shape, dtype=torch.bool).scatter_(-1, top, True)
+            out["outlier_channels"] = pack_mask(mask)
+        return out
+
+    @staticmethod
+    def fit_channel_scale(key_square_mean, query_square_mean) -> dict[str, torch.Tensor]:
         """``channel_scale: query``: s_c = sqrt(rms(k_c) / rms(q_c)) per KV head, normalized to RMS 1.
 
         The rotation spreads a block's coding error evenly over the channels of what it codes, k / s, so the
@@ -297,6 +324,15 @@ class TurboQuantizer(BlockQuantizer):
         return {"channel_scale": scale.float()}
 
     def check_kv_heads(self, num_kv_heads: int) -> None:
+        if self.static_mask is not None:
+            shape = tuple(self.static_mask.shape)
+            counts = unpack_mask(self.static_mask).sum(dim=-1).tolist() if len(shape) == 2 else []
+            if shape != (num_kv_heads, self.head_dim // 8) or set(counts) != {self.outliers}:
+                raise ArtifactError(
+                    f"turboquant outlier channels for '{self.spec.path}' have shape {shape} with {counts} channels set; "
+                    f"the model needs ({num_kv_heads}, {self.head_dim // 8}) with {self.outliers} per KV head: the "
+                    "artifact is for another model or recipe; run kvtool calibrate again"
+                )
         if self.channel_scale is not None and tuple(self.channel_scale.shape) != (num_kv_heads, self.head_dim):
             raise ArtifactError(
                 f"turboquant channel scales for '{self.spec.path}' have shape {tuple(self.channel_scale.shape)}, the "
@@ -324,6 +360,24 @@ class TurboQuantizer(BlockQuantizer):
             self._device_cache[device] = on
         return self._device_cache[device]
 
+    @property
+    def per_block_order(self) -> bool:
+        """True when every block has its own channel order (the split with masks stored per block): attention
+        rotates the query into each block's order and each block's value sum back; else one order per stream."""
+        return bool(self.outliers) and self.static_mask is None
+
+    def _static_masks(self, group: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """(N, D) bool calibrated outlier channels of each block's (or stream's) KV head, ``group`` (N,)."""
+        if device not in self._mask_on:
+            self._mask_on[device] = unpack_mask(self.static_mask.to(device))  # (H_kv, D)
+        return self._mask_on[device][group.to(device)]
+
+    def block_masks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
+        """(N, D) bool outlier channels of N blocks: their stored masks, or the calibrated ones of their KV heads."""
+        if self.static_mask is not None:
+            return self._static_masks(group, blocks["norm"].device)
+        return unpack_mask(blocks["outlier_mask"])
+
     def channel_bits(self, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(D,) int64 code + QJL bits of every channel of a block with outlier ``mask`` (D,) bool (None: no split)."""
         bits = torch.full((self.head_dim,), self.instances[-1].bits, dtype=torch.long)
@@ -333,7 +387,8 @@ class TurboQuantizer(BlockQuantizer):
 
     def block_spec(self):
         s = self.block_size
-        spec = {"outlier_mask": ((self.head_dim // 8,), torch.uint8)} if self.outliers else {}
+        stored_mask = self.outliers and self.static_mask is None  # calibrated channels live beside the store
+        spec = {"outlier_mask": ((self.head_dim // 8,), torch.uint8)} if stored_mask else {}
         for inst in self.instances:
             p = inst.prefix
             spec[p + "codes"] = ((packed_rows(s, inst.code_bits), inst.dim), torch.uint8)
@@ -354,7 +409,20 @@ class TurboQuantizer(BlockQuantizer):
         split = dict(split=self.outliers, split_bits=self.instances[0].code_bits) if self.outliers else dict(rotated=True)
         norm = "norm" if self.norm_bits == 16 else "norm8"
         return BodyFormat(bits=rest.code_bits, per_channel=False, group=self.head_dim, scales=norm, zero=False,
-                          levels=2**rest.code_bits, qjl=self.qjl, query_scale=self.channel_scale is not None, **split)
+                          levels=2**rest.code_bits, qjl=self.qjl, query_scale=self.channel_scale is not None,
+                          static_mask=self.static_mask is not None, **split)
+
+    def kernel_tensors(self, device) -> dict[str, torch.Tensor]:
+        """`kernel_constants` in float32, plus the calibrated outlier channels ``outlier_mask`` (H_kv, D / 8) uint8 as
+        they are (a block's stored mask has the same layout: the kernels read the stream's head's row instead)."""
+        tensors = super().kernel_tensors(device)
+        if self.static_mask is None:
+            return tensors
+        cache = self.__dict__.setdefault("_static_mask_tensors", {})
+        key = str(device)
+        if key not in cache:
+            cache[key] = {**tensors, "outlier_mask": self.static_mask.to(device).contiguous()}
+        return cache[key]
 
     def kernel_constants(self) -> dict[str, torch.Tensor]:
         """``codebook`` (2**b,) of the (rest) instance; ``rotation`` P (D, D), ``rotate(x) = x @ P^T``, and with QJL
@@ -424,8 +492,11 @@ class TurboQuantizer(BlockQuantizer):
             x = x / scale[:, None, :]  # what the codes hold: k / s (the query carries s)
         out = {}
         if self.outliers:
-            mask = outlier_mask(x, self.outliers)  # (N, D)
-            out["outlier_mask"] = pack_mask(mask)
+            if self.static_mask is not None:
+                mask = self._static_masks(group, x.device)  # (N, D) the blocks' KV heads' calibrated channels
+            else:
+                mask = outlier_mask(x, self.outliers)  # (N, D)
+                out["outlier_mask"] = pack_mask(mask)
             x = x.gather(-1, channel_order(mask)[:, None, :].expand_as(x))  # (N, S, D) outliers first
         start = 0
         for inst, tensors in zip(self.instances, on):
@@ -439,7 +510,7 @@ class TurboQuantizer(BlockQuantizer):
                  for inst, t in zip(self.instances, on)]
         x = torch.cat(parts, dim=-1)  # (N, S, D) in the block's channel order
         if self.outliers:
-            x = x.gather(-1, channel_slot(unpack_mask(blocks["outlier_mask"]))[:, None, :].expand_as(x))  # head channels
+            x = x.gather(-1, channel_slot(self.block_masks(blocks, group))[:, None, :].expand_as(x))  # head channels
         scale = self._scale(group, x.device)
         if scale is not None:
             x = x * scale[:, None, :]
@@ -452,10 +523,13 @@ class TurboQuantizer(BlockQuantizer):
         sc, nb = blocks["norm"].shape[:2]
         return {name: t.reshape(sc * nb, *t.shape[2:]) for name, t in blocks.items()}, sc, nb
 
-    def _block_order(self, flat, sc: int, nb: int, rows: int, inverse: bool = False) -> torch.Tensor:
+    def _block_order(self, flat, sc: int, nb: int, rows: int, group, inverse: bool = False) -> torch.Tensor:
         """(Sc, nb, R, D) int64: each block's channel order (``inverse``: each channel's slot in it), repeated over the R
-        query rows."""
-        mask = unpack_mask(flat["outlier_mask"])  # (Sc*nb, D)
+        query rows; (Sc, 1, R, D) with calibrated channels (one order per stream, ``group`` (Sc,) its KV head)."""
+        if self.static_mask is not None:
+            mask, nb = self._static_masks(group, flat["norm"].device), 1  # (Sc, D)
+        else:
+            mask = unpack_mask(flat["outlier_mask"])  # (Sc*nb, D)
         order = channel_slot(mask) if inverse else channel_order(mask)
         return order.reshape(sc, nb, 1, self.head_dim).expand(sc, nb, rows, self.head_dim)
 
@@ -469,8 +543,9 @@ class TurboQuantizer(BlockQuantizer):
         scale = self._scale(group, query.device)
         if scale is not None:
             q = q * scale[:, None, None, :]  # (q * s) . (k / s) = q . k
-        if self.outliers:  # (Sc, nb, R, D): the query in each block's channel order
-            q = q.expand(sc, nb, rows, self.head_dim).gather(-1, self._block_order(flat, sc, nb, rows))
+        if self.outliers:  # (Sc, nb, R, D): the query in each block's channel order ((Sc, 1, R, D): calibrated)
+            order = self._block_order(flat, sc, nb, rows, group)
+            q = q.expand(sc, order.shape[1], rows, self.head_dim).gather(-1, order)
         scores, start = 0.0, 0
         for inst, t in zip(self.instances, on):
             q_rot = q[..., start : start + inst.dim] @ t["rotation"].T  # (Sc, 1|nb, R, d): the query in the keys' domain
@@ -494,12 +569,12 @@ class TurboQuantizer(BlockQuantizer):
             y = self._rotated_estimate(inst, flat, t).reshape(sc, nb, s, inst.dim)  # (Sc, nb, S, d)
             weights = p * self._norms(inst, flat).reshape(sc, nb, 1, s)  # (Sc, nb, R, S): p_t ||x_t||
             out_rot = torch.matmul(weights, y)  # (Sc, nb, R, d) in the rotated domain
-            if not self.outliers:
+            if not self.per_block_order:
                 out_rot = out_rot.sum(dim=1, keepdim=True)  # one channel order: sum the blocks, rotate back once
             parts.append(out_rot @ t["rotation"])  # P^T y per row: back to the instance's channels
         out = torch.cat(parts, dim=-1)  # (Sc, 1|nb, R, D) in each block's channel order
         if self.outliers:  # back to head channels: channel c reads its slot in the block's order
-            out = out.gather(-1, self._block_order(flat, sc, nb, rows, inverse=True))
+            out = out.gather(-1, self._block_order(flat, sc, nb, rows, group, inverse=True))
         out = out.sum(dim=1)[:, None]  # (Sc, 1, R, D)
         scale = self._scale(group, probs.device)
         return out if scale is None else out * scale[:, None, None, :]

@@ -219,7 +219,7 @@ def split_chunk(dim: int, head_dim: int) -> int:
 def side_constants(fmt, head_dim: int) -> dict:
     """The decode kernel's constants for one side's `BodyFormat`, without the K_ / V_ prefix: `load_body`'s, the
     latent rank, its width BL and reconstruction chunk BLC, whether the side is rotated, and the outlier split's
-    instances (widths BDO, BDR; chunks BDOC, BDRC)."""
+    instances (widths BDO, BDR; chunks BDOC, BDRC) and whether its channel masks are per KV head (XSTATIC)."""
     w0, w1, w2 = fmt.widths()
     o0, o1, o2 = fmt.widths(fmt.split_bits)
     mantissa, bias = fmt.fp8_layout()
@@ -229,5 +229,5 @@ def side_constants(fmt, head_dim: int) -> dict:
                 O_BITS=fmt.split_bits, O_W0=o0, O_W1=o1, O_W2=o2, O_LEVELS=2**fmt.split_bits if fmt.split else 0,
                 BDO=_lanes(fmt.split),
                 BDR=_lanes(head_dim - fmt.split), BDOC=split_chunk(fmt.split, head_dim),
-                BDRC=split_chunk(head_dim - fmt.split, head_dim))
+                BDRC=split_chunk(head_dim - fmt.split, head_dim), XSTATIC=fmt.static_mask)
 

@@ -29,7 +29,8 @@ A body element is read in steps, each chosen by one field (constants for the ker
    against the rotated query and sums values in the rotated domain (`body_rotated.py`); ``split > 0``
    (TurboQuant's outlier split): steps 1-3 read two instances per block, ``split`` outlier
    channels at ``split_bits`` and the rest at ``bits``, each rebuilt in head space through the
-   block's channel mask and the instance's rotation (`body_split.py`);
+   block's channel mask (or, with ``static_mask``, its KV head's calibrated one) and the instance's
+   rotation (`body_split.py`);
 6. **QJL residual** (``qjl``, TurboQuant keys only): each instance of a block also holds a 1-bit
    sketch of its residual, ``qjl_signs`` (cap, BS / 8, d) uint8 packed as 1-bit codes and
    ``residual_norm`` (cap, BS) fp16; a token's score gains
@@ -68,6 +69,8 @@ class BodyFormat:
     qjl: bool = False  # keys: each instance also holds a 1-bit QJL sketch of its residual (TurboQuant ``qjl: true``)
     query_scale: bool = False  # keys: the codes hold k / s; the query is first multiplied by s, the side's
     # ``channel_scale`` (H_kv, D) row of its KV head (TurboQuant ``channel_scale: query``; the CPU kernel reads it)
+    static_mask: bool = False  # split: the outlier channels are one mask per KV head, ``outlier_mask`` (H_kv, D / 8)
+    # uint8 from the quantizer's `kernel_tensors`, read at the stream's head (TurboQuant ``outlier_channels: calibrated``)
 
     def __post_init__(self) -> None:
         if not self.scales:
@@ -77,6 +80,8 @@ class BodyFormat:
             raise ValueError(f"BodyFormat.scales: '{self.scales}' is not one of {SCALE_MODES}")
         if self.fp8 and (self.fp8 not in FP8_LAYOUTS or self.bits != 8):
             raise ValueError(f"BodyFormat.fp8: '{self.fp8}' needs bits 8 and one of {list(FP8_LAYOUTS)}")
+        if self.static_mask and not self.split:
+            raise ValueError("BodyFormat.static_mask: calibrated outlier channels are the split's: needs split > 0")
         if self.qjl and not (self.scales in NORM_MODES and (self.rotated or self.split)):
             raise ValueError("BodyFormat.qjl: the QJL residual is TurboQuant's: needs scales 'norm' or 'norm8' and rotated "
                              "or split")

@@ -184,7 +184,8 @@ def _rotated_side(side: dict, fmt) -> tuple:
     (cap, rows, d) uint8, outlier norms, norms (cap, BS) fp16 bits or (cap, BS + 4) uint8 8-bit codes, outlier masks
     (cap, D / 8) uint8, outlier codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
     outlier slice widths, slice widths, query scale (H_kv, D) float32 of keys with ``channel_scale: query``, else
-    (0, D)); the outlier entries are placeholders without a split."""
+    (0, D), and whether the masks are one per KV head (``outlier_channels: calibrated``: (H_kv, D / 8), read at the
+    stream's head) rather than one per block); the outlier entries are placeholders without a split."""
     codes = _held_view(side["codes"])
     d_o, d_r = int(fmt.split), codes.shape[2]
     norm_view = "rows" if fmt.scales == "norm" else "2d"  # fp16 bits, or 8-bit codes then the block's range
@@ -195,14 +196,14 @@ def _rotated_side(side: dict, fmt) -> tuple:
         empty8, empty16, empty32 = placeholder[0], placeholder[1], placeholder[8]
         rotation = side["rotation"].numpy()
         return (0, empty8, codes, empty16, norm, empty8[0], empty32[0], book, empty32, rotation, empty32[0, :0],
-                _signs(rotation), _widths(1), _widths(fmt.bits), _query_scale(side, codes.shape[2]))
+                _signs(rotation), _widths(1), _widths(fmt.bits), _query_scale(side, codes.shape[2]), False)
     tables = side["split_tables"].numpy()  # outlier codebook, then P_o and P_r flattened
     levels = 2**fmt.split_bits
     rot_o = tables[levels : levels + d_o * d_o].reshape(d_o, d_o)
     rot_r = tables[levels + d_o * d_o : levels + d_o * d_o + d_r * d_r].reshape(d_r, d_r)
     return (d_o, _held_view(side["outlier_codes"]), codes, _held_view(side["outlier_norm"], norm_view), norm,
             _held_view(side["outlier_mask"], "2d"), tables[:levels], book, rot_o, rot_r, _signs(rot_o), _signs(rot_r),
-            _widths(fmt.split_bits), _widths(fmt.bits), _query_scale(side, d_o + d_r))
+            _widths(fmt.split_bits), _widths(fmt.bits), _query_scale(side, d_o + d_r), bool(fmt.static_mask))
 
 
 def _query_scale(side: dict, d: int) -> np.ndarray:

@@ -214,24 +214,31 @@ def instance_values(weights, base, tile, norm, block, summed):
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores):
-    """scores[r, j * bs + t] <- the logits of the tokens of body columns [j0, j1) of stream s (TurboQuant keys)."""
+def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, head):
+    """scores[r, j * bs + t] <- the logits of the tokens of body columns [j0, j1) of stream s (TurboQuant keys; ``head``
+    the stream's KV head, whose row of a calibrated mask gives every block's channel order)."""
     rows, d = qs.shape
-    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r, _ = side
+    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r = side[:14]
+    static = side[15]
     d_r = d - d_o
     tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
     index = np.empty((bs, d), dtype=np.int32)  # the codes' lower bits
     rotated_o, rotated_r = np.empty((rows, max(d_o, 1)), dtype=np.float32), np.empty((rows, d_r), dtype=np.float32)
     if d_o == 0 and j1 > j0:  # one channel order: the queries rotated once
         rotate_rows(qs, order, 0, rot_r, signs_r, gathered, rotated_r)
+    elif static and j1 > j0:  # the split over the head's calibrated channels: one order, the queries rotated once
+        block_order(mask, head, order)
+        rotate_rows(qs, order, 0, rot_o, signs_o, gathered, rotated_o)
+        rotate_rows(qs, order, d_o, rot_r, signs_r, gathered, rotated_r)
     for j in range(j0, j1):
         block = body_table[s, j]
         base = j * bs
         scores[:, base : base + bs] = 0.0
-        if d_o > 0:  # the block's own channel order: the queries gathered into it and rotated per block
-            block_order(mask, block, order)
-            rotate_rows(qs, order, 0, rot_o, signs_o, gathered, rotated_o)
-            rotate_rows(qs, order, d_o, rot_r, signs_r, gathered, rotated_r)
+        if d_o > 0:
+            if not static:  # the block's own channel order: the queries gathered into it and rotated per block
+                block_order(mask, block, order)
+                rotate_rows(qs, order, 0, rot_o, signs_o, gathered, rotated_o)
+                rotate_rows(qs, order, d_o, rot_r, signs_r, gathered, rotated_r)
             codebook_tile(codes_o, block, widths_o, book_o, index, tile_o)
             instance_scores(scores, base, rotated_o, tile_o, norm_o, block)
         codebook_tile(codes_r, block, widths_r, book_r, index, tile_r)
@@ -239,10 +246,12 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores):
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def body_values(s, j0, j1, body_table, side, bs, order, weights, acc):
-    """acc (R, D) += the weighted values of body columns [j0, j1) of stream s (TurboQuant values; weights (R, tokens))."""
+def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
+    """acc (R, D) += the weighted values of body columns [j0, j1) of stream s (TurboQuant values; weights (R, tokens);
+    ``head`` as in `body_scores`)."""
     rows, d = acc.shape
-    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r, _ = side
+    d_o, codes_o, codes_r, norm_o, norm_r, mask, book_o, book_r, rot_o, rot_r, signs_o, signs_r, widths_o, widths_r = side[:14]
+    static = side[15]
     d_r = d - d_o
     tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
     index = np.empty((bs, d), dtype=np.int32)  # the codes' lower bits
@@ -252,18 +261,23 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc):
         block = body_table[s, j]
         base = j * bs
         if d_o > 0:
-            block_order(mask, block, order)
-            summed_o[:] = 0.0
-            summed_r[:] = 0.0
+            if not static:
+                block_order(mask, block, order)
+                summed_o[:] = 0.0
+                summed_r[:] = 0.0
             codebook_tile(codes_o, block, widths_o, book_o, index, tile_o)
             instance_values(weights, base, tile_o, norm_o, block, summed_o)
         codebook_tile(codes_r, block, widths_r, book_r, index, tile_r)
         instance_values(weights, base, tile_r, norm_r, block, summed_r)
-        if d_o > 0:  # each block its own channel order: back to head channels block by block
+        if d_o > 0 and not static:  # each block its own channel order: back to head channels block by block
             unrotate_into(summed_o, rot_o, signs_o, order, 0, row[:d_o], acc)
             unrotate_into(summed_r, rot_r, signs_r, order, d_o, row[:d_r], acc)
     if d_o == 0 and j1 > j0:  # one channel order: the blocks' sums rotated back once
         unrotate_into(summed_r, rot_r, signs_r, order, 0, row[:d_r], acc)
+    elif static and j1 > j0:  # the head's calibrated channels: one order, the sums rotated back once
+        block_order(mask, head, order)
+        unrotate_into(summed_o, rot_o, signs_o, order, 0, row[:d_o], acc)
+        unrotate_into(summed_r, rot_r, signs_r, order, d_o, row[:d_r], acc)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -273,7 +287,7 @@ def attend_part_rotated(
 ):
     """`cpu_decode_kernel.attend_part` for TurboQuant bodies (``rope`` is not used: TurboQuant keys are stored after
     RoPE). A side is (outlier channels d_o (0: no split), outlier codes, codes, outlier norms, norms (cap, BS) fp16
-    bits, outlier masks (cap, D / 8), outlier codebook, codebook, outlier rotation (d_o, d_o), rotation (d_r, d_r),
+    bits, outlier masks (cap, D / 8) or (H_kv, D / 8), outlier codebook, codebook, outlier rotation (d_o, d_o), rotation (d_r, d_r),
     their signs (d,) where P = H diag(s) (else length 0: the matrix is read), outlier slice widths, slice widths,
     query scale (H_kv, D) or (0, D)). Keys with ``channel_scale: query`` hold k / s: the body's logits take the
     query times s, the row of the stream's KV head (``stream_head``); the float blocks hold k itself."""
@@ -295,11 +309,11 @@ def attend_part_rotated(
         for r in range(qk.shape[0]):
             for c in range(d):
                 qk[r, c] *= query_scale[h, c]
-    body_scores(s, u0, j1, qk, body_table, k_side, bs, order, gathered, scores)  # pass 1: logits
+    body_scores(s, u0, j1, qk, body_table, k_side, bs, order, gathered, scores, stream_head[s])  # pass 1: logits
     float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, bf16, bs, scores)
     part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum)
-    body_values(s, u0, j1, body_table, v_side, bs, np.arange(d), scores, acc)  # pass 2: values (own channel orders)
+    body_values(s, u0, j1, body_table, v_side, bs, np.arange(d), scores, acc, stream_head[s])  # pass 2: values
     float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, bf16, bs, scores, acc)
 
 

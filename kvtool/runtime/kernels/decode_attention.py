@@ -126,12 +126,12 @@ def _decode_partials(
     K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_BLC: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
     K_O_BITS: tl.constexpr, K_O_W0: tl.constexpr, K_O_W1: tl.constexpr, K_O_W2: tl.constexpr, K_O_LEVELS: tl.constexpr,
     K_BDO: tl.constexpr, K_BDR: tl.constexpr, K_BDOC: tl.constexpr, K_BDRC: tl.constexpr, K_QJL: tl.constexpr,
-    K_QSCALED: tl.constexpr,
+    K_QSCALED: tl.constexpr, K_XSTATIC: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_W2: tl.constexpr, V_FP8_MANTISSA: tl.constexpr,
     V_FP8_BIAS: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr, V_HAS_ZERO: tl.constexpr, V_LEVELS: tl.constexpr,
     V_OUTLIERS: tl.constexpr, V_RANK: tl.constexpr, V_BL: tl.constexpr, V_BLC: tl.constexpr, V_ROTATED: tl.constexpr, V_SPLIT: tl.constexpr,
     V_O_BITS: tl.constexpr, V_O_W0: tl.constexpr, V_O_W1: tl.constexpr, V_O_W2: tl.constexpr, V_O_LEVELS: tl.constexpr,
-    V_BDO: tl.constexpr, V_BDR: tl.constexpr, V_BDOC: tl.constexpr, V_BDRC: tl.constexpr,
+    V_BDO: tl.constexpr, V_BDR: tl.constexpr, V_BDOC: tl.constexpr, V_BDRC: tl.constexpr, V_XSTATIC: tl.constexpr,
 ):
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -162,14 +162,18 @@ def _decode_partials(
         partner, sign = partner_channels(c, ROTARY, INTERLEAVED)  # RoPE's partner channels (pre-RoPE keys)
         for col in range(split, blen, SPLITS):
             block = tl.load(btable_ptr + s * btable_stride + col).to(tl.int64)
+            # the split's masks at `block`: the block's own, or (XSTATIC) the KV head's calibrated row of a (H_kv, D / 8)
+            # table, reached through a pointer shifted so that row `block` of it is row `head`
+            kxm_block = kxm_ptr + (head - block) * (D // 8) if K_XSTATIC else kxm_ptr
+            vxm_block = vxm_ptr + (head - block) * (D // 8) if V_XSTATIC else vxm_ptr
             if K_QJL:  # the outlier split: each instance's sketch of the query in this block's channel order
                 if K_SPLIT > 0:
-                    qs_o, qs_r = split_sketched_queries(qb, kxm_ptr, kxt_ptr, block, c, cmask, D, K_SPLIT, K_O_LEVELS, K_BDO,
-                                                        K_BDR)  # (BR, BDO), (BR, BDR)
+                    qs_o, qs_r = split_sketched_queries(qb, kxm_block, kxt_ptr, block, c, cmask, D, K_SPLIT, K_O_LEVELS,
+                                                        K_BDO, K_BDR)  # (BR, BDO), (BR, BDR)
             for sub in tl.static_range(BS // TT):  # the block in token tiles of TT rows (bounded registers)
                 tb = sub * TT + tt
                 k, k_partner = load_side(kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr,
-                                         kxn_ptr, kxm_ptr, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, partner, D, BS,
+                                         kxn_ptr, kxm_block, kxt_ptr, k_srow, k_scol, block, head, tb, c, cmask, partner, D, BS,
                                          K_BITS, K_W0, K_W1, K_W2, K_FP8_MANTISSA, K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO,
                                          K_LEVELS, K_OUTLIERS, K_RANK, K_BL, K_BLC, K_SPLIT, K_O_BITS, K_O_W0, K_O_W1, K_O_W2,
                                          K_O_LEVELS, K_BDO, K_BDR, K_BDOC, K_BDRC, TT, PRE_ROPE > 0)
@@ -180,7 +184,7 @@ def _decode_partials(
                                               K_FP8_BIAS, K_SCALES, K_GROUP, K_HAS_ZERO, K_LEVELS, K_OUTLIERS)  # k[:, partner]
                     pos = body_positions(pos_ptr, pos_stride, nsink_ptr, s, s // streams_per_sequence, col, tb, block, BS, PRE_ROPE)
                     k = rotate_keys(k, k_partner, sign, pos, c, freq_ptr, rope_scaling, ROTARY, INTERLEAVED)
-                v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr,
+                v, _ = load_side(vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_block,
                                  vxt_ptr, v_srow, v_scol, block, head, tb, c, cmask, c, D, BS, V_BITS, V_W0, V_W1, V_W2,
                                  V_FP8_MANTISSA, V_FP8_BIAS, V_SCALES, V_GROUP, V_HAS_ZERO, V_LEVELS, V_OUTLIERS, V_RANK, V_BL,
                                  V_BLC, V_SPLIT, V_O_BITS, V_O_W0, V_O_W1, V_O_W2, V_O_LEVELS, V_BDO, V_BDR, V_BDOC,
