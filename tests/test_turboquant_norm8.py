@@ -131,6 +131,7 @@ def test_norm_bits_is_checked_in_the_recipe():
 def test_the_bundled_norm8_recipe_holds_fewer_bytes_than_its_float16_norm_twin():
     recipe = load_recipe("turboquant-k3.5-v2.5-n8")
     assert recipe.keys.norm_bits == 8 and recipe.values.norm_bits == 8 and recipe.cache.block_size == 16
+    assert recipe.cache.float_block_size == 4  # the open block's tokens in 4-token float blocks
     twin = dataclasses.replace(recipe, keys=dataclasses.replace(recipe.keys, norm_bits=16),
                                values=dataclasses.replace(recipe.values, norm_bits=16))
     k8, v8 = (TurboQuantizer(s, 256, 16, torch.float16) for s in (recipe.keys, recipe.values))
