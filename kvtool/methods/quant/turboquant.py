@@ -28,7 +28,9 @@ example, 32 of 128 channels at 3 bits and 96 at 2, is ``extra_bits: 0.25``, 2.25
 +2 bits is 2.5). No calibration: each stored block
 picks its own outlier set, the ``f * D`` channels with the most energy ``sum_t x[t, c]**2`` over
 the block's S tokens (post-RoPE key channels drift as their rotary pairs turn), stored as a D-bit
-mask per block.
+mask per block. With ``outlier_channels: calibrated`` the set is instead one per KV head, fitted by
+`kvtool calibrate` (`fit_queries`) and stored in the artifact (``outlier_channels`` (H_kv, D / 8),
+the mask layout): no mask per block, and one channel order for every block of a stream.
 
 Storage per block of one (sequence, KV head) stream (S tokens; leading block dim omitted), per
 instance (names with the ``outlier_`` prefix for the outlier instance, none for the other):
@@ -42,7 +44,8 @@ instance (names with the ``outlier_`` prefix for the outlier instance, none for 
   key's norm error moves its logit in proportion: a coarse fixed grid showed in the output KL);
 * QJL: ``qjl_signs`` (S / 8, d) uint8 (1 bit per coordinate), ``residual_norm`` (S,) float16;
 
-and with the split ``outlier_mask`` (D / 8,) uint8: bit c set when channel c is an outlier.
+and with the split ``outlier_mask`` (D / 8,) uint8: bit c set when channel c is an outlier (not with calibrated
+channels).
 A block's channels are ordered outliers first, then the rest, each in increasing channel order.
 
 Keys with ``channel_scale: query`` (calibrated, `fit_queries`): a per-KV-head, per-channel scale s; the codes hold
