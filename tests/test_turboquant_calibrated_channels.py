@@ -254,3 +254,11 @@ def test_kernels_generate_the_torch_paths_tokens_and_hold_no_masks(family):
     head_dim = torch_cache.layers[0].store.layout.head_dim
     saved = block_cache.memory_report()["cache_bytes"] - torch_cache.memory_report()["cache_bytes"]
     assert saved == blocks * 2 * head_dim // 8  # two masks (keys, values) of D bits per block
+
+
+def test_a_runtime_without_an_artifact_is_refused_with_the_fix():
+    from kvtool.runtime.attach import CompressedRuntime
+    from tests.tiny_models import tiny_model
+
+    with pytest.raises(RecipeError, match="calibrated outlier_channels.*kvtool calibrate"):
+        CompressedRuntime.from_recipe(tiny_model("llama", kv_heads=2), RECIPE)

@@ -68,7 +68,8 @@ class CompressedRuntime:
         geometry = adapter.geometry
         if layer_tensors is None and needs_fit(recipe):
             raise RecipeError(
-                f"recipe '{recipe.name}' uses a method that learns from calibration data (nuq, palu, static fp8 or int scales); "
+                f"recipe '{recipe.name}' uses a method that learns from calibration data (nuq, palu, static fp8 or int scales, "
+                "turboquant channel_scale or calibrated outlier_channels); "
                 "run `kvtool calibrate` and `kvtool export`, then pass the artifact (--artifact)"
             )
         tensors = layer_tensors or [{} for _ in range(geometry.num_layers)]
