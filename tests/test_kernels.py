@@ -87,6 +87,12 @@ def devices():
     return out
 
 
+def add_sides(monkeypatch, sides: dict) -> None:
+    """Make more `SIDES` (name: (key spec, value spec)) known to `build_case` for one test (other test files' formats)."""
+    for name, specs in sides.items():
+        monkeypatch.setitem(SIDES, name, specs)
+
+
 def _pool_tables(lengths_per_stream, per_block, generator):
     """Random distinct block ids per stream: table (S, W) int32 (0 past a stream's blocks), pool size."""
     counts = [-(-n // per_block) for n in lengths_per_stream]

@@ -15,7 +15,7 @@ from kvtool.methods.quant.turboquant import (TurboQuantizer, lloyd_max_codebook,
                                             rotation_signs, unpack_mask, unrotate)
 from kvtool.recipe import QuantSpec, load_recipe
 from kvtool.recipe_summary import tensor_summary
-from tests.test_kernels import devices
+from tests.test_kernels import add_sides, devices
 
 D, S = 64, 32
 
@@ -237,10 +237,7 @@ QUARTER_SIDES = {
 
 @pytest.fixture
 def quarter_sides(monkeypatch):
-    import tests.test_kernels as kernels
-
-    for name, specs in QUARTER_SIDES.items():
-        monkeypatch.setitem(kernels.SIDES, name, specs)
+    add_sides(monkeypatch, QUARTER_SIDES)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")

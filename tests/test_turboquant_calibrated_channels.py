@@ -22,7 +22,7 @@ from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.quant.turboquant import TurboQuantizer, pack_mask, unpack_mask
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe
 from kvtool.recipe_summary import tensor_summary
-from tests.test_kernels import devices
+from tests.test_kernels import add_sides, devices
 
 needs_numba = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba is not installed")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -159,10 +159,7 @@ QJL_SIDES = {"turboquant-calibrated-channels-qjl": (QuantSpec(**KEYS, qjl=True, 
 
 @pytest.fixture
 def sides(monkeypatch):
-    import tests.test_kernels as kernels
-
-    for name, specs in {**SIDES, **QJL_SIDES}.items():
-        monkeypatch.setitem(kernels.SIDES, name, specs)
+    add_sides(monkeypatch, {**SIDES, **QJL_SIDES})
 
 
 @needs_numba

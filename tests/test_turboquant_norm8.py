@@ -22,7 +22,7 @@ from kvtool.methods.quant.turboquant import (
     encode_norms8,
 )
 from kvtool.recipe import CacheSpec, QuantSpec, Recipe, load_recipe, recipe_from_dict
-from tests.test_kernels import devices
+from tests.test_kernels import add_sides, devices
 
 KEYS_35 = dict(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25)
 VALUES_25 = dict(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.5)
@@ -48,10 +48,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 @pytest.fixture
 def sides(monkeypatch):
-    import tests.test_kernels as kernels
-
-    for name, specs in {**SIDES, **QJL_SIDES}.items():
-        monkeypatch.setitem(kernels.SIDES, name, specs)
+    add_sides(monkeypatch, {**SIDES, **QJL_SIDES})
 
 
 # --- the codes ---------------------------------------------------------------------------------------------------
