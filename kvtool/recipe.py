@@ -698,11 +698,13 @@ class Recipe:
         for n, override in enumerate(self.layer_overrides):
             for part in ("keys", "values"):
                 base = getattr(self, part)
-                if _fit_ignores_bits(base):  # turboquant with channel_scale: one fit serves every width
+                if _fit_ignores_bits(base):  # turboquant's channel fits: one fit serves every width
                     changed = sorted(name for name, value in override.fields(part).items() if getattr(base, name) != value)
+                    fitted = " and ".join(f"{name}: {getattr(base, name)}" for name, default in
+                                          (("channel_scale", "none"), ("outlier_channels", "block"))
+                                          if getattr(base, name) != default)
                     _require(changed in ([], ["bits"]), f"layer_overrides[{n}].{part}",
-                             f"{part} with channel_scale: {base.channel_scale} and outlier_channels: {base.outlier_channels} "
-                             "are fitted once for every layer, so an "
+                             f"{part} with {fitted} are fitted once for every layer, so an "
                              f"override may change only their bits, not {', '.join(c for c in changed if c != 'bits')}")
             try:
                 layer = self.for_override(override)

@@ -202,14 +202,14 @@ RECIPE = Recipe(
 def _calibrated_runtime(model, recipe, backend):
     """A runtime with channels fitted on random text through the real calibration path (`QueryKeyMoments`)."""
     from kvtool.capture import stream_queries
+    from kvtool.models.adapter import adapter_for
     from kvtool.runtime.attach import CompressedRuntime
 
     moments = QueryKeyMoments(skip_first=recipe.cache.sink_tokens)
     windows = torch.randint(3, 100, (2, 48), generator=torch.Generator().manual_seed(0))
     stream_queries(model, windows, moments.observe, batch_size=2)
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
-    head_dim = getattr(model.config, "head_dim", None) or head_dim
-    fitted = fit_layers(recipe, head_dim, model.config.num_hidden_layers, queries=moments)
+    geometry = adapter_for(model).geometry
+    fitted = fit_layers(recipe, geometry.head_dim, geometry.num_layers, queries=moments)
     return CompressedRuntime.from_recipe(model, recipe, layer_tensors=fitted, backend=backend)
 
 
