@@ -43,7 +43,7 @@ OUTLIER_CHANNELS = ("block", "calibrated")  # turboquant's split: each block's o
 CHANNEL_SCALES = ("none", "query")  # turboquant keys: none, or fitted from the calibration queries
 RANK_ALLOCATIONS = ("fisher", "gradient", "uniform")
 AXES = ("channel", "token")
-FLOAT_DTYPES = ("float16", "bfloat16", "model")
+FLOAT_DTYPES = ("float16", "bfloat16", "float8_e4m3", "model")
 EVICTION_POLICIES = (
     "none", "streamingllm", "h2o", "snapkv", "vatp", "knorm", "fastgen", "tova", "chunkkv", "cake", "pyramidinfer",
     "rocketkv",
@@ -300,8 +300,14 @@ class CacheSpec:
     sink_tokens: first tokens kept in full precision (attention sinks).
     recent_tokens: most recent tokens kept in full precision (KIVI residual).
     float_dtype: dtype of every float the cache stores (sinks, recent window,
-        ``none`` bodies): ``float16``, ``bfloat16``, or ``model`` (whatever the
-        model computes in, e.g. float32 on CPU; makes a no-op cache bit-exact).
+        the open block's tokens, ``none`` bodies): ``float16``, ``bfloat16``,
+        ``model`` (whatever the model computes in, e.g. float32 on CPU; makes a
+        no-op cache bit-exact), or ``float8_e4m3`` (the float blocks in one byte
+        per value, e4m3 without a scale: saturates at +-448, keeps 3 mantissa
+        bits, about 29 dB SQNR; ``none`` bodies stay float16, method ``fp8``
+        stores a scaled fp8 body). The body of a quantized recipe is encoded from
+        what its float blocks held, so with ``float8_e4m3`` the codes start from
+        the fp8 values.
     float_block_size: tokens per float block (sinks, recent window, the open
         block's tokens; every token of a recipe that quantizes nothing): a power
         of two from 2 to 64. A float block is held whole once it has a token, so

@@ -182,11 +182,12 @@ def _rotated(keys: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
 
 
 def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, sinks=False, seed=0, rope=None, bs=BS,
-               fbs=FBS):
+               fbs=FBS, float_dtype=torch.float16):
     """A random store (float region + body blocks of one format), queries, the new token, and the dense reference.
 
     rope: (source, rotary_dim, interleaved): body keys are stored before RoPE and rotated at made-up positions.
-    bs: tokens per body block (16 only for sides whose codes are bytes: turboquant); fbs: tokens per float block.
+    bs: tokens per body block (16 only for sides whose codes are bytes: turboquant); fbs: tokens per float block;
+    float_dtype: the float blocks' dtype (float16, bfloat16 or float8_e4m3fn).
     """
     assert rope is None or bs == BS  # `_body_rope` makes positions for BS-token blocks
     g = torch.Generator().manual_seed(seed)
@@ -200,8 +201,8 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     body_blocks = [b for _, b in RAGGED]
     ftable, fcap = _pool_tables(float_tokens, fbs, g)
     btable, bcap = _pool_tables([b * bs for b in body_blocks], bs, g)
-    float_k = torch.randn(fcap, fbs, head_dim, generator=g).half()
-    float_v = torch.randn(fcap, fbs, head_dim, generator=g).half()
+    float_k = torch.randn(fcap, fbs, head_dim, generator=g).to(float_dtype)
+    float_v = torch.randn(fcap, fbs, head_dim, generator=g).to(float_dtype)
     raw_k = torch.randn(bcap, 1, bs, head_dim, generator=g) * key_spread
     raw_v = torch.randn(bcap, 1, bs, head_dim, generator=g) * value_spread
     stream_group = torch.arange(s) % KV_HEADS  # (S,) the KV head of each stream

@@ -40,7 +40,7 @@ from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
     CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
 )
-from kvtool.runtime.store import LayerStore, StoreLayout, take_rows
+from kvtool.runtime.store import FLOAT8_DTYPES, LayerStore, StoreLayout, take_rows, to_float_slots, wide_float_dtype
 from kvtool.runtime.staging import to_device
 
 SPECIAL, PUNCT = 1, 2  # bits of the FastGen token-class byte
@@ -58,14 +58,20 @@ class LayerPlan:
         return {k[len(prefix) :]: v for k, v in self.fitted.items() if k.startswith(prefix)}
 
 
+FLOAT_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn}
+
+
 def storage_dtype(recipe: Recipe, model_dtype: torch.dtype) -> torch.dtype:
-    """The float dtype the cache stores (``cache.float_dtype``; ``model`` = the model's own)."""
+    """The float dtype of the cache's float blocks (``cache.float_dtype``; ``model`` = the model's own)."""
     name = recipe.cache.float_dtype
-    return model_dtype if name == "model" else getattr(torch, name)
+    return model_dtype if name == "model" else FLOAT_DTYPE_NAMES[name]
 
 
 def build_formats(recipe: Recipe, fitted_for, head_dim: int, num_kv_heads: int, dtype: torch.dtype):
-    """(key format, value format, heads per stream g) for one layer, both lifted to g heads per block."""
+    """(key format, value format, heads per stream g) for one layer, both lifted to g heads per block. ``dtype``: the
+    float blocks' (`storage_dtype`); the formats' floats (``none`` bodies, decoded blocks) are float16 beside float8
+    float blocks."""
+    dtype = wide_float_dtype(dtype)
     formats = []
     for spec, part in ((recipe.keys, "keys"), (recipe.values, "values")):
         quantizer = quantizer_class(spec.method)(spec, head_dim, recipe.cache.block_size, dtype, fitted_for(part))
@@ -514,6 +520,9 @@ class KvtoolLayer(CacheLayerMixin):
         scores."""
         from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
+        float_dtype = self.store.layout.float_dtype
+        if float_dtype in FLOAT8_DTYPES:  # the token as its float slot holds it, as the torch path reads it back
+            new_k, new_v = (to_float_slots(x, float_dtype).float() for x in (new_k, new_v))
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
             from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
 

@@ -5,7 +5,8 @@ stream ``s = b * (H_kv / g) + j``; g = heads per stream (1, except Palu latents 
 group of KV heads). Every stream holds its own tokens at its own length: never padded to
 the longest stream, never expanded to query heads. Layout (what the Triton kernels read):
 
-* **float pool** (`BlockPool`): ``k``, ``v`` (cap, fbs, g, D) in the cache's float dtype,
+* **float pool** (`BlockPool`): ``k``, ``v`` (cap, fbs, g, D) in the cache's float dtype
+  (float8_e4m3fn: written saturating at +-448 by `to_float_slots`, read widened by ``.float()``),
   plus per-slot metadata where the cache needs it: ``pos`` (cap, fbs) int32 original
   positions, ``score`` (cap, fbs) float32 accumulated attention, ``feature`` (cap, fbs)
   float32 a policy's static token score, ``cls`` (cap, fbs) uint8 FastGen token classes.
@@ -57,6 +58,7 @@ from kvtool.runtime.pool import BlockPool
 from kvtool.runtime.staging import to_device
 
 FLOAT_BLOCK = 16  # tokens per float block unless the recipe says otherwise (`cache.float_block_size`)
+FLOAT8_DTYPES = (torch.float8_e4m3fn,)  # float blocks in one byte per value (``cache.float_dtype: float8_e4m3``)
 META_DTYPES = {"pos": torch.int32, "score": torch.float32, "feature": torch.float32, "cls": torch.uint8}
 LENGTHS = ("float_len", "body_len", "n_sink")
 SUMMARIES = ("kmax", "kmin", "ksum", "vsum", "k2sum")  # per-block (not per-slot) float pool tensors
@@ -82,6 +84,22 @@ class StoreLayout:
 
 def _ceil_div(a, b):
     return -(-a // b)
+
+
+def to_float_slots(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a float pool of ``dtype`` stores them: a plain cast, saturating at the format's largest value for
+    float8 (torch's cast would turn what lies beyond into nan)."""
+    if dtype in FLOAT8_DTYPES:
+        limit = torch.finfo(dtype).max
+        return values.float().clamp(-limit, limit).to(dtype)
+    return values.to(dtype)
+
+
+def wide_float_dtype(float_dtype: torch.dtype) -> torch.dtype:
+    """float16 for float8 float blocks (exact for every float8 value), else ``float_dtype``: the dtype of what sits
+    beside the float slots and must hold more than one fp8 value can (a block's key summaries and token sums, the
+    body formats' floats)."""
+    return torch.float16 if float_dtype in FLOAT8_DTYPES else float_dtype
 
 
 def _grow_columns(table: torch.Tensor, needed: int) -> torch.Tensor:
@@ -116,10 +134,10 @@ class LayerStore:
         self.fbs, self.bs = layout.float_block, layout.block_size
         meta = lambda tokens: {name: ((tokens,), META_DTYPES[name]) for name in layout.meta}  # noqa: E731
         kv = {"k": ((self.fbs, g, d), layout.float_dtype), "v": ((self.fbs, g, d), layout.float_dtype)}
-        n = layout.summary_tokens
-        summaries = {name: ((self.fbs // n, g, d), layout.float_dtype) for name in ("kmax", "kmin")} if n > 1 else {}  # 1: keys
+        n, sums_dtype = layout.summary_tokens, wide_float_dtype(layout.float_dtype)
+        summaries = {name: ((self.fbs // n, g, d), sums_dtype) for name in ("kmax", "kmin")} if n > 1 else {}  # 1: keys
         if layout.token_sums:
-            summaries.update({"ksum": ((g, d), layout.float_dtype), "vsum": ((g, d), layout.float_dtype)})
+            summaries.update({"ksum": ((g, d), sums_dtype), "vsum": ((g, d), sums_dtype)})
             if layout.key_squares:
                 summaries["k2sum"] = ((g, d), torch.float32)
         self.float_pool = BlockPool({**kv, **meta(self.fbs), **summaries}, device)
@@ -350,7 +368,7 @@ class LayerStore:
             target = self.float_table[rows_t, slot // self.fbs].long() * self.fbs + slot % self.fbs
             for name, values in source.items():
                 flat = self.float_flat(name)
-                flat[target] = values.to(flat.dtype)
+                flat[target] = to_float_slots(values, flat.dtype)
             self._summaries_stale = True
         self._set("float_len", np.maximum(self.float_len, end))
 
@@ -369,14 +387,19 @@ class LayerStore:
         else:
             block = self.float_table.gather(1, to_device(column, self.device)[:, None])[:, 0].long()
             target = block * fbs + to_device(offset, self.device)
+        stored = {}
         for name, values in data.items():
             flat = self.float_flat(name)
-            flat.index_copy_(0, target, values[:, 0].to(flat.dtype))
-        if not self._summaries_stale:
+            stored[name] = values = to_float_slots(values[:, 0], flat.dtype)
+            if flat.dtype in FLOAT8_DTYPES:  # torch has no float8 index_copy_ on CPU: copy the bytes
+                flat, values = flat.view(torch.uint8), values.view(torch.uint8)
+            flat.index_copy_(0, target, values)
+        if not self._summaries_stale and (self.layout.summary_tokens > 1 or self.layout.token_sums):
+            k, v = (stored[name].to(wide_float_dtype(stored[name].dtype)) for name in ("k", "v"))  # what the slots hold
             if self.layout.summary_tokens > 1:
-                self._absorb_into_summaries(target // fbs, target % fbs, data["k"][:, 0])
+                self._absorb_into_summaries(target // fbs, target % fbs, k)
             if self.layout.token_sums:
-                self._absorb_into_sums(target // fbs, target % fbs, data["k"][:, 0], data["v"][:, 0])
+                self._absorb_into_sums(target // fbs, target % fbs, k, v)
         self._set("float_len", np.maximum(self.float_len, end))
 
     def fill_holes(self, keep: torch.Tensor, data: dict[str, torch.Tensor], keep_new: torch.Tensor) -> None:
@@ -419,7 +442,7 @@ class LayerStore:
             moved = flat[src[from_mover]]
             flat[dst[from_mover]] = moved
             if name in data and keep_new.shape[1]:
-                flat[dst[from_new]] = data[name][rows[from_new], new_index[from_new]].to(flat.dtype)
+                flat[dst[from_new]] = to_float_slots(data[name][rows[from_new], new_index[from_new]], flat.dtype)
         self._release_float_beyond(new_len)
 
     # --- key summaries (sparse attention) ---------------------------------------------------------
@@ -577,7 +600,7 @@ class LayerStore:
         v = torch.arange(int(total.max()), device=self.device)[None]
         old_t = to_device(old, self.device)[:, None]
         column = torch.where(v < old_t, v, width + v - old_t).clamp(max=width + t - 1)  # -> cat([held, new])
-        joined = {name: torch.cat([held[name], rest[name]], dim=1) for name in names}
+        joined = {name: torch.cat([held[name].to(rest[name].dtype), rest[name]], dim=1) for name in names}  # float8: widened
         joined_pos = torch.cat([held_pos.long(), rest_pos.long()], dim=1)
         rows_np, block_np = _pairs(flush)
         rows = to_device(rows_np, self.device)

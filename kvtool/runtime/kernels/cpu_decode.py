@@ -7,7 +7,8 @@ into one small float32 tile at a time, in cache), and the layer costs one dispat
 
 What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
 
-* float blocks: ``float_k`` / ``float_v`` (cap, FBS, D) float16 or bfloat16 bit patterns (uint16), ``float_table``
+* float blocks: ``float_k`` / ``float_v`` (cap, FBS, D) float16 or bfloat16 bit patterns (uint16) or float8 e4m3
+  bytes (uint8), ``float_table``
   (S, F) int32 block ids, ``float_len`` (S,) tokens;
 * body blocks of integer codes: ``codes`` (cap, BS * bits / 8, D) uint8, bit-sliced and token-split
   (`kvtool.methods.quant.packing`), with fp16 ``scale`` / ``zero`` per channel ((cap, D): ``x = code * scale +
@@ -48,9 +49,10 @@ import numpy as np
 import torch
 
 from kvtool.methods.quant.packing import slice_widths
-from kvtool.runtime.kernels.body_format import NORM_MODES
+from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FLOAT16, NORM_MODES
+from kvtool.runtime.store import to_float_slots
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16)  # the float pool dtypes the kernel reads
+FLOAT_KINDS = {torch.float16: FLOAT16, torch.bfloat16: BFLOAT16, torch.float8_e4m3fn: FLOAT8_E4M3}  # pool dtypes read
 
 
 def numba_available() -> bool:
@@ -75,8 +77,9 @@ def reads_rotated(fmt) -> bool:
 
 def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
     """Why this kernel cannot read a store (None when it can): formats None = float blocks only."""
-    if float_dtype not in FLOAT_DTYPES:
-        return f"the float blocks are {str(float_dtype).replace('torch.', '')} (the CPU kernel reads float16 and bfloat16)"
+    if float_dtype not in FLOAT_KINDS:
+        return (f"the float blocks are {str(float_dtype).replace('torch.', '')} (the CPU kernel reads float16, bfloat16 "
+                "and float8_e4m3)")
     if formats is None:
         return None
     rotated = [reads_rotated(fmt) for fmt in formats]
@@ -103,7 +106,9 @@ def _widths(bits: int) -> np.ndarray:
 
 
 def _u16(t: torch.Tensor) -> np.ndarray:
-    """A 16-bit float tensor's bit patterns as a numpy uint16 view (no copy)."""
+    """A 16-bit float tensor's bit patterns as a numpy uint16 view (no copy); a float8 tensor's bytes as uint8."""
+    if t.element_size() == 1:
+        return t.view(torch.uint8).numpy()
     return t.view(torch.int16).numpy().view(np.uint16)
 
 
@@ -113,8 +118,9 @@ _VIEWS: dict[tuple[int, str], tuple] = {}  # (id(tensor), kind) -> (weak referen
 def _held_view(t: torch.Tensor, kind: str = "") -> np.ndarray:
     """The numpy view of a store tensor (a pool tensor, a block table), made once per tensor object: they live for
     many steps (a pool that grows gets new tensors), and making views costs microseconds per call and layer.
-    ``kind``: "" as is, "u16" the bit patterns of a 16-bit float tensor, "rows" the same flattened per pool row,
-    "2d" any other tensor flattened per row, "3d" a float pool (cap, FBS, 1, D) as (cap, FBS, D).
+    ``kind``: "" as is, "u16" the bit patterns of a 16-bit float tensor (a float8 one's bytes), "rows" the same
+    flattened per pool row, "2d" any other tensor flattened per row, "3d" a float pool (cap, FBS, 1, D) as
+    (cap, FBS, D).
 
     A view holds the tensor's memory, so its entry goes the moment the tensor object does (a weak reference's
     callback): a grown pool's old rows and a finished cache's blocks are freed as before."""
@@ -306,7 +312,7 @@ def cpu_decode_attention(
     q: torch.Tensor,  # (S, R, D) float32, already multiplied by the softmax scale
     new_k: torch.Tensor,  # (S, D) float32: this step's token, attended to by every row
     new_v: torch.Tensor,  # (S, D) float32
-    float_k: torch.Tensor,  # (cap, FBS, D) or (cap, FBS, 1, D) float16 / bfloat16 float pool (one head per stream)
+    float_k: torch.Tensor,  # (cap, FBS, D) or (cap, FBS, 1, D) float16 / bfloat16 / float8 float pool (one head per stream)
     float_v: torch.Tensor,
     float_table: torch.Tensor,  # (S, F) int32
     float_len: np.ndarray,  # (S,) int64 tokens (the store's host lengths)
@@ -367,8 +373,8 @@ def cpu_decode_attention(
         halves = np.empty((2, s, d), np.float16)
         halves[0], halves[1] = new_k_np, new_v_np
         new_bits = halves.view(np.uint16)
-    else:
-        new_bits = _u16(torch.stack((new_k, new_v)).to(float_k.dtype))
+    else:  # bfloat16; float8 saturating, as the store writes it
+        new_bits = _u16(to_float_slots(torch.stack((new_k, new_v)), float_k.dtype))
     no_score, no_pos = _no_meta()
     float_score = _held_view(scores[0]) if scores is not None else no_score
     body_score = _held_view(scores[1]) if scores is not None and scores[1] is not None and has_body else no_score
@@ -388,7 +394,7 @@ def cpu_decode_attention(
         (parallel_kernel if spread else serial_kernel)(
             q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"),
             ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen, heads, k_side, v_side, rope_arrays,
-            window_arrays, int(block_size or 1), float_k.dtype == torch.bfloat16,
+            window_arrays, int(block_size or 1), FLOAT_KINDS[float_k.dtype],
             float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write),
             float_score, body_score, new_score, score_mode, float_pos, new_pos, positions is not None, parts, out,
         )

@@ -22,6 +22,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FP8_LAYOUTS
+
 TINY_LOGIT = np.float32(-60.0)  # relative weights under e^-60 are dropped (subnormal products are ~100x slower)
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized) and fused; no assumption about inf / nan
 
@@ -81,11 +83,6 @@ def bf16_to_float(h):
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def to_float(h, bf16):
-    return bf16_to_float(h) if bf16 else half_to_float(h)
-
-
-@njit(cache=True, inline="always", fastmath=FAST)
 def dot(a, b):
     """a . b over two float32 rows."""
     acc = np.float32(0.0)
@@ -95,15 +92,36 @@ def dot(a, b):
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def dot_half(a, h, bf16):
-    """a . h: a float32 row and a 16-bit float row, widened as it is read."""
+def fp8_to_float(byte, mantissa, bias):
+    """An fp8 bit pattern (e4m3fn: 3, 7; e5m2: 2, 15) -> float32, exactly (the saturating encoder stores no nan/inf)."""
+    b = np.int32(byte)
+    exponent = (b >> mantissa) & ((np.int32(1) << (np.int32(7) - mantissa)) - np.int32(1))
+    frac = b & ((np.int32(1) << mantissa) - np.int32(1))
+    normal = np.uint32(((exponent + np.int32(127) - bias) << np.int32(23)) | (frac << (np.int32(23) - mantissa))).view(
+        np.float32
+    )
+    unit = np.uint32((np.int32(128) - bias - mantissa) << np.int32(23)).view(np.float32)  # 2^(1 - bias - mantissa)
+    magnitude = np.float32(frac) * unit if exponent == 0 else normal
+    return -magnitude if b >= 128 else magnitude
+
+
+E4M3_MANTISSA, E4M3_BIAS = (np.int32(n) for n in FP8_LAYOUTS["e4m3"])
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def dot_half(a, h, float_kind):
+    """a . h: a float32 row and a float-pool row (float16 / bfloat16 bits, or float8 e4m3 bytes), widened as it is
+    read."""
     acc = np.float32(0.0)
-    if bf16:
+    if float_kind == BFLOAT16:
         for c in range(a.shape[0]):
             acc += a[c] * bf16_to_float(h[c])
+    elif float_kind == FLOAT8_E4M3:
+        for c in range(a.shape[0]):
+            acc += a[c] * fp8_to_float(h[c], E4M3_MANTISSA, E4M3_BIAS)
     else:
         for c in range(a.shape[0]):
-            acc += a[c] * half_to_float(h[c])
+            acc += a[c] * half_to_float(np.uint16(h[c]))  # (typed for uint8 rows too: the branch above reads them)
     return acc
 
 
@@ -115,14 +133,17 @@ def axpy(acc, p, x):
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def axpy_half(acc, p, h, bf16):
-    """acc += p * h: h a 16-bit float row, widened as it is read."""
-    if bf16:
+def axpy_half(acc, p, h, float_kind):
+    """acc += p * h: h a float-pool row (`dot_half`), widened as it is read."""
+    if float_kind == BFLOAT16:
         for c in range(acc.shape[0]):
             acc[c] += p * bf16_to_float(h[c])
+    elif float_kind == FLOAT8_E4M3:
+        for c in range(acc.shape[0]):
+            acc[c] += p * fp8_to_float(h[c], E4M3_MANTISSA, E4M3_BIAS)
     else:
         for c in range(acc.shape[0]):
-            acc[c] += p * half_to_float(h[c])
+            acc[c] += p * half_to_float(np.uint16(h[c]))  # (typed for uint8 rows too)
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
@@ -153,20 +174,6 @@ def unpack_block(codes, block, widths, buf):
                         dst[c] += np.float32((np.int32(src[c]) >> shift) & mask) * weight
         row += sub
         low += w
-
-
-@njit(cache=True, inline="always", fastmath=FAST)
-def fp8_to_float(byte, mantissa, bias):
-    """An fp8 bit pattern (e4m3fn: 3, 7; e5m2: 2, 15) -> float32, exactly (the saturating encoder stores no nan/inf)."""
-    b = np.int32(byte)
-    exponent = (b >> mantissa) & ((np.int32(1) << (np.int32(7) - mantissa)) - np.int32(1))
-    frac = b & ((np.int32(1) << mantissa) - np.int32(1))
-    normal = np.uint32(((exponent + np.int32(127) - bias) << np.int32(23)) | (frac << (np.int32(23) - mantissa))).view(
-        np.float32
-    )
-    unit = np.uint32((np.int32(128) - bias - mantissa) << np.int32(23)).view(np.float32)  # 2^(1 - bias - mantissa)
-    magnitude = np.float32(frac) * unit if exponent == 0 else normal
-    return -magnitude if b >= 128 else magnitude
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
@@ -334,7 +341,7 @@ def open_part(s, part, parts, float_len, body_len, bs, fbs, part_max, part_sum, 
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, bf16, bs, scores):
+def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, float_kind, bs, scores):
     """scores (R, tokens) <- q . k of the float slots among units [u0, u1) of stream s (16-bit keys widened as read)."""
     rows, fbs = qs.shape[0], float_k.shape[1]
     for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
@@ -342,7 +349,7 @@ def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, b
         base = n_blocks * bs + fb * fbs
         for t in range(min(fbs, n_float - fb * fbs)):
             for r in range(rows):
-                scores[r, base + t] = dot_half(qs[r], keys[t], bf16)
+                scores[r, base + t] = dot_half(qs[r], keys[t], float_kind)
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
@@ -378,7 +385,7 @@ def part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fb
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, bf16, bs, weights, acc):
+def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, float_kind, bs, weights, acc):
     """acc (R, D) += the weighted 16-bit values of the float slots among units [u0, u1) of stream s."""
     rows, fbs = acc.shape[0], float_v.shape[1]
     for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
@@ -389,13 +396,13 @@ def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, bf16,
             for t in range(min(fbs, n_float - fb * fbs)):
                 p = weights[r, base + t]
                 if p != 0.0:
-                    axpy_half(acc_r, p, values[t], bf16)
+                    axpy_half(acc_r, p, values[t], float_kind)
 
 
 @njit(cache=True, fastmath=FAST)
 def attend_part(
     s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope, window,
-    bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+    bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
     """One work item: the held tokens of stream ``s`` in its part ``part`` (whole blocks). ``rope``: body keys
     stored before RoPE are rotated at their true positions (source > 0, `body_position`, `rotate_row`). ``window``: a
@@ -453,7 +460,7 @@ def attend_part(
             for t in range(bs):
                 for r in range(rows):
                     scores[r, j * bs + t] = dot(qs[r], body_buf[t])
-    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, bf16, bs, scores)
+    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, float_kind, bs, scores)
     part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum)
     # pass 2: values
@@ -481,7 +488,7 @@ def attend_part(
                     p = scores[r, j * bs + t]
                     if p != 0.0:
                         axpy(acc_r, p, body_buf[t])
-    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, bf16, bs, scores, acc)
+    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, float_kind, bs, scores, acc)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -590,7 +597,7 @@ def combine_streams(
 @njit(cache=True, fastmath=FAST)
 def decode_serial(
     q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
-    window, bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
     """One decode step of a layer on this thread: every (stream, part) item, then every stream's `combine`."""
@@ -599,7 +606,7 @@ def decode_serial(
     for item in range(streams * parts):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
-            k_side, v_side, rope, window, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
@@ -611,7 +618,7 @@ def decode_serial(
 @njit(cache=True, parallel=True, fastmath=FAST)
 def decode_parallel(
     q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
-    window, bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
     """As `decode_serial`, the (stream, part) items spread over Numba's threads; the merge stays on this thread."""
@@ -620,7 +627,7 @@ def decode_parallel(
     for item in prange(streams * parts):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
-            k_side, v_side, rope, window, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,

@@ -283,7 +283,7 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
 @njit(cache=True, fastmath=FAST)
 def attend_part_rotated(
     s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope, window,
-    bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+    bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
     """`cpu_decode_kernel.attend_part` for TurboQuant bodies (``rope`` is not used: TurboQuant keys are stored after
     RoPE). A side is (outlier channels d_o (0: no split), outlier codes, codes, outlier norms, norms (cap, BS) fp16
@@ -310,11 +310,11 @@ def attend_part_rotated(
             for c in range(d):
                 qk[r, c] *= query_scale[h, c]
     body_scores(s, u0, j1, qk, body_table, k_side, bs, order, gathered, scores, stream_head[s])  # pass 1: logits
-    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, bf16, bs, scores)
+    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, float_kind, bs, scores)
     part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum)
     body_values(s, u0, j1, body_table, v_side, bs, np.arange(d), scores, acc, stream_head[s])  # pass 2: values
-    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, bf16, bs, scores, acc)
+    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, float_kind, bs, scores, acc)
 
 
 # The two drivers repeat `cpu_decode_kernel.decode_serial` / ``decode_parallel`` with this module's work item: Numba's
@@ -323,7 +323,7 @@ def attend_part_rotated(
 @njit(cache=True, fastmath=FAST)
 def decode_rotated_serial(
     q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
-    window, bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
     """`cpu_decode_kernel.decode_serial` over TurboQuant bodies."""
@@ -332,7 +332,7 @@ def decode_rotated_serial(
     for item in range(streams * parts):
         attend_part_rotated(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
-            k_side, v_side, rope, window, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
@@ -344,7 +344,7 @@ def decode_rotated_serial(
 @njit(cache=True, parallel=True, fastmath=FAST)
 def decode_rotated_parallel(
     q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
-    window, bs, bf16, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
+    window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
     """`cpu_decode_kernel.decode_parallel` over TurboQuant bodies."""
@@ -353,7 +353,7 @@ def decode_rotated_parallel(
     for item in prange(streams * parts):
         attend_part_rotated(
             item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
-            k_side, v_side, rope, window, bs, bf16, softcap, parts, weights, part_max, part_sum, part_acc,
+            k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,

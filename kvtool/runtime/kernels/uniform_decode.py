@@ -206,11 +206,11 @@ def _side_tile(data_ptr, scale_ptr, zero_ptr, tile_bytes, ch_scale, ch_zero, blo
 
 @triton.jit
 def _float_tile(ptr, offs, valid, T: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
-    """Float-pool tokens at ``offs`` (NBF, FBS, D), valid (NBF, FBS), as (T, D): the pool's 16-bit dtype (float32
-    pools as float16) for half products, else float32."""
+    """Float-pool tokens at ``offs`` (NBF, FBS, D), valid (NBF, FBS), as (T, D): the pool's 16-bit dtype (float32 and
+    float8 pools as float16) for half products, else float32."""
     x = tl.reshape(tl.load(ptr + offs, mask=valid[:, :, None], other=0.0), (T, D))
     if HALF:
-        if x.dtype == tl.float32:
+        if x.dtype != tl.float16 and x.dtype != tl.bfloat16:
             x = x.to(tl.float16)
     else:
         x = x.to(tl.float32)
