@@ -304,7 +304,7 @@ class CacheSpec:
         ``model`` (whatever the model computes in, e.g. float32 on CPU; makes a
         no-op cache bit-exact), or ``float8_e4m3`` (the float blocks in one byte
         per value, e4m3 without a scale: saturates at +-448, keeps 3 mantissa
-        bits, about 29 dB SQNR; ``none`` bodies stay float16, method ``fp8``
+        bits, about 31 dB SQNR; ``none`` bodies stay float16, method ``fp8``
         stores a scaled fp8 body). The body of a quantized recipe is encoded from
         what its float blocks held, so with ``float8_e4m3`` the codes start from
         the fp8 values.

@@ -342,7 +342,7 @@ def open_part(s, part, parts, float_len, body_len, bs, fbs, part_max, part_sum, 
 
 @njit(cache=True, inline="always", fastmath=FAST)
 def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, float_kind, bs, scores):
-    """scores (R, tokens) <- q . k of the float slots among units [u0, u1) of stream s (16-bit keys widened as read)."""
+    """scores (R, tokens) <- q . k of the float slots among units [u0, u1) of stream s (keys widened as read)."""
     rows, fbs = qs.shape[0], float_k.shape[1]
     for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
         keys = float_k[float_table[s, fb]]  # (FBS, D) 16-bit
@@ -386,7 +386,7 @@ def part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fb
 
 @njit(cache=True, inline="always", fastmath=FAST)
 def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, float_kind, bs, weights, acc):
-    """acc (R, D) += the weighted 16-bit values of the float slots among units [u0, u1) of stream s."""
+    """acc (R, D) += the weighted values (widened as read) of the float slots among units [u0, u1) of stream s."""
     rows, fbs = acc.shape[0], float_v.shape[1]
     for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
         values = float_v[float_table[s, fb]]
