@@ -13,14 +13,11 @@ import pytest
 import torch
 
 from kvtool.errors import RecipeError
-from kvtool.models.cache_argument import with_cache
-from kvtool.plan import predict_cache_bytes
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe, load_recipe
 from kvtool.recipe_summary import window_summary
-from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.memory import walked_nbytes
 from kvtool.runtime.store import to_float_slots, wide_float_dtype
-from tests.test_float_block_size import KIVI, WINDOWLESS, generate, with_float_block
+from tests.test_float_block_size import KIVI, WINDOWLESS, assert_predicted_bytes_match_held, generate, with_float_block
 from tests.test_kernels import build_case, devices
 from tests.tiny_models import featured_model, tiny_model
 
@@ -172,14 +169,7 @@ def test_float8_blocks_hold_half_the_float_bytes_and_generate_close_to_float16(r
 def test_predicted_bytes_follow_float8_blocks():
     model = tiny_model("llama")
     for recipe in (WINDOWLESS, KIVI, FLOAT_ONLY):
-        runtime = CompressedRuntime.from_recipe(model, in_float8(with_float_block(recipe, 4)))
-        for context, batch in [(37, 1), (200, 3)]:
-            cache = runtime.new_cache()
-            ids = torch.randint(3, 100, (batch, context), generator=torch.Generator().manual_seed(0))
-            with torch.no_grad():
-                runtime.model(input_ids=ids, **with_cache(cache), use_cache=True)
-            held = cache.nbytes()
-            assert abs(predict_cache_bytes(runtime, context, batch) - held) <= 0.02 * held, (recipe.name, context, held)
+        assert_predicted_bytes_match_held(model, in_float8(with_float_block(recipe, 4)))
 
 
 @needs_numba
