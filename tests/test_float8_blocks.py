@@ -195,3 +195,23 @@ def test_triton_generation_with_float8_blocks_equals_torch(device):
         assert cache.memory_report()["kernel_steps"] >= 5 * model.config.num_hidden_layers
         assert torch.equal(by_torch.sequences, by_triton.sequences)
         torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", devices())
+def test_the_sparse_kernel_reads_float8_pools(device):
+    """RocketKV's stage 2 reads listed float slots in place: float8 pools too."""
+    from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
+    from tests.test_kernels import sparse_listing
+
+    g = torch.Generator().manual_seed(7)
+    k_pool, v_pool, slots, valid, q, new_k, new_v = sparse_listing(g, device, 64, 4)
+    k_pool, v_pool = k_pool.to(FP8), v_pool.to(FP8)
+    out = sparse_decode_attention(q.to(device), new_k.to(device), new_v.to(device), k_pool, v_pool, slots.to(device),
+                                  valid.to(device), None, None).cpu()
+    for stream in range(slots.shape[0]):
+        ids = slots[stream][valid[stream]]
+        keys = torch.cat([k_pool.cpu()[ids].float(), new_k[stream : stream + 1]])
+        values = torch.cat([v_pool.cpu()[ids].float(), new_v[stream : stream + 1]])
+        want = torch.softmax(q[stream] @ keys.T, dim=-1) @ values
+        torch.testing.assert_close(out[stream], want, rtol=1e-4, atol=1e-5)
