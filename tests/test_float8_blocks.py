@@ -17,7 +17,9 @@ from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe, load_recip
 from kvtool.recipe_summary import window_summary
 from kvtool.runtime.memory import walked_nbytes
 from kvtool.runtime.store import to_float_slots, wide_float_dtype
-from tests.test_float_block_size import KIVI, WINDOWLESS, assert_predicted_bytes_match_held, generate, with_float_block
+from tests.test_float_block_size import (
+    KIVI, WINDOWLESS, assert_predicted_bytes_match_held, assert_triton_matches_torch, generate, with_float_block,
+)
 from tests.test_kernels import build_case, devices
 from tests.tiny_models import featured_model, tiny_model
 
@@ -189,12 +191,7 @@ def test_numba_generation_with_float8_blocks_equals_torch(recipe):
 def test_triton_generation_with_float8_blocks_equals_torch(device):
     model = tiny_model("llama", kv_heads=2).to(device)
     for recipe in (in_float8(with_float_block(WINDOWLESS, 4)), in_float8(KIVI), in_float8(FLOAT_ONLY)):
-        by_torch, _ = generate(model, recipe, "torch", tokens=16)
-        by_triton, cache = generate(model, recipe, "triton", tokens=16)
-        assert cache.memory_report()["backend"] == "triton"
-        assert cache.memory_report()["kernel_steps"] >= 5 * model.config.num_hidden_layers
-        assert torch.equal(by_torch.sequences, by_triton.sequences)
-        torch.testing.assert_close(torch.stack(by_triton.logits), torch.stack(by_torch.logits), rtol=1e-3, atol=1e-3)
+        assert_triton_matches_torch(model, recipe)
 
 
 @needs_triton
