@@ -11,7 +11,8 @@ codes is rounded (the attention reads 16 bits), which splits the cost into the c
         --batch-size 4 --recipes recipes/turboquant-k3.5-v2.5-n8.yaml --out kl.json
 
 Formats: ``e4m3`` (no scale: `cache.float_dtype: float8_e4m3`), ``e4m3-token`` (one scale per token, amax / 448),
-``int8-token`` (amax / 127 per token), ``int8-gN`` (one float16 scale per N channels of a token).
+``int8-token`` (amax / 127 per token), ``int8-gN`` (one float16 scale per N channels of a token; N = 32 is
+`cache.float_dtype: int8`, built since: measure it with `benchmarks.output_kl` and a recipe that sets it).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ for step in $steps; do
   start=$(date +%s)
   case "$step" in
     tests) timeout "${TESTS_S:-240}" python3 -m pytest tests/test_kernels.py tests/test_turboquant_norm8.py tests/test_staging.py \
-             tests/test_float_block_size.py tests/test_turboquant_calibrated_channels.py tests/test_turboquant.py tests/test_float8_blocks.py -m gpu -p no:cacheprovider -rf \
+             tests/test_float_block_size.py tests/test_turboquant_calibrated_channels.py tests/test_turboquant.py tests/test_byte_float_blocks.py -m gpu -p no:cacheprovider -rf \
              -k "${TESTS_K:-(uniform_kernel and (128-4 or tiles_of_any)) or fp8_bytes or merge_reads or on_cuda or (256-8 and (palu or turboquant-2.5)) or 8_bit_norms or float_blocks or calibrated_channels or quarter_bit or float8}" \
              > "$out/gpu_tests.log" 2>&1; grep -E "^FAILED|passed|failed" "$out/gpu_tests.log" | cut -c1-300 | tail -n 12 ;;
     table) timeout "${TABLE_S:-200}" python3 -m benchmarks.gpu_attention ${TABLE_ARGS:---general} --out "$out/gpu_attention.json" \

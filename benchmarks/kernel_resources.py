@@ -37,7 +37,7 @@ def _formats(bits: int):
 
 def _signature(fn, bits: int, constants: dict) -> dict:
     """Triton types of the kernel's arguments (pointers by what they hold; tables int32, lengths int64)."""
-    halves = {"fk_ptr", "fv_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"}
+    halves = {"fk_ptr", "fv_ptr", "fks_ptr", "fvs_ptr", "ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"}
     sig = {}
     for name in fn.arg_names:
         if name in constants:
@@ -76,7 +76,8 @@ def compile_plan(bits: int, head_dim: int, rows: int, tile: int | None, warps: i
 
     # bits 16: a float16 body (method none), the same tile walk as codes
     plan = plan_tiles(_formats(bits), head_dim, block_size, rows, 16, "half", True, False, tile, warps, stages)
-    constants = {**dict(plan.constants), "ASM": bits in (2, 4, 8)}  # the GPU's code path, whatever this process runs
+    # the GPU's code path, whatever this process runs; float16 float blocks (FG = 0: no int8 slot scales)
+    constants = {**dict(plan.constants), "ASM": bits in (2, 4, 8), "FG": 0}
     fn = _uniform_partials
     sig = _signature(fn, bits, constants)
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)

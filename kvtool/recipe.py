@@ -43,7 +43,7 @@ OUTLIER_CHANNELS = ("block", "calibrated")  # turboquant's split: each block's o
 CHANNEL_SCALES = ("none", "query")  # turboquant keys: none, or fitted from the calibration queries
 RANK_ALLOCATIONS = ("fisher", "gradient", "uniform")
 AXES = ("channel", "token")
-FLOAT_DTYPES = ("float16", "bfloat16", "float8_e4m3", "model")
+FLOAT_DTYPES = ("float16", "bfloat16", "float8_e4m3", "int8", "model")
 EVICTION_POLICIES = (
     "none", "streamingllm", "h2o", "snapkv", "vatp", "knorm", "fastgen", "tova", "chunkkv", "cake", "pyramidinfer",
     "rocketkv",
@@ -302,12 +302,15 @@ class CacheSpec:
     float_dtype: dtype of every float the cache stores (sinks, recent window,
         the open block's tokens, ``none`` bodies): ``float16``, ``bfloat16``,
         ``model`` (whatever the model computes in, e.g. float32 on CPU; makes a
-        no-op cache bit-exact), or ``float8_e4m3`` (the float blocks in one byte
+        no-op cache bit-exact), ``float8_e4m3`` (the float blocks in one byte
         per value, e4m3 without a scale: saturates at +-448, keeps 3 mantissa
         bits, about 31 dB SQNR; ``none`` bodies stay float16, method ``fp8``
-        stores a scaled fp8 body). The body of a quantized recipe is encoded from
-        what its float blocks held, so with ``float8_e4m3`` the codes start from
-        the fp8 values.
+        stores a scaled fp8 body), or ``int8`` (the float blocks as int8 codes
+        with one float16 scale per 32 channels of each token, symmetric, scale =
+        the group's largest magnitude / 127: 8.5 bits per value, about 42 dB
+        SQNR on Gemma-3-270M's keys and values). The body of a quantized recipe
+        is encoded from what its float blocks held, so with ``float8_e4m3`` or
+        ``int8`` the codes start from the one-byte values.
     float_block_size: tokens per float block (sinks, recent window, the open
         block's tokens; every token of a recipe that quantizes nothing): a power
         of two from 2 to 64. A float block is held whole once it has a token, so

@@ -51,9 +51,10 @@ def window_summary(recipe: Recipe) -> str:
     """The tokens kept as floats ahead of the compressed body, or that every token is a float."""
     cache = recipe.cache
     floats = "" if cache.float_block_size == 16 else f" (float blocks of {cache.float_block_size})"
+    dtype = "int8 per token / 32 ch" if cache.float_dtype == "int8" else cache.float_dtype  # codes with their scales
     if not recipe.quantizes:
-        return f"all tokens {cache.float_dtype}{floats}"
-    return f"{cache.sink_tokens} sink + {cache.recent_tokens} recent {cache.float_dtype}{floats}, blocks of {cache.block_size}"
+        return f"all tokens {dtype}{floats}"
+    return f"{cache.sink_tokens} sink + {cache.recent_tokens} recent {dtype}{floats}, blocks of {cache.block_size}"
 
 
 def eviction_summary(recipe: Recipe) -> str:

@@ -442,7 +442,7 @@ def _held(store) -> tuple:
     valid = slots < torch.from_numpy(store.float_len)[:, None]
     ids = store.float_slot_ids(slots)
     names = ("k", "v") + tuple(name for name in ("pos", "score") if name in store.layout.meta)
-    floats = [take_rows(store.float_flat(name), ids)[valid] for name in names]
+    floats = [store.read_float_values(name, ids, per_slot=True)[valid] for name in names]  # int8 codes: decoded
     if store.body_pool is not None and "score" in store.layout.meta:  # the body blocks' scores too
         blocks = int(store.body_len.max())
         body_ids = store.body_block_ids(0, blocks)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from benchmarks.float_slot_formats import patch, rounded
-from kvtool.runtime.store import LayerStore, to_float_slots
-from tests.test_float8_blocks import FLOAT_ONLY
+from kvtool.runtime.store import INT8_SLOTS, LayerStore, round_trip_float_slots, to_float_slots
+from tests.test_byte_float_blocks import FLOAT_ONLY
 from tests.test_float_block_size import generate
 from tests.tiny_models import tiny_model
 
@@ -24,6 +24,7 @@ def test_finer_scales_give_more_sqnr_on_keys_with_an_outlier_channel():
     assert sqnr["int8-token"] < sqnr["int8-g64"] < sqnr["int8-g32"]
     assert 28 < sqnr["e4m3"] < 33  # 3 mantissa bits, whatever the scale
     assert torch.equal(rounded(x, "e4m3"), to_float_slots(x, torch.float8_e4m3fn).float())  # = the shipped format
+    assert torch.equal(rounded(x, "int8-g32").float(), round_trip_float_slots(x, INT8_SLOTS))  # = `float_dtype: int8`
     groups = rounded(x, "int8-g32").reshape(512, 8, 32)
     assert (groups.abs().amax(-1) > 0).all()  # no group rounded away
 

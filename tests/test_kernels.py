@@ -23,6 +23,7 @@ from kvtool.models.cache_argument import with_cache
 from kvtool.recipe import CacheSpec, EvictionSpec, QuantSpec, Recipe
 from kvtool.runtime.attach import CompressedRuntime
 from kvtool.runtime.kernels.cpu_decode import numba_available
+from kvtool.runtime.store import INT8_SLOTS, decode_int8_slots, encode_int8_slots, slot_scale_group
 from tests.tiny_models import featured_model, tiny_model, tiny_tokenizer_free_inputs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -187,7 +188,8 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
 
     rope: (source, rotary_dim, interleaved): body keys are stored before RoPE and rotated at made-up positions.
     bs: tokens per body block (16 only for sides whose codes are bytes: turboquant); fbs: tokens per float block;
-    float_dtype: the float blocks' dtype (float16, bfloat16 or float8_e4m3fn).
+    float_dtype: the float blocks' dtype (float16, bfloat16, float8_e4m3fn, or int8: codes with their scales, passed
+    as ``float_scales``).
     """
     assert rope is None or bs == BS  # `_body_rope` makes positions for BS-token blocks
     g = torch.Generator().manual_seed(seed)
@@ -201,8 +203,16 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     body_blocks = [b for _, b in RAGGED]
     ftable, fcap = _pool_tables(float_tokens, fbs, g)
     btable, bcap = _pool_tables([b * bs for b in body_blocks], bs, g)
-    float_k = torch.randn(fcap, fbs, head_dim, generator=g).to(float_dtype)
-    float_v = torch.randn(fcap, fbs, head_dim, generator=g).to(float_dtype)
+    float_k = torch.randn(fcap, fbs, head_dim, generator=g)
+    float_v = torch.randn(fcap, fbs, head_dim, generator=g)
+    float_scales = None
+    if float_dtype == INT8_SLOTS:  # codes and their scales, as the store writes them
+        (float_k, k_scales), (float_v, v_scales) = (encode_int8_slots(x, slot_scale_group(head_dim)) for x in (float_k, float_v))
+        float_scales = (k_scales, v_scales)
+        held_k, held_v = decode_int8_slots(float_k, k_scales), decode_int8_slots(float_v, v_scales)
+    else:
+        float_k, float_v = float_k.to(float_dtype), float_v.to(float_dtype)
+        held_k, held_v = float_k.float(), float_v.float()
     raw_k = torch.randn(bcap, 1, bs, head_dim, generator=g) * key_spread
     raw_v = torch.randn(bcap, 1, bs, head_dim, generator=g) * value_spread
     stream_group = torch.arange(s) % KV_HEADS  # (S,) the KV head of each stream
@@ -218,8 +228,8 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
     reference = []
     for i in range(s):
         f_ids = ftable[i, : -(-float_tokens[i] // fbs)].long()
-        fk = float_k[f_ids].reshape(-1, head_dim)[: float_tokens[i]].float()
-        fv = float_v[f_ids].reshape(-1, head_dim)[: float_tokens[i]].float()
+        fk = held_k[f_ids].reshape(-1, head_dim)[: float_tokens[i]]
+        fv = held_v[f_ids].reshape(-1, head_dim)[: float_tokens[i]]
         b_ids = btable[i, : body_blocks[i]].long()
         body_k = dec_k[b_ids].reshape(-1, head_dim)
         if body_rope is not None:
@@ -241,6 +251,8 @@ def build_case(side: str, head_dim: int, gqa: int, device: str, softcap=None, si
         body_len=to(torch.tensor(body_blocks)), formats=(kq.kernel_format(), vq.kernel_format()), block_size=bs,
         softcap=softcap, sink_logits=None if sink_logits is None else to(sink_logits), stream_group=to(stream_group),
     )
+    if float_scales is not None:
+        args["float_scales"] = tuple(to(x) for x in float_scales)
     if body_rope is not None:
         moved = {k: to(getattr(body_rope, k)) for k in ("inv_freq", "positions", "n_sink") if getattr(body_rope, k) is not None}
         args["rope"] = dataclasses.replace(body_rope, **moved)

@@ -40,7 +40,9 @@ from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
     CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
 )
-from kvtool.runtime.store import FLOAT8_DTYPES, LayerStore, StoreLayout, take_rows, to_float_slots, wide_float_dtype
+from kvtool.runtime.store import (
+    BYTE_SLOT_DTYPES, INT8_SLOTS, LayerStore, StoreLayout, round_trip_float_slots, wide_float_dtype,
+)
 from kvtool.runtime.staging import to_device
 
 SPECIAL, PUNCT = 1, 2  # bits of the FastGen token-class byte
@@ -58,7 +60,9 @@ class LayerPlan:
         return {k[len(prefix) :]: v for k, v in self.fitted.items() if k.startswith(prefix)}
 
 
-FLOAT_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn}
+FLOAT_DTYPE_NAMES = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn, "int8": INT8_SLOTS,
+}
 
 
 def storage_dtype(recipe: Recipe, model_dtype: torch.dtype) -> torch.dtype:
@@ -481,8 +485,8 @@ class KvtoolLayer(CacheLayerMixin):
         read_tokens, read_sums = 0, None
         for c0 in range(0, groups.shape[1], step):
             flat, valid = self._group_slots(groups, count, c0, min(groups.shape[1], c0 + step))  # (S, c) pool slots
-            k = take_rows(store.float_flat("k"), flat).float().transpose(1, 2)  # (S, g, c, D)
-            v = take_rows(store.float_flat("v"), flat).float().transpose(1, 2)
+            k = store.read_float_values("k", flat, per_slot=True).float().transpose(1, 2)  # (S, g, c, D)
+            v = store.read_float_values("v", flat, per_slot=True).float().transpose(1, 2)
             read_tokens += int(valid.sum())
             if estimate and not by_blocks:  # sums of the keys and values read, per stream (S, g, D) each
                 weights = valid[:, None, None, :].to(v.dtype)  # (S, 1, 1, c)
@@ -521,8 +525,8 @@ class KvtoolLayer(CacheLayerMixin):
         from kvtool.runtime.kernels.decode_attention import paged_decode_attention
 
         float_dtype = self.store.layout.float_dtype
-        if float_dtype in FLOAT8_DTYPES:  # the token as its float slot holds it, as the torch path reads it back
-            new_k, new_v = (to_float_slots(x, float_dtype).float() for x in (new_k, new_v))
+        if float_dtype in BYTE_SLOT_DTYPES:  # the token as its float slot holds it, as the torch path reads it back
+            new_k, new_v = round_trip_float_slots(torch.stack((new_k, new_v)), float_dtype)
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
             from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
 
@@ -544,6 +548,7 @@ class KvtoolLayer(CacheLayerMixin):
             return sparse_decode_attention(
                 q, new_k, new_v, self.store.float_flat("k")[:, 0], self.store.float_flat("v")[:, 0], slots, valid,
                 options.softcap, sink_logits, unread=unread,
+                float_scales=tuple(self.store.float_flat(n)[:, 0] for n in ("ks", "vs")) if self.store.scaled_slots else None,
             )
 
         store = self.store
@@ -575,7 +580,7 @@ class KvtoolLayer(CacheLayerMixin):
                 q, new_k, new_v, float_pool["k"], float_pool["v"], store.float_table, store.float_len, body,
                 store.body_table if has_body else None, store.body_len if has_body else None, formats,
                 self.group_of_stream, store.bs, options.softcap, sink_logits, write, scores, scoring, written_positions,
-                rope, window=window,
+                rope, window=window, float_scales=(float_pool["ks"], float_pool["vs"]) if store.scaled_slots else None,
             )
         body = formats = body_table = body_len = None
         if store.body_pool is not None and int(store.body_len.max()) > 0:
@@ -588,6 +593,7 @@ class KvtoolLayer(CacheLayerMixin):
             q, new_k, new_v, float_pool["k"][:, :, 0], float_pool["v"][:, :, 0], store.float_table, store.lengths("float_len"),
             body, body_table, body_len, formats, store.bs, options.softcap, sink_logits, stream_group=self.group_of_stream,
             rope=rope, precision=precision,
+            float_scales=(float_pool["ks"][:, :, 0], float_pool["vs"][:, :, 0]) if store.scaled_slots else None,
         )
 
     def _kernel_formats(self):
@@ -647,7 +653,7 @@ class KvtoolLayer(CacheLayerMixin):
         for c0 in range(0, float_blocks, step):
             c1 = min(float_blocks, c0 + step)
             ids = store.float_block_ids(c0, c1)  # (S, nb)
-            kv = store.read_blocks(store.float_pool, ("k", "v"), ids)  # (S, nb*fbs, g, D)
+            kv = store.read_float_blocks(("k", "v"), ids)  # (S, nb*fbs, g, D)
             k, v = kv["k"], kv["v"]
             pos = context.float_block_positions(self, ids, c0) if needs_pos else None
             valid = None
@@ -935,7 +941,7 @@ class KvtoolLayer(CacheLayerMixin):
         s, g = store.streams, self.g
         fb = int(store.float_blocks().max()) if s else 0
         ids = store.float_block_ids(0, fb)
-        flo = store.read_blocks(store.float_pool, ("k", "v"), ids)
+        flo = store.read_float_blocks(("k", "v"), ids)
         keys, values = [flo["k"].float().transpose(1, 2)], [flo["v"].float().transpose(1, 2)]  # (S, g, F, D)
         pos = [self.context.float_block_positions(self, ids, 0)]
         f = fb * fbs

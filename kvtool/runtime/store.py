@@ -6,7 +6,10 @@ group of KV heads). Every stream holds its own tokens at its own length: never p
 the longest stream, never expanded to query heads. Layout (what the Triton kernels read):
 
 * **float pool** (`BlockPool`): ``k``, ``v`` (cap, fbs, g, D) in the cache's float dtype
-  (float8_e4m3fn: written saturating at +-448 by `to_float_slots`, read widened by ``.float()``),
+  (float8_e4m3fn: written saturating at +-448 by `to_float_slots`, read widened by ``.float()``; int8: codes with
+  ``ks``, ``vs`` (cap, fbs, g, D / G) float16 beside them, one scale per G = `slot_scale_group` channels of each
+  token, written by `encode_int8_slots` and read through `read_float_values`, `read_float_at` and
+  `read_float_blocks`, which decode them),
   plus per-slot metadata where the cache needs it: ``pos`` (cap, fbs) int32 original
   positions, ``score`` (cap, fbs) float32 accumulated attention, ``feature`` (cap, fbs)
   float32 a policy's static token score, ``cls`` (cap, fbs) uint8 FastGen token classes.
@@ -48,6 +51,8 @@ here loops in Python over streams or tokens.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -59,6 +64,10 @@ from kvtool.runtime.staging import to_device
 
 FLOAT_BLOCK = 16  # tokens per float block unless the recipe says otherwise (`cache.float_block_size`)
 FLOAT8_DTYPES = (torch.float8_e4m3fn,)  # float blocks in one byte per value (``cache.float_dtype: float8_e4m3``)
+INT8_SLOTS = torch.int8  # float blocks as int8 codes with a float16 scale per channel group (``cache.float_dtype: int8``)
+BYTE_SLOT_DTYPES = (*FLOAT8_DTYPES, INT8_SLOTS)  # one byte per value: a kernel attends to a new token as stored
+SLOT_SCALE_GROUP = 32  # channels per int8 float-slot scale (fewer where head_dim is not a multiple: `slot_scale_group`)
+SLOT_SCALES = {"k": "ks", "v": "vs"}  # int8 float slots: the scale tensor beside each code tensor
 META_DTYPES = {"pos": torch.int32, "score": torch.float32, "feature": torch.float32, "cls": torch.uint8}
 LENGTHS = ("float_len", "body_len", "n_sink")
 SUMMARIES = ("kmax", "kmin", "ksum", "vsum", "k2sum")  # per-block (not per-slot) float pool tensors
@@ -96,10 +105,93 @@ def to_float_slots(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def wide_float_dtype(float_dtype: torch.dtype) -> torch.dtype:
-    """float16 for float8 float blocks (exact for every float8 value), else ``float_dtype``: the dtype of what sits
-    beside the float slots and must hold more than one fp8 value can (a block's key summaries and token sums, the
-    body formats' floats)."""
-    return torch.float16 if float_dtype in FLOAT8_DTYPES else float_dtype
+    """float16 for one-byte float blocks (float8: exact for every float8 value; int8 codes), else ``float_dtype``: the
+    dtype of what sits beside the float slots and must hold more than one byte can (a block's key summaries and token
+    sums, the body formats' floats, int8 slots' scales)."""
+    return torch.float16 if float_dtype in BYTE_SLOT_DTYPES else float_dtype
+
+
+def slot_scale_group(head_dim: int) -> int:
+    """Channels per scale of int8 float slots: 32, or the largest power of two dividing both 32 and head_dim."""
+    return math.gcd(SLOT_SCALE_GROUP, head_dim)
+
+
+def encode_int8_slots(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """values (..., D) -> (codes (..., D) int8 in [-127, 127], scales (..., D / group) float16): symmetric, one scale
+    per ``group`` consecutive channels = their largest magnitude / 127, rounded to float16 before the codes are made
+    from it (so `decode_int8_slots` returns code x the stored scale; a group of zeros has scale 0 and codes 0). CPU
+    tensors are encoded in numpy (`int8_slots_on_host`, the same bits), others by `encode_int8_slots_torch`."""
+    if values.device.type == "cpu":
+        codes, scales, _ = int8_slots_on_host(values.detach().float().contiguous().numpy(), group)
+        return torch.from_numpy(codes), torch.from_numpy(scales)
+    return encode_int8_slots_torch(values, group)
+
+
+def encode_int8_slots_torch(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`encode_int8_slots` in torch operations (any device)."""
+    x = values.float().unflatten(-1, (-1, group))  # (..., D / G, G)
+    fp16_max = torch.finfo(torch.float16).max
+    scales = (x.abs().amax(dim=-1) / 127.0).clamp(max=fp16_max).to(torch.float16)  # (..., D / G)
+    s = scales.float()[..., None]
+    codes = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0.0).round().clamp(-127, 127).to(torch.int8)
+    return codes.flatten(-2), scales
+
+
+def decode_int8_slots(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes (..., D) int8, scales (..., D / G) -> values (..., D) float32 (code x scale)."""
+    g = codes.shape[-1] // scales.shape[-1]
+    return (codes.float().unflatten(-1, (-1, g)) * scales.float()[..., None]).flatten(-2)
+
+
+def int8_slots_on_host(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`encode_int8_slots` of a host array x (..., D) float32, bit for bit as the torch version and without torch's
+    per-operation dispatch, which costs more than the arithmetic for the one token per stream a decode step writes:
+    (codes (..., D) int8, scales (..., D / group) float16, the values they hold (..., D) float32). One compiled call
+    (`cpu_decode_kernel.encode_int8_rows`) where Numba is installed, else numpy (`int8_slots_numpy`)."""
+    encode = _compiled_int8_encoder()
+    if encode is None:
+        return int8_slots_numpy(x, group)
+    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    codes, held = np.empty(rows.shape, np.int8), np.empty(rows.shape, np.float32)
+    bits = np.empty((rows.shape[0], rows.shape[1] // group), np.uint16)
+    encode(rows, group, codes, bits, held)
+    return codes.reshape(x.shape), bits.view(np.float16).reshape(*x.shape[:-1], -1), held.reshape(x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_int8_encoder():
+    """`cpu_decode_kernel.encode_int8_rows` where Numba is installed, else None."""
+    from kvtool.runtime.kernels.cpu_decode import numba_available
+
+    if not numba_available():
+        return None
+    from kvtool.runtime.kernels.cpu_decode_kernel import encode_int8_rows
+
+    return encode_int8_rows
+
+
+def int8_slots_numpy(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`int8_slots_on_host` in numpy operations (IEEE float32 division, round half to even, float16 rounding to
+    nearest even: the torch version's bits)."""
+    grouped = x.reshape(*x.shape[:-1], -1, group)  # (..., D / G, G)
+    scales = np.minimum(np.abs(grouped).max(axis=-1) / np.float32(127.0), np.float32(65504.0)).astype(np.float16)
+    s = scales.astype(np.float32)[..., None]
+    positive = s > 0
+    codes = np.clip(np.rint(np.where(positive, grouped / np.where(positive, s, np.float32(1.0)), np.float32(0.0))), -127, 127)
+    codes = codes.astype(np.int8)
+    held = (codes.astype(np.float32) * s).reshape(x.shape)
+    return codes.reshape(x.shape), scales, held
+
+
+def round_trip_float_slots(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``values`` as a float pool of ``dtype`` gives them back (what a kernel must attend to for a token it
+    holds in registers while the store keeps its one-byte form)."""
+    if dtype == INT8_SLOTS:
+        group = slot_scale_group(values.shape[-1])
+        if values.device.type == "cpu":
+            return torch.from_numpy(int8_slots_on_host(values.detach().float().contiguous().numpy(), group)[2])
+        return decode_int8_slots(*encode_int8_slots(values, group))
+    return to_float_slots(values, dtype).float()
 
 
 def _grow_columns(table: torch.Tensor, needed: int) -> torch.Tensor:
@@ -134,6 +226,10 @@ class LayerStore:
         self.fbs, self.bs = layout.float_block, layout.block_size
         meta = lambda tokens: {name: ((tokens,), META_DTYPES[name]) for name in layout.meta}  # noqa: E731
         kv = {"k": ((self.fbs, g, d), layout.float_dtype), "v": ((self.fbs, g, d), layout.float_dtype)}
+        self.scaled_slots = layout.float_dtype == INT8_SLOTS  # int8 codes + float16 scales per channel group
+        if self.scaled_slots:
+            self.slot_group = slot_scale_group(d)
+            kv.update({scale: ((self.fbs, g, d // self.slot_group), torch.float16) for scale in SLOT_SCALES.values()})
         n, sums_dtype = layout.summary_tokens, wide_float_dtype(layout.float_dtype)
         summaries = {name: ((self.fbs // n, g, d), sums_dtype) for name in ("kmax", "kmin")} if n > 1 else {}  # 1: keys
         if layout.token_sums:
@@ -313,10 +409,35 @@ class LayerStore:
         return self.float_table.long().gather(1, column) * self.fbs + slots % self.fbs
 
     def read_float_at(self, names, start: np.ndarray, width: int) -> dict[str, torch.Tensor]:
-        """{name: (S, width, ...)} from float slots [start[s], start[s] + width) of each stream."""
+        """{name: (S, width, ...)} from float slots [start[s], start[s] + width) of each stream (``k`` / ``v`` as
+        `read_float_values` gives them)."""
         slots = to_device(start, self.device)[:, None] + torch.arange(width, device=self.device)
         ids = self.float_slot_ids(slots)
-        return {name: take_rows(self.float_flat(name), ids) for name in names}
+        return {name: self.read_float_values(name, ids, per_slot=True) for name in names}
+
+    def read_float_values(self, name: str, ids: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
+        """The float pool's ``name`` at block ids (*ids.shape, fbs, ...) or, ``per_slot``, at flat slot ids
+        (*ids.shape, ...): keys and values of int8 slots decoded to float32, everything else as held."""
+        source = self.float_flat if per_slot else self.float_pool.tensors.__getitem__
+        x = take_rows(source(name), ids)
+        if self.scaled_slots and name in SLOT_SCALES:
+            return decode_int8_slots(x, take_rows(source(SLOT_SCALES[name]), ids))
+        return x
+
+    def read_float_blocks(self, names, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`read_blocks` of the float pool: {name: (S, nb * fbs, ...)} of block ids (S, nb), as `read_float_values`."""
+        return {name: self.read_float_values(name, ids).flatten(1, 2) for name in names}
+
+    def as_stored(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Float-slot data {name: values} as the pool holds them: int8 slots' keys and values become codes plus their
+        scales (``ks`` / ``vs``), unless the scales are already there (slots copied as they are held)."""
+        if not self.scaled_slots:
+            return data
+        out = dict(data)
+        for name, scale in SLOT_SCALES.items():
+            if name in data and scale not in data:
+                out[name], out[scale] = encode_int8_slots(data[name], self.slot_group)
+        return out
 
     # --- float region: writing ----------------------------------------------------------------------
     def _ensure_float_blocks(self, new_len: np.ndarray) -> None:
@@ -348,6 +469,7 @@ class LayerStore:
     def write_float(self, start: np.ndarray, count: np.ndarray, data: dict[str, torch.Tensor]) -> None:
         """Write the first count[s] entries of each row of data {name: (S, W, ...)} into float slots
         [start[s], start[s] + count[s]) (blocks allocated as needed); lengths become max(float_len, end)."""
+        data = self.as_stored(data)
         width = next(iter(data.values())).shape[1]
         total = int(count.sum())
         end = start + count
@@ -373,7 +495,8 @@ class LayerStore:
         self._set("float_len", np.maximum(self.float_len, end))
 
     def _write_one_each(self, start: np.ndarray, data: dict[str, torch.Tensor]) -> None:
-        """`write_float` of one token per stream (data {name: (S, 1, ...)}) at float slot start[s]: a decode step.
+        """`write_float` of one token per stream (data {name: (S, 1, ...)}, `as_stored`) at float slot start[s]: a
+        decode step.
 
         The hot path of every decode step, so it does the least: slot ids come from the host table on CPU
         (numpy, no per-op dispatch), each tensor is written by one index_copy_."""
@@ -395,7 +518,10 @@ class LayerStore:
                 flat, values = flat.view(torch.uint8), values.view(torch.uint8)
             flat.index_copy_(0, target, values)
         if not self._summaries_stale and (self.layout.summary_tokens > 1 or self.layout.token_sums):
-            k, v = (stored[name].to(wide_float_dtype(stored[name].dtype)) for name in ("k", "v"))  # what the slots hold
+            if self.scaled_slots:  # what the slots hold
+                k, v = (decode_int8_slots(stored[name], stored[SLOT_SCALES[name]]) for name in ("k", "v"))
+            else:
+                k, v = (stored[name].to(wide_float_dtype(stored[name].dtype)) for name in ("k", "v"))
             if self.layout.summary_tokens > 1:
                 self._absorb_into_summaries(target // fbs, target % fbs, k)
             if self.layout.token_sums:
@@ -406,6 +532,7 @@ class LayerStore:
         """Evict from an unordered float region: slots where ``keep`` (S, F) is False are freed, kept new
         tokens (``keep_new`` (S, t) of data {name: (S, t, ...)}) take their places first, then the
         stream's last tokens; a stream with more new tokens than holes grows at its end."""
+        data = self.as_stored(data)
         width = keep.shape[1]
         slots = torch.arange(width, device=self.device)
         keep = keep & (slots < self.lengths("float_len")[:, None])
@@ -480,14 +607,14 @@ class LayerStore:
             slots = torch.arange(width * self.fbs, device=self.device).reshape(width, self.fbs)
             valid = (slots[None] < self.lengths("float_len")[:, None, None])[..., None, None]  # (S, F, fbs, 1, 1)
             for part in ("k", "v"):
-                x = take_rows(self.float_pool.tensors[part], ids).float().masked_fill(~valid, 0.0)  # (S, F, fbs, g, D)
+                x = self.read_float_values(part, ids).float().masked_fill(~valid, 0.0)  # (S, F, fbs, g, D)
                 sums = self.float_pool.tensors[f"{part}sum"]
                 sums[ids[held]] = x.sum(dim=2)[held].to(sums.dtype)
                 if part == "k" and self.layout.key_squares:
                     self.float_pool.tensors["k2sum"][ids[held]] = x.square().sum(dim=2)[held]
         if n < 2:
             return  # n = 1: the keys are their own summaries
-        k = take_rows(self.float_pool.tensors["k"], ids).float()  # (S, F, fbs, g, D)
+        k = self.read_float_values("k", ids).float()  # (S, F, fbs, g, D)
         k = k.reshape(*k.shape[:2], self.fbs // n, n, *k.shape[3:])  # (S, F, fbs / n, n, g, D)
         slots = torch.arange(width * self.fbs, device=self.device).reshape(width, self.fbs // n, n)
         valid = (slots[None] < self.lengths("float_len")[:, None, None, None])[..., None, None]  # (S, F, fbs/n, n, 1, 1)
@@ -531,7 +658,7 @@ class LayerStore:
         ids = self.float_block_ids(0, width)  # (S, F)
         pool = self.float_pool.tensors
         if self.layout.summary_tokens == 1:
-            keys = take_rows(pool["k"], ids).flatten(1, 2)  # (S, F x fbs, g, D)
+            keys = self.read_float_values("k", ids).flatten(1, 2)  # (S, F x fbs, g, D)
             return keys, keys
         kmax, kmin = take_rows(pool["kmax"], ids), take_rows(pool["kmin"], ids)  # (S, F, fbs / n, g, D)
         return kmax.flatten(1, 2), kmin.flatten(1, 2)

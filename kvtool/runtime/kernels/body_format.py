@@ -50,7 +50,7 @@ from kvtool.methods.quant.packing import slice_widths
 SCALE_MODES = ("none", "channel", "token", "block", "static", "norm", "norm8")
 NORM_MODES = ("norm", "norm8")  # TurboQuant's per-token norm: float16, or 8-bit log codes over the block's range
 FP8_LAYOUTS = {"e4m3": (3, 7), "e5m2": (2, 15)}  # mantissa bits, exponent bias
-FLOAT16, BFLOAT16, FLOAT8_E4M3 = 0, 1, 2  # how the CPU kernel reads a float pool's bit patterns (``float_kind``)
+FLOAT16, BFLOAT16, FLOAT8_E4M3, INT8_SCALED = 0, 1, 2, 3  # how the CPU kernel reads a float pool (``float_kind``)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ into one small float32 tile at a time, in cache), and the layer costs one dispat
 
 What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
 
-* float blocks: ``float_k`` / ``float_v`` (cap, FBS, D) float16 or bfloat16 bit patterns (uint16) or float8 e4m3
-  bytes (uint8), ``float_table``
-  (S, F) int32 block ids, ``float_len`` (S,) tokens;
+* float blocks: ``float_k`` / ``float_v`` (cap, FBS, D) float16 or bfloat16 bit patterns (uint16), float8 e4m3
+  bytes (uint8), or int8 codes with ``float_ks`` / ``float_vs`` (cap, FBS, D / G) float16 scales, one per G
+  channels of a token; ``float_table`` (S, F) int32 block ids, ``float_len`` (S,) tokens;
 * body blocks of integer codes: ``codes`` (cap, BS * bits / 8, D) uint8, bit-sliced and token-split
   (`kvtool.methods.quant.packing`), with fp16 ``scale`` / ``zero`` per channel ((cap, D): ``x = code * scale +
   zero`` per channel of a block) or per token group ((cap, BS, D / group)) (uniform, KIVI), or calibrated float32
@@ -49,10 +49,12 @@ import numpy as np
 import torch
 
 from kvtool.methods.quant.packing import slice_widths
-from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FLOAT16, NORM_MODES
-from kvtool.runtime.store import to_float_slots
+from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FLOAT16, INT8_SCALED, NORM_MODES
+from kvtool.runtime.store import INT8_SLOTS, int8_slots_on_host, to_float_slots
 
-FLOAT_KINDS = {torch.float16: FLOAT16, torch.bfloat16: BFLOAT16, torch.float8_e4m3fn: FLOAT8_E4M3}  # pool dtypes read
+FLOAT_KINDS = {  # pool dtypes read
+    torch.float16: FLOAT16, torch.bfloat16: BFLOAT16, torch.float8_e4m3fn: FLOAT8_E4M3, INT8_SLOTS: INT8_SCALED,
+}
 
 
 def numba_available() -> bool:
@@ -78,8 +80,8 @@ def reads_rotated(fmt) -> bool:
 def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
     """Why this kernel cannot read a store (None when it can): formats None = float blocks only."""
     if float_dtype not in FLOAT_KINDS:
-        return (f"the float blocks are {str(float_dtype).replace('torch.', '')} (the CPU kernel reads float16, bfloat16 "
-                "and float8_e4m3)")
+        return (f"the float blocks are {str(float_dtype).replace('torch.', '')} (the CPU kernel reads float16, bfloat16, "
+                "float8_e4m3 and int8)")
     if formats is None:
         return None
     rotated = [reads_rotated(fmt) for fmt in formats]
@@ -106,7 +108,10 @@ def _widths(bits: int) -> np.ndarray:
 
 
 def _u16(t: torch.Tensor) -> np.ndarray:
-    """A 16-bit float tensor's bit patterns as a numpy uint16 view (no copy); a float8 tensor's bytes as uint8."""
+    """A 16-bit float tensor's bit patterns as a numpy uint16 view (no copy); a float8 tensor's bytes as uint8; int8
+    codes as they are."""
+    if t.dtype == torch.int8:
+        return t.numpy()
     if t.element_size() == 1:
         return t.view(torch.uint8).numpy()
     return t.view(torch.int16).numpy().view(np.uint16)
@@ -312,7 +317,8 @@ def cpu_decode_attention(
     q: torch.Tensor,  # (S, R, D) float32, already multiplied by the softmax scale
     new_k: torch.Tensor,  # (S, D) float32: this step's token, attended to by every row
     new_v: torch.Tensor,  # (S, D) float32
-    float_k: torch.Tensor,  # (cap, FBS, D) or (cap, FBS, 1, D) float16 / bfloat16 / float8 float pool (one head per stream)
+    float_k: torch.Tensor,  # (cap, FBS, D) or (cap, FBS, 1, D) float16 / bfloat16 / float8 / int8 float pool (one head
+    # per stream)
     float_v: torch.Tensor,
     float_table: torch.Tensor,  # (S, F) int32
     float_len: np.ndarray,  # (S,) int64 tokens (the store's host lengths)
@@ -334,6 +340,7 @@ def cpu_decode_attention(
     parallel: bool = False,  # spread the work over as many threads as torch uses (see below)
     parts: int | None = None,  # pieces each stream's tokens are cut into (None: 1; with ``parallel``, enough for
     # every thread)
+    float_scales: tuple | None = None,  # int8 float pools: (key, value) scales (cap, FBS[, 1], D / G) float16
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store, on CPU tensors.
 
@@ -367,14 +374,28 @@ def cpu_decode_attention(
     heads = _held_view(stream_head) if stream_head is not None else np.zeros(s, np.int64)
     sinks = sink_logits.float().contiguous().numpy() if sink_logits is not None else np.zeros((1, 1), np.float32)
     new_k_np, new_v_np = new_k.contiguous().float().numpy(), new_v.contiguous().float().numpy()
+    if float_k.dtype == INT8_SLOTS and float_scales is None:
+        raise ValueError("int8 float pools are read with their scales: pass float_scales")
     if not write:
         new_bits = np.zeros((2, 1, 1), np.uint16)
     elif float_k.dtype == torch.float16:  # numpy rounds to nearest even, as torch's cast does
         halves = np.empty((2, s, d), np.float16)
         halves[0], halves[1] = new_k_np, new_v_np
         new_bits = halves.view(np.uint16)
+    elif float_k.dtype == INT8_SLOTS:  # codes here, their scales below (as the store encodes them)
+        new_bits, scale_bits, _ = int8_slots_on_host(np.stack((new_k_np, new_v_np)), d // float_scales[0].shape[-1])
     else:  # bfloat16; float8 saturating, as the store writes it
         new_bits = _u16(to_float_slots(torch.stack((new_k, new_v)), float_k.dtype))
+    if float_k.dtype == INT8_SLOTS:
+        float_ks, float_vs = (_held_view(t, "3d") for t in float_scales)
+        if write:  # the token's scales at the slot the kernel writes its codes to
+            fbs = float_ks.shape[1]
+            lengths = np.asarray(float_len, dtype=np.int64)
+            blocks = ftable[np.arange(s), lengths // fbs]
+            for pool, scales in zip((float_ks, float_vs), scale_bits.view(np.uint16)):
+                pool[blocks, lengths % fbs] = scales
+    else:
+        float_ks = float_vs = _no_scales()
     no_score, no_pos = _no_meta()
     float_score = _held_view(scores[0]) if scores is not None else no_score
     body_score = _held_view(scores[1]) if scores is not None and scores[1] is not None and has_body else no_score
@@ -392,7 +413,7 @@ def cpu_decode_attention(
         if parts is None:
             parts = -(-2 * _THREADS[0] // s) if spread and s < 2 * _THREADS[0] else 1  # few streams: split their tokens
         (parallel_kernel if spread else serial_kernel)(
-            q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"),
+            q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"), float_ks, float_vs,
             ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen, heads, k_side, v_side, rope_arrays,
             window_arrays, int(block_size or 1), FLOAT_KINDS[float_k.dtype],
             float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write),
@@ -416,6 +437,12 @@ def _window_arrays(window: tuple | None, has_body: bool) -> tuple:
 def _no_window() -> tuple:
     """The placeholder window of a layer that sees every held token (never read; built once)."""
     return (0, np.zeros(1, np.int64), np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def _no_scales() -> np.ndarray:
+    """The placeholder scales of a float pool that has none (never read; built once)."""
+    return np.zeros((1, 1, 1), np.uint16)
 
 
 @functools.lru_cache(maxsize=None)

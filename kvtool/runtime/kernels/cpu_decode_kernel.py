@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FP8_LAYOUTS
+from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FP8_LAYOUTS, INT8_SCALED
 
 TINY_LOGIT = np.float32(-60.0)  # relative weights under e^-60 are dropped (subnormal products are ~100x slower)
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized) and fused; no assumption about inf / nan
@@ -109,11 +109,18 @@ E4M3_MANTISSA, E4M3_BIAS = (np.int32(n) for n in FP8_LAYOUTS["e4m3"])
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def dot_half(a, h, float_kind):
-    """a . h: a float32 row and a float-pool row (float16 / bfloat16 bits, or float8 e4m3 bytes), widened as it is
-    read."""
+def dot_half(a, h, hs, float_kind):
+    """a . h: a float32 row and a float-pool row (float16 / bfloat16 bits, float8 e4m3 bytes, or int8 codes with
+    ``hs`` the float16 bits of one scale per group of channels), widened as it is read."""
     acc = np.float32(0.0)
-    if float_kind == BFLOAT16:
+    if float_kind == INT8_SCALED:
+        group = a.shape[0] // hs.shape[0]
+        for j in range(hs.shape[0]):
+            base, part = j * group, np.float32(0.0)
+            for c in range(group):  # (a fixed-length loop from an offset: LLVM vectorizes it, not range(base, end))
+                part += a[base + c] * np.float32(h[base + c])
+            acc += part * half_to_float(np.uint16(hs[j]))
+    elif float_kind == BFLOAT16:
         for c in range(a.shape[0]):
             acc += a[c] * bf16_to_float(h[c])
     elif float_kind == FLOAT8_E4M3:
@@ -133,9 +140,15 @@ def axpy(acc, p, x):
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def axpy_half(acc, p, h, float_kind):
-    """acc += p * h: h a float-pool row (`dot_half`), widened as it is read."""
-    if float_kind == BFLOAT16:
+def axpy_half(acc, p, h, hs, float_kind):
+    """acc += p * h: h a float-pool row (`dot_half`; ``hs`` its scales), widened as it is read."""
+    if float_kind == INT8_SCALED:
+        group = acc.shape[0] // hs.shape[0]
+        for j in range(hs.shape[0]):
+            ps, base = p * half_to_float(np.uint16(hs[j])), j * group
+            for c in range(group):  # (as in `dot_half`: vectorized)
+                acc[base + c] += ps * np.float32(h[base + c])
+    elif float_kind == BFLOAT16:
         for c in range(acc.shape[0]):
             acc[c] += p * bf16_to_float(h[c])
     elif float_kind == FLOAT8_E4M3:
@@ -341,15 +354,19 @@ def open_part(s, part, parts, float_len, body_len, bs, fbs, part_max, part_sum, 
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, float_kind, bs, scores):
-    """scores (R, tokens) <- q . k of the float slots among units [u0, u1) of stream s (keys widened as read)."""
+def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_ks, float_table, float_kind, bs, scores):
+    """scores (R, tokens) <- q . k of the float slots among units [u0, u1) of stream s (keys widened as read;
+    ``float_ks`` (cap, FBS, D / G) their scales when the slots are int8 codes)."""
     rows, fbs = qs.shape[0], float_k.shape[1]
+    scaled = float_kind == INT8_SCALED
     for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
-        keys = float_k[float_table[s, fb]]  # (FBS, D) 16-bit
+        block = float_table[s, fb]
+        keys = float_k[block]  # (FBS, D) 16-bit, or bytes
+        key_scales = float_ks[block if scaled else 0]  # (FBS, D / G)
         base = n_blocks * bs + fb * fbs
         for t in range(min(fbs, n_float - fb * fbs)):
             for r in range(rows):
-                scores[r, base + t] = dot_half(qs[r], keys[t], float_kind)
+                scores[r, base + t] = dot_half(qs[r], keys[t], key_scales[t if scaled else 0], float_kind)
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
@@ -385,23 +402,27 @@ def part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fb
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
-def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, float_kind, bs, weights, acc):
+def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_vs, float_table, float_kind, bs, weights, acc):
     """acc (R, D) += the weighted values (widened as read) of the float slots among units [u0, u1) of stream s."""
     rows, fbs = acc.shape[0], float_v.shape[1]
+    scaled = float_kind == INT8_SCALED
     for fb in range(max(u0, n_blocks) - n_blocks, u1 - n_blocks):
-        values = float_v[float_table[s, fb]]
+        block = float_table[s, fb]
+        values = float_v[block]
+        value_scales = float_vs[block if scaled else 0]  # (FBS, D / G)
         base = n_blocks * bs + fb * fbs
         for r in range(rows):
             acc_r = acc[r]
             for t in range(min(fbs, n_float - fb * fbs)):
                 p = weights[r, base + t]
                 if p != 0.0:
-                    axpy_half(acc_r, p, values[t], float_kind)
+                    axpy_half(acc_r, p, values[t], value_scales[t if scaled else 0], float_kind)
 
 
 @njit(cache=True, fastmath=FAST)
 def attend_part(
-    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope, window,
+    s, part, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+    k_side, v_side, rope, window,
     bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
     """One work item: the held tokens of stream ``s`` in its part ``part`` (whole blocks). ``rope``: body keys
@@ -460,7 +481,7 @@ def attend_part(
             for t in range(bs):
                 for r in range(rows):
                     scores[r, j * bs + t] = dot(qs[r], body_buf[t])
-    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, float_kind, bs, scores)
+    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_ks, float_table, float_kind, bs, scores)
     part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum)
     # pass 2: values
@@ -488,7 +509,7 @@ def attend_part(
                     p = scores[r, j * bs + t]
                     if p != 0.0:
                         axpy(acc_r, p, body_buf[t])
-    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, float_kind, bs, scores, acc)
+    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_vs, float_table, float_kind, bs, scores, acc)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -596,7 +617,8 @@ def combine_streams(
 
 @njit(cache=True, fastmath=FAST)
 def decode_serial(
-    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
+    q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+    k_side, v_side, rope,
     window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
@@ -605,7 +627,8 @@ def decode_serial(
     weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
     for item in range(streams * parts):
         attend_part(
-            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
+            item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
+            body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
@@ -617,7 +640,8 @@ def decode_serial(
 
 @njit(cache=True, parallel=True, fastmath=FAST)
 def decode_parallel(
-    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
+    q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+    k_side, v_side, rope,
     window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
@@ -626,7 +650,8 @@ def decode_parallel(
     weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
     for item in prange(streams * parts):
         attend_part(
-            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
+            item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
+            body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
@@ -634,3 +659,38 @@ def decode_parallel(
         new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
         part_max, part_sum, part_acc, out,
     )
+
+
+@njit(cache=True, inline="always")
+def half_bits_of_scale(s):
+    """float32 s in [0, 65504] -> its float16 bits (uint16), rounded to nearest even, as torch's and numpy's casts."""
+    if s < np.float32(6.103515625e-05):  # under 2^-14: a float16 subnormal, a multiple of 2^-24 (1024 of them: 2^-14)
+        return np.uint16(np.rint(s * np.float32(16777216.0)))
+    u = np.float32(s).view(np.uint32)
+    u = u + np.uint32(0x0FFF) + ((u >> np.uint32(13)) & np.uint32(1))  # round the 23-bit mantissa to 10, ties to even
+    exponent = ((u >> np.uint32(23)) - np.uint32(112)) << np.uint32(10)  # rebias 127 -> 15
+    return np.uint16(exponent | ((u >> np.uint32(13)) & np.uint32(0x3FF)))
+
+
+@njit(cache=True)
+def encode_int8_rows(x, group, codes, scale_bits, held):
+    """`store.encode_int8_slots` of rows x (N, D) float32 into codes (N, D) int8, scale_bits (N, D / group) uint16 (the
+    float16 scales' bits) and held (N, D) float32 (code x scale), bit for bit as the torch version: the scale = the
+    group's largest magnitude / 127 (float32 division), at most float16's largest, rounded to float16; the code = x /
+    scale rounded half to even, clamped to +-127 (0 where the scale is 0)."""
+    n, d = x.shape
+    for i in range(n):
+        for j in range(d // group):
+            base = j * group
+            amax = np.float32(0.0)
+            for c in range(group):
+                amax = max(amax, abs(x[i, base + c]))
+            bits = half_bits_of_scale(min(amax / np.float32(127.0), np.float32(65504.0)))
+            scale_bits[i, j] = bits
+            scale = half_to_float(bits)
+            for c in range(group):
+                q = np.float32(0.0)
+                if scale > 0:
+                    q = min(max(np.rint(x[i, base + c] / scale), np.float32(-127.0)), np.float32(127.0))
+                codes[i, base + c] = np.int8(q)
+                held[i, base + c] = q * scale

@@ -282,7 +282,8 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
 
 @njit(cache=True, fastmath=FAST)
 def attend_part_rotated(
-    s, part, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope, window,
+    s, part, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+    k_side, v_side, rope, window,
     bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
     """`cpu_decode_kernel.attend_part` for TurboQuant bodies (``rope`` is not used: TurboQuant keys are stored after
@@ -310,11 +311,11 @@ def attend_part_rotated(
             for c in range(d):
                 qk[r, c] *= query_scale[h, c]
     body_scores(s, u0, j1, qk, body_table, k_side, bs, order, gathered, scores, stream_head[s])  # pass 1: logits
-    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_table, float_kind, bs, scores)
+    float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_ks, float_table, float_kind, bs, scores)
     part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum)
     body_values(s, u0, j1, body_table, v_side, bs, np.arange(d), scores, acc, stream_head[s])  # pass 2: values
-    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_table, float_kind, bs, scores, acc)
+    float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_vs, float_table, float_kind, bs, scores, acc)
 
 
 # The two drivers repeat `cpu_decode_kernel.decode_serial` / ``decode_parallel`` with this module's work item: Numba's
@@ -322,7 +323,8 @@ def attend_part_rotated(
 # compiled again in every process, about 15 s), so each work item gets its drivers spelled out.
 @njit(cache=True, fastmath=FAST)
 def decode_rotated_serial(
-    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
+    q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+    k_side, v_side, rope,
     window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
@@ -331,7 +333,8 @@ def decode_rotated_serial(
     weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
     for item in range(streams * parts):
         attend_part_rotated(
-            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
+            item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
+            body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(
@@ -343,7 +346,8 @@ def decode_rotated_serial(
 
 @njit(cache=True, parallel=True, fastmath=FAST)
 def decode_rotated_parallel(
-    q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, stream_head, k_side, v_side, rope,
+    q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+    k_side, v_side, rope,
     window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
     float_pos, new_pos, write_pos, parts, out,
 ):
@@ -352,7 +356,8 @@ def decode_rotated_parallel(
     weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
     for item in prange(streams * parts):
         attend_part_rotated(
-            item // parts, item % parts, q, float_k, float_v, float_table, float_len, body_table, body_len, stream_head,
+            item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
+            body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
     combine_streams(

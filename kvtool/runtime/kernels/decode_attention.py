@@ -5,7 +5,7 @@ its GQA group, already multiplied by the softmax scale) and attends to
 
 * its float blocks (sinks, recent window, or everything for float-only recipes): `float_table`
   (S, F) int32 block ids, `float_len` (S,) tokens; block = `FBS` tokens x D in the cache's float
-  dtype;
+  dtype (int8 codes: times their float16 scales, one per FG channels of a token, ``float_scales``);
 * its body blocks: `body_table` (S, Bn) int32 ids, `body_len` (S,) blocks of `BS` tokens, each a
   key and a value *format* (`BodyFormat`, read by `body_block.load_body`), dequantized in
   registers: float16 data (method none); uniform ``bits``-bit codes in the bit-sliced,
@@ -113,14 +113,15 @@ def store_partials(m_out, l_out, acc_out, s, split, r, c, m, l, acc, BR: tl.cons
 
 @triton.jit
 def _decode_partials(
-    q_ptr, qb_ptr, qs_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr, group_ptr,
+    q_ptr, qb_ptr, qs_ptr, fk_ptr, fv_ptr, fks_ptr, fvs_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride,
+    blen_ptr, group_ptr,
     kd_ptr, kc_ptr, ks_ptr, kz_ptr, klut_ptr, koi_ptr, kov_ptr, kw_ptr, kb_ptr, kxc_ptr, kxn_ptr, kxm_ptr, kxt_ptr, k_srow, k_scol,
     ksg_ptr, krn_ptr, kxsg_ptr, kxrn_ptr,
     vd_ptr, vc_ptr, vs_ptr, vz_ptr, vlut_ptr, voi_ptr, vov_ptr, vw_ptr, vb_ptr, vxc_ptr, vxn_ptr, vxm_ptr, vxt_ptr, v_srow, v_scol,
     pos_ptr, pos_stride, nsink_ptr, streams_per_sequence, freq_ptr, rope_scaling,
     m_out, l_out, acc_out, accr_out, R, softcap,
-    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FBS: tl.constexpr, BS: tl.constexpr, TT: tl.constexpr,
-    SPLITS, HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FBS: tl.constexpr, FG: tl.constexpr, BS: tl.constexpr,
+    TT: tl.constexpr, SPLITS, HAS_BODY: tl.constexpr, SOFTCAP: tl.constexpr, PRE_ROPE: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_W2: tl.constexpr, K_FP8_MANTISSA: tl.constexpr,
     K_FP8_BIAS: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr, K_HAS_ZERO: tl.constexpr, K_LEVELS: tl.constexpr,
     K_OUTLIERS: tl.constexpr, K_RANK: tl.constexpr, K_BL: tl.constexpr, K_BLC: tl.constexpr, K_ROTATED: tl.constexpr, K_SPLIT: tl.constexpr,
@@ -146,6 +147,8 @@ def _decode_partials(
         kv_mask = valid[:, None] & cmask[None, :]
         k = tl.load(fk_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(fv_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        if FG > 0:  # int8 slots: codes times their float16 scales, one per FG channels of a token
+            k, v = float_slot_scaled(k, v, fks_ptr, fvs_ptr, block * FBS + tf, c, kv_mask, D, FG)
         m, l, acc = _absorb(q, k, v, valid, m, l, acc, SOFTCAP, softcap)
     if HAS_BODY:
         blen = tl.load(blen_ptr + s).to(tl.int32)
@@ -370,6 +373,8 @@ def paged_decode_attention(
     num_stages: int | None = None,  # None: Triton's default software pipelining
     precision: str = "exact",  # "exact": float32 products; "half": float16 operands (`uniform_decode`), fp16/bf16 models
     kernel: str = "auto",  # "auto": `uniform_decode` where it reads the formats, else this general kernel; "general"
+    float_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 float pools: (key, value) scales
+    # (cap, FBS, D / G) float16, one per G channels of a token
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store.
 
@@ -386,7 +391,7 @@ def paged_decode_attention(
     ):
         return uniform_decode.uniform_decode_attention(
             q, new_k, new_v, float_k, float_v, float_table, float_len, body, body_table, body_len, formats, block_size,
-            softcap, sink_logits, splits, precision=precision,
+            softcap, sink_logits, splits, precision=precision, float_scales=float_scales,
         )
     s, r, d = q.shape
     device = q.device
@@ -424,17 +429,39 @@ def paged_decode_attention(
         # software pipelining would prefetch every chunk of the next block at once (head_dim 256: 380-680 KB of
         # shared memory); one stage keeps one chunk
         num_stages = 1
+    fks, fvs, fg = float_scale_arguments(float_k, float_scales, d, zeros(1, torch.float32, device))
     _decode_partials[(s, splits)](
-        q, q_body, q_sketch, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
+        q, q_body, q_sketch, float_k, float_v, fks, fvs, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen, group,
         *k_ptrs, k_srow, k_scol, *qjl_ptrs, *v_ptrs, v_srow, v_scol, *rope_args,
         m, l, acc, acc_rot, r, float(softcap or 0.0),
-        D=d, BR=br, BD=bd, FBS=fbs, BS=bs, TT=tile or token_tile(bs, bd, kf.bits != 16 or vf.bits != 16), SPLITS=splits,
+        D=d, BR=br, BD=bd, FBS=fbs, FG=fg, BS=bs, TT=tile or token_tile(bs, bd, kf.bits != 16 or vf.bits != 16), SPLITS=splits,
         HAS_BODY=has_body, SOFTCAP=bool(softcap), **rope_constants, **_prefixed(k_constants, "K_"),
         **_prefixed(v_constants, "V_"), K_QJL=kf.qjl, K_QSCALED=kf.query_scale, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if vf.rotated:
         fold_rotated_values(acc, acc_rot, body[1])
     return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
+
+
+def float_scale_arguments(float_k: torch.Tensor, float_scales, d: int, dummy: torch.Tensor) -> tuple:
+    """(key scales, value scales, FG) the kernels take for an int8 float pool's scales (channels per scale FG; FG = 0
+    and placeholders for float pools)."""
+    if float_scales is None:
+        if float_k.dtype == torch.int8:
+            raise ValueError("int8 float pools are read with their scales: pass float_scales")
+        return dummy, dummy, 0
+    key_scales, value_scales = float_scales
+    return key_scales, value_scales, d // key_scales.shape[-1]
+
+
+@triton.jit
+def float_slot_scaled(k, v, ks_ptr, vs_ptr, slot, c, mask, D: tl.constexpr, FG: tl.constexpr):
+    """Float-slot codes k, v (T, BD) float32 of flat slots ``slot`` (T,) times their float16 scales ((cap x FBS,
+    D / FG) per pool, one per FG channels of a token)."""
+    offs = slot[:, None].to(tl.int64) * (D // FG) + (c // FG)[None, :]
+    k = k * tl.load(ks_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = v * tl.load(vs_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return k, v
 
 
 def merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits) -> torch.Tensor:

@@ -23,15 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtool.runtime.kernels.decode_attention import _absorb, merge_partials, query_rows, splits_for, store_partials, stream_rows, zeros
+from kvtool.runtime.kernels.decode_attention import (
+    _absorb, float_scale_arguments, float_slot_scaled, merge_partials, query_rows, splits_for, store_partials, stream_rows,
+    zeros,
+)
 
 TILE = 16  # listed slots per online-softmax update
 
 
 @triton.jit
 def _sparse_partials(
-    q_ptr, k_ptr, v_ptr, slot_ptr, valid_ptr, K, m_out, l_out, acc_out, ksum_out, vsum_out, R, softcap,
-    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, SPLITS, SOFTCAP: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slot_ptr, valid_ptr, K, m_out, l_out, acc_out, ksum_out, vsum_out, R, softcap,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, FG: tl.constexpr, TILE: tl.constexpr, SPLITS, SOFTCAP: tl.constexpr,
     SUM_READ: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -49,6 +52,8 @@ def _sparse_partials(
         offs = slot[:, None] * D + c[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # (TILE, BD)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        if FG > 0:  # int8 slots: codes times their scales
+            k, v = float_slot_scaled(k, v, ks_ptr, vs_ptr, slot, c, kv_mask, D, FG)
         m, l, acc = _absorb(q, k, v, valid, m, l, acc, SOFTCAP, softcap)
         if SUM_READ:
             ksum += tl.sum(k, axis=0)  # invalid slots loaded as 0
@@ -72,6 +77,7 @@ def sparse_decode_attention(
     splits: int | None = None,
     unread: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     | tuple[torch.Tensor, torch.Tensor] | None = None,
+    float_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 float pools: (key, value) (cap * FBS, D / G)
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the listed slots and the new token.
 
@@ -91,9 +97,10 @@ def sparse_decode_attention(
     valid_list = valid.to(torch.int8).contiguous() if k_count else zeros(s, torch.int8, device)[:, None]
     sum_read = callable(unread)
     sums = torch.empty((2, s, splits, bd), device=device, dtype=torch.float32) if sum_read else m[None]
+    fks, fvs, fg = float_scale_arguments(float_k, float_scales, d, m)
     _sparse_partials[(s, splits)](
-        q, float_k, float_v, slot_list, valid_list, slot_list.shape[1], m, l, acc, sums[0], sums[-1], r,
-        float(softcap or 0.0), D=d, BR=br, BD=bd, TILE=TILE, SPLITS=splits, SOFTCAP=bool(softcap),
+        q, float_k, float_v, fks, fvs, slot_list, valid_list, slot_list.shape[1], m, l, acc, sums[0], sums[-1], r,
+        float(softcap or 0.0), D=d, BR=br, BD=bd, FG=fg, TILE=TILE, SPLITS=splits, SOFTCAP=bool(softcap),
         SUM_READ=sum_read,
     )
     if sum_read:

@@ -205,10 +205,15 @@ def _side_tile(data_ptr, scale_ptr, zero_ptr, tile_bytes, ch_scale, ch_zero, blo
 
 
 @triton.jit
-def _float_tile(ptr, offs, valid, T: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
-    """Float-pool tokens at ``offs`` (NBF, FBS, D), valid (NBF, FBS), as (T, D): the pool's 16-bit dtype (float32 and
-    float8 pools as float16) for half products, else float32."""
-    x = tl.reshape(tl.load(ptr + offs, mask=valid[:, :, None], other=0.0), (T, D))
+def _float_tile(ptr, scale_ptr, offs, scale_offs, valid, T: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                FG: tl.constexpr):
+    """Float-pool tokens at ``offs`` (NBF, FBS, D), valid (NBF, FBS), as (T, D): the pool's 16-bit dtype (float32,
+    float8 and int8 pools as float16) for half products, else float32. FG > 0: int8 codes times their float16 scales
+    (one per FG channels of a token, at ``scale_offs`` (NBF, FBS, D)), multiplied in float32."""
+    x = tl.load(ptr + offs, mask=valid[:, :, None], other=0.0)
+    if FG > 0:
+        x = x.to(tl.float32) * tl.load(scale_ptr + scale_offs, mask=valid[:, :, None], other=0.0).to(tl.float32)
+    x = tl.reshape(x, (T, D))
     if HALF:
         if x.dtype != tl.float16 and x.dtype != tl.bfloat16:
             x = x.to(tl.float16)
@@ -243,9 +248,9 @@ def _weighted(p, v, HALF: tl.constexpr):
 
 @triton.jit
 def _uniform_partials(
-    q_ptr, fk_ptr, fv_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr,
+    q_ptr, fk_ptr, fv_ptr, fks_ptr, fvs_ptr, ftable_ptr, ftable_stride, flen_ptr, btable_ptr, btable_stride, blen_ptr,
     kd_ptr, ks_ptr, kz_ptr, vd_ptr, vs_ptr, vz_ptr, m_out, l_out, acc_out, R, softcap, f_per, b_per, SPLITS,
-    D: tl.constexpr, BR: tl.constexpr, FBS: tl.constexpr, NBF: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+    D: tl.constexpr, BR: tl.constexpr, FBS: tl.constexpr, FG: tl.constexpr, NBF: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
     TS: tl.constexpr, HAS_BODY: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr, SOFTCAP: tl.constexpr,
     K_BITS: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_SCALES: tl.constexpr, K_GROUP: tl.constexpr,
     V_BITS: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_SCALES: tl.constexpr, V_GROUP: tl.constexpr,
@@ -268,9 +273,13 @@ def _uniform_partials(
         blocks = tl.load(ftable_ptr + s * ftable_stride + cols, mask=cols < f_end, other=0).to(tl.int64)
         valid = (cols[:, None] * FBS + tf[None, :]) < flen  # (NBF, FBS)
         offs = blocks[:, None, None] * (FBS * D) + tf[None, :, None] * D + c[None, None, :]
-        k = _float_tile(fk_ptr, offs, valid, NBF * FBS, D, HALF)
+        scale_offs = offs  # int8 slots (FG > 0): each channel's scale, FG channels per scale
+        if FG > 0:
+            scale_offs = blocks[:, None, None] * (FBS * (D // FG)) + tf[None, :, None] * (D // FG) + (c // FG)[None, None, :]
+        k = _float_tile(fk_ptr, fks_ptr, offs, scale_offs, valid, NBF * FBS, D, HALF, FG)
         m_new, alpha, p = _scores(q, k, m, tl.reshape(valid, (NBF * FBS,)), HALF, SOFTCAP, softcap)
-        acc = acc * alpha[:, None] + _weighted(p, _float_tile(fv_ptr, offs, valid, NBF * FBS, D, HALF), HALF)
+        v = _float_tile(fv_ptr, fvs_ptr, offs, scale_offs, valid, NBF * FBS, D, HALF, FG)
+        acc = acc * alpha[:, None] + _weighted(p, v, HALF)
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
     if HAS_BODY:
@@ -436,9 +445,10 @@ def uniform_decode_attention(
     tile_tokens: int | None = None,  # tokens per tensor-core product (NB blocks x sub-tile tokens); None: `tile_for`
     num_warps: int | None = None,  # None: `tile_for`
     num_stages: int | None = None,
+    float_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 float pools: (key, value) (cap, FBS, D / G)
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store (see the module docstring)."""
-    from kvtool.runtime.kernels.decode_attention import cdiv, merge_partials, splits_for, zeros
+    from kvtool.runtime.kernels.decode_attention import cdiv, float_scale_arguments, merge_partials, splits_for, zeros
 
     s, r, d = q.shape
     device = q.device
@@ -465,8 +475,9 @@ def uniform_decode_attention(
     m = torch.empty((s, splits, plan.br), device=device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty((s, splits, plan.br, d), device=device, dtype=torch.float32)
+    fks, fvs, fg = float_scale_arguments(float_k, float_scales, d, dummy)
     _uniform_partials[(s, splits)](
-        q, float_k, float_v, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen,
-        *k_ptrs, *v_ptrs, m, l, acc, r, float(softcap or 0.0), f_per, b_per, splits, **plan.kwargs,
+        q, float_k, float_v, fks, fvs, ftable, ftable.stride(0), float_len, btable, btable.stride(0), blen,
+        *k_ptrs, *v_ptrs, m, l, acc, r, float(softcap or 0.0), f_per, b_per, splits, FG=fg, **plan.kwargs,
     )
     return merge_partials(m, l, acc, q, new_k, new_v, softcap, sink_logits)
