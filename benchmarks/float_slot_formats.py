@@ -42,10 +42,9 @@ def rounded(x: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "e4m3-token":
         grouped, scale = _scaled(x, x.shape[-1], E4M3_MAX)
         out = (grouped / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
-    elif fmt == "int8-token" or fmt.startswith("int8-g"):
+    elif fmt == "int8-token" or fmt.startswith("int8-g"):  # the store's own int8 slots (`cache.float_dtype: int8`: 32)
         group = x.shape[-1] if fmt == "int8-token" else int(fmt[len("int8-g"):])
-        grouped, scale = _scaled(x, group, 127.0)
-        out = (grouped / scale).round().clamp(-127, 127) * scale
+        return store_module.decode_int8_slots(*store_module.encode_int8_slots(x, group)).to(x.dtype)
     else:
         raise ValueError(f"unknown format '{fmt}': e4m3, e4m3-token, int8-token or int8-g<channels>")
     return out.reshape(x.shape).to(x.dtype)
