@@ -8,6 +8,8 @@ never prints; progress goes through an optional ``progress`` wrapper (see
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -596,8 +598,36 @@ def evaluate_perplexity(
     reports = perplexity_reports(hf_model, windows, runtimes, prefill=prefill, chunk=chunk, batch_size=batch_size,
                                  baseline=baseline, progress=progress)
     provenance = _provenance(data, windows, 0, windows.numel())["data"]
-    reports = [{"recipe": each.recipe.name, "data": provenance, **report} for each, report in zip(runtimes, reports)]
+    identity = {"model": hf_model.name_or_path, "data": provenance, "window_ids": window_ids(windows)}
+    reports = [{"recipe": each.recipe.name, **identity, **report} for each, report in zip(runtimes, reports)]
     return reports if several else reports[0]
+
+
+def window_ids(windows: torch.Tensor) -> list[str]:
+    """A short hash of each window's token ids (N,): `pool_perplexity` refuses sets that share a window."""
+    return [hashlib.sha256(row.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16] for row in windows]
+
+
+def pool_perplexity(reports: list[str | Path]) -> list[dict]:
+    """One delta per recipe from several `evaluate_perplexity` JSON reports on disjoint windows (`kvtool eval pool`).
+
+    Each file is one report or a list (several recipes scored together); a recipe is pooled over the files that hold
+    it (`kvtool.eval.pooled_delta`: the sets as independent strata, token-weighted, one 95% interval). Unreadable
+    files, reports without the baseline's interval, sets of different protocols or models and sets that share a
+    window are refused with the fix.
+    """
+    from kvtool.eval.pooled_delta import pool_reports
+
+    loaded = []
+    for path in map(Path, reports):
+        if not path.is_file():
+            raise RuntimeConfigError(f"report {path} does not exist: give the files `kvtool eval ppl --json` wrote")
+        try:
+            loaded.append((str(path), json.loads(path.read_text())))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise RuntimeConfigError(f"report {path} is not valid JSON ({error}): it may be truncated; run "
+                                     "`kvtool eval ppl --json` for that set again") from None
+    return [pooled.to_dict() for pooled in pool_reports(loaded)]
 
 
 def inspect(path: str | Path) -> dict:

@@ -403,6 +403,22 @@ def eval_ppl(
     _write_json(json_out, report)
 
 
+@eval_app.command("pool")
+@_friendly
+def eval_pool(
+    reports: Annotated[list[Path], typer.Argument(help="`kvtool eval ppl --json` reports of the same protocol on disjoint windows, e.g. -d file.txt, file.txt\\[0.25:1], file.txt\\[0.5:1].")],
+    json_out: JsonOutOpt = None,
+):
+    """One perplexity delta per recipe over several sets of windows: the sets' paired intervals pooled into one."""
+    _check_json_path(json_out)
+    from kvtool import api
+    from kvtool.cli_render import render_pooled
+
+    pooled = api.pool_perplexity(reports)
+    render_pooled(console, pooled)
+    _write_json(json_out, pooled)
+
+
 @eval_app.command("retrieval")
 @_friendly
 def eval_retrieval(

@@ -187,6 +187,21 @@ def _layer_table(console: Console, tensors: dict, title: str, name_format: str, 
     console.print(table)
 
 
+def render_pooled(console: Console, pooled: list[dict]) -> None:
+    """`kvtool eval pool`: per recipe, each set's delta and interval, then the pooled row."""
+    table = Table(title="Perplexity delta over sets of windows (paired 95% intervals)")
+    for header in ("recipe / set", "windows", "held vs 16-bit, mean of steps", "delta", "95% interval"):
+        table.add_column(header, justify="left" if header == "recipe / set" else "right", overflow="fold")
+    for index, row in enumerate(pooled):
+        for each in row["set_deltas"]:
+            table.add_row(f"  {escape(each['data'])}", str(each["windows"]), "", f"{each['delta_pct']:+.2f}%", _interval(each))
+        table.add_row(f"[bold]{escape(row['recipe'])}[/]: {row['sets']} sets", str(row["windows"]), _held(row, ""),
+                      f"[bold]{row['delta_pct']:+.2f}%[/]", f"[bold]{_interval(row)}[/]", end_section=index < len(pooled) - 1)
+    console.print(table)
+    console.print(f"{pooled[0]['scored_tokens']} scored tokens in all" if len(pooled) == 1 else
+                  "scored tokens: " + ", ".join(f"{row['recipe']} {row['scored_tokens']}" for row in pooled), highlight=False)
+
+
 def render_profile(console: Console, artifact) -> None:
     table = Table(title="K/V statistics per layer (per KV head)")
     for column in ("layer", "pre-RoPE key absmax", "key token norm", "value absmax", "value token norm"):
