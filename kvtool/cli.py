@@ -407,15 +407,25 @@ def eval_ppl(
 @_friendly
 def eval_pool(
     reports: Annotated[list[Path], typer.Argument(help="`kvtool eval ppl --json` reports of the same protocol on disjoint windows, e.g. -d file.txt, file.txt\\[0.25:1], file.txt\\[0.5:1].")],
+    target: Annotated[Optional[float], typer.Option(help="A tolerance in percent (e.g. 3 for <= +3%): each recipe's pooled interval is read against it (under / over / not resolved).")] = None,
     json_out: JsonOutOpt = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a forest plot here (.png; needs matplotlib): each set's delta and interval, the pooled one, the target.")] = None,
 ):
     """One perplexity delta per recipe over several sets of windows: the sets' paired intervals pooled into one."""
     _check_json_path(json_out)
+    if plot is not None:
+        from kvtool.plotting import check_plot_path
+
+        check_plot_path(plot)
     from kvtool import api
     from kvtool.cli_render import render_pooled
 
-    pooled = api.pool_perplexity(reports)
+    pooled = api.pool_perplexity(reports, target_pct=target)
     render_pooled(console, pooled)
+    if plot is not None:
+        from kvtool.eval.plots import plot_pooled
+
+        err_console.print(f"wrote {plot_pooled(pooled, plot, target)}")
     _write_json(json_out, pooled)
 
 

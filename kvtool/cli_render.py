@@ -187,16 +187,26 @@ def _layer_table(console: Console, tensors: dict, title: str, name_format: str, 
     console.print(table)
 
 
+_VERDICT = {"under": "[green]yes[/]", "over": "[red]no[/]", "not resolved": "[yellow]not resolved[/]"}
+
+
 def render_pooled(console: Console, pooled: list[dict]) -> None:
     """`kvtool eval pool`: per recipe, each set's delta and interval, then the pooled row."""
-    table = Table(title="Perplexity delta over sets of windows (paired 95% intervals)")
-    for header in ("recipe / set", "windows", "held vs 16-bit, mean of steps", "delta", "95% interval"):
+    table = Table(title="Perplexity delta over sets of windows (paired 95% intervals)",
+                  caption="held: bytes over a 16-bit cache's, mean of the decode steps")
+    target = pooled[0].get("target_pct")
+    headers = ["recipe / set", "windows", "held", "delta", "95% interval"]
+    if target is not None:
+        headers.append(f"<= {target:+g}%?")
+    for header in headers:
         table.add_column(header, justify="left" if header == "recipe / set" else "right", overflow="fold")
     for index, row in enumerate(pooled):
         for each in row["set_deltas"]:
-            table.add_row(f"  {escape(each['data'])}", str(each["windows"]), "", f"{each['delta_pct']:+.2f}%", _interval(each))
+            table.add_row(f"  {escape(each['data'])}", str(each["windows"]), "", f"{each['delta_pct']:+.2f}%", _interval(each),
+                          *([""] if target is not None else []))
         table.add_row(f"[bold]{escape(row['recipe'])}[/]: {row['sets']} sets", str(row["windows"]), _held(row, ""),
-                      f"[bold]{row['delta_pct']:+.2f}%[/]", f"[bold]{_interval(row)}[/]", end_section=index < len(pooled) - 1)
+                      f"[bold]{row['delta_pct']:+.2f}%[/]", f"[bold]{_interval(row)}[/]",
+                      *([_VERDICT[row["verdict"]]] if target is not None else []), end_section=index < len(pooled) - 1)
     console.print(table)
     console.print(f"{pooled[0]['scored_tokens']} scored tokens in all" if len(pooled) == 1 else
                   "scored tokens: " + ", ".join(f"{row['recipe']} {row['scored_tokens']}" for row in pooled), highlight=False)

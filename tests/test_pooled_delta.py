@@ -158,3 +158,27 @@ def test_reports_of_two_slices_from_the_runtime_pool_and_one_slice_twice_does_no
     assert min(deltas) <= two["delta_pct"] <= max(deltas) and two["delta_pct"] > four["delta_pct"]
     with pytest.raises(RuntimeConfigError, match="same windows"):
         api.pool_perplexity([paths[0], paths[0]])
+
+
+def test_a_target_reads_each_pooled_interval_and_the_plot_shows_it(tmp_path):
+    from kvtool.eval.pooled_delta import verdict
+
+    assert verdict(1.0, 2.9, 3.0) == "under" and verdict(3.1, 4.0, 3.0) == "over" and verdict(2.0, 3.2, 3.0) == "not resolved"
+    assert verdict(-1.0, 3.0, 3.0) == "under"  # "<= target": an upper end at the target meets it
+    (b1, o1), (b2, o2) = _sets(2)
+    files = []
+    for index, (base, other) in enumerate(((b1, o1), (b2, o2))):
+        files.append(tmp_path / f"set{index}.json")
+        files[-1].write_text(json.dumps(_report(base, other, index / 2, recipe="tq")))
+    plot = tmp_path / "forest.png"
+    result = invoke("eval", "pool", *files, "--target", 3, "--plot", plot, "--json", tmp_path / "p.json")
+    ok(result)
+    row = json.loads((tmp_path / "p.json").read_text())[0]
+    assert row["target_pct"] == 3 and row["verdict"] == verdict(*row["delta_ci95_pct"], 3.0) == "under"
+    assert shows(result.stdout, "<= +3%?", "yes") and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    high = json.loads(invoke("eval", "pool", *files, "--target", 1, "--json", tmp_path / "q.json").stdout and
+                      (tmp_path / "q.json").read_text())[0]
+    assert high["verdict"] == "over" and high["delta_ci95_pct"][0] > 1
+    assert_friendly_error(invoke("eval", "pool", *files, "--plot", tmp_path / "f.jpg"), "PNG", "f.jpg")
+    assert_friendly_error(invoke("eval", "pool", *files, "--target", "nan"), "--target nan")
+    assert not (tmp_path / "f.jpg").exists()

@@ -1,4 +1,5 @@
-"""PNG heatmap of retrieval accuracy (depth x length), for `kvtool eval retrieval --plot`.
+"""PNG figures of the eval commands: the retrieval heatmap (depth x length, `kvtool eval retrieval --plot`) and the
+forest plot of pooled perplexity deltas (`kvtool eval pool --plot`).
 
 matplotlib comes from the ``plots`` extra (`kvtool.plotting.require_matplotlib` says how to
 install it when missing).
@@ -47,6 +48,34 @@ def plot_retrieval(report: dict, path: str | Path) -> Path:
     if report.get("note"):  # e.g. the baseline is at chance: the figure says nothing about compression
         fig.text(0.5, -0.02, "\n".join(textwrap.wrap("NOTE: " + report["note"], 110)), ha="center", va="top",
                  color="darkred", fontsize=8)
+    try:
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
+
+
+def plot_pooled(pooled: list[dict], path: str | Path, target_pct: float | None = None) -> Path:
+    """Forest plot PNG: per recipe, each set's delta with its 95% interval, then the pooled delta (bold), and the
+    target as a dashed line where one is given."""
+    check_plot_path(path)
+    plt = require_matplotlib()
+    rows = []  # (label, delta, low, high, pooled?)
+    for row in pooled:
+        rows += [(f"{each['data']}, {each['windows']} windows", each["delta_pct"], *each["delta_ci95_pct"], False)
+                 for each in row["set_deltas"]]
+        rows.append((f"{row['recipe']}: {row['sets']} sets", row["delta_pct"], *row["delta_ci95_pct"], True))
+    fig, ax = plt.subplots(figsize=(7.5, 0.35 * len(rows) + 1.2))
+    for y, (label, delta, low, high, whole) in enumerate(reversed(rows)):
+        ax.errorbar(delta, y, xerr=[[delta - low], [high - delta]], fmt="D" if whole else "o",
+                    color="black" if whole else "tab:blue", markersize=7 if whole else 4, capsize=3,
+                    linewidth=2 if whole else 1)
+    ax.set_yticks(range(len(rows)), [label for label, *_ in reversed(rows)], fontsize=8)
+    ax.axvline(0.0, color="grey", linewidth=0.8)
+    if target_pct is not None:
+        ax.axvline(target_pct, color="darkred", linestyle="--", linewidth=1, label=f"target {target_pct:+g}%")
+        ax.legend(loc="best", fontsize=8)
+    ax.set_xlabel("perplexity delta vs the 16-bit cache (%), paired 95% interval")
+    ax.set_title("Perplexity delta per set of windows and pooled")
     try:
         return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     finally:

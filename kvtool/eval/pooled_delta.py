@@ -151,3 +151,12 @@ def pool_reports(reports: list[tuple[str, dict | list]]) -> list[PooledDelta]:
     if not by_recipe:
         raise RuntimeConfigError("no reports to pool: give two or more `kvtool eval ppl --json` files")
     return [pool_rows(rows, sources) for rows, sources in by_recipe.values()]
+
+
+def verdict(low_pct: float, high_pct: float, target_pct: float) -> str:
+    """Where an interval stands against a tolerance "delta <= target": under it, over it, or not resolved."""
+    if high_pct <= target_pct:
+        return "under"
+    if low_pct > target_pct:
+        return "over"
+    return "not resolved"
