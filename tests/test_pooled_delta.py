@@ -95,6 +95,8 @@ def test_pool_refuses_what_is_not_independent_evidence_of_one_protocol():
     pool_rows(older, ["a", "b"])
     with pytest.raises(RuntimeConfigError, match="same windows"):
         pool_rows([older[0], {**older[1], "data": older[0]["data"]}], ["a", "b"])
+    with pytest.raises(RuntimeConfigError, match="same windows"):  # an old and a new report of one slice
+        pool_rows([older[0], {**first, "window_ids": ["new-0", "new-1"]}], ["a", "b"])
     with pytest.raises(RuntimeConfigError, match="no interval"):
         pool_reports([("a", first), ("b", {**second, "delta_ci95_pct": None})])
     with pytest.raises(RuntimeConfigError, match="lacks delta_ci95_pct"):

@@ -52,7 +52,8 @@ class PooledDelta:
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "delta_pct": self.delta_pct, "delta_ci95_pct": [self.low_pct, self.high_pct],
                 "sets": self.sets, "windows": self.windows, "scored_tokens": self.scored_tokens,
-                "end_fraction": self.end_fraction, "held_fraction_mean": self.held_fraction_mean, "ppl": self.ppl, "baseline_ppl": self.baseline_ppl,
+                "end_fraction": self.end_fraction, "held_fraction_mean": self.held_fraction_mean, "ppl": self.ppl,
+                "baseline_ppl": self.baseline_ppl,
                 "set_deltas": [{"data": d, "windows": n, "delta_pct": x, "delta_ci95_pct": [lo, hi]}
                                for d, n, x, lo, hi in self.set_deltas]}
 
@@ -90,11 +91,11 @@ def _model_name(row: dict) -> str | None:
 def _check_disjoint(rows: list[dict], sources: list[str]) -> None:
     """No window in two sets: by the windows' token hashes where the reports have them, else by where they start."""
     seen: dict[str, str] = {}
+    hashed = all(row.get("window_ids") for row in rows)  # one report without them: every set by where it starts
     for row, source in zip(rows, sources):
-        ids = row.get("window_ids")
         data = row.get("data") or {}
-        keys = ids if ids else [f"start:{data.get('source')}:{data.get('start', 0.0)}" if isinstance(data, dict) else str(data)]
-        for key in keys:
+        start = f"start:{data.get('source')}:{data.get('start', 0.0)}" if isinstance(data, dict) else str(data)
+        for key in row["window_ids"] if hashed else [start]:
             if key in seen:
                 raise RuntimeConfigError(f"{seen[key]} and {source} ({row['recipe']}) score the same windows: pool disjoint sets, "
                                          "e.g. -d file.txt[0:1], file.txt[0.25:1], file.txt[0.5:1] (sequential windows from "
