@@ -556,6 +556,7 @@ def evaluate_perplexity(
     load: LoadOptions = LoadOptions(),
     progress: Progress = no_progress,
     backend: str = "auto",
+    model_dtype: bool = True,
 ) -> dict | list[dict]:
     """Perplexity through the runtime on sequential windows, against the 16-bit baseline from the same code path.
 
@@ -563,7 +564,7 @@ def evaluate_perplexity(
     fp16_cache_bytes, bytes_per_token, compression_ratio, decode tokens/s (mean, median, best);
     with ``baseline`` the same as ``baseline_*`` for the 16-bit cache (``baseline``: its name)
     and delta_pct with its paired 95% interval delta_ci95_pct (`kvtool.eval.paired_delta`), and
-    ``model_dtype_*`` for the model-dtype cache where that is not 16-bit;
+    ``model_dtype_*`` for the model-dtype cache where that is not 16-bit (unless ``model_dtype=False``: one pass fewer);
     notes where a figure cannot mean much; the settings.
 
     Several caches on the same windows: ``recipe`` a list or tuple of recipes (and optionally an ``artifact`` beside
@@ -597,7 +598,7 @@ def evaluate_perplexity(
         each.check_context(seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, 0, "sequential")
     reports = perplexity_reports(hf_model, windows, runtimes, prefill=prefill, chunk=chunk, batch_size=batch_size,
-                                 baseline=baseline, progress=progress)
+                                 baseline=baseline, model_dtype=model_dtype, progress=progress)
     provenance = _provenance(data, windows, 0, windows.numel())["data"]
     identity = {"model": hf_model.name_or_path, "data": provenance, "window_ids": window_ids(windows)}
     reports = [{"recipe": each.recipe.name, **identity, **report} for each, report in zip(runtimes, reports)]

@@ -374,6 +374,7 @@ def eval_ppl(
     chunk: Annotated[int, typer.Option(help="Tokens per decode forward. 1 = true decoding; >1 is a faster approximation.")] = 1,
     batch_size: BatchOpt = 4,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline", help="Also score the 16-bit cache (the baseline) and, where the model is not 16-bit, its own dtype's cache.")] = True,
+    model_dtype_row: Annotated[bool, typer.Option("--model-dtype-row/--no-model-dtype-row", help="With the baseline, also score the cache in the model's own dtype where it is not 16-bit (float32 on CPU). --no-model-dtype-row: one pass fewer; the delta is against the 16-bit cache either way.")] = True,
     json_out: JsonOutOpt = None,
     text_column: TextColumnOpt = "text",
     dtype: DtypeOpt = "auto",
@@ -397,7 +398,7 @@ def eval_ppl(
     report = api.evaluate_perplexity(
         spec, model, artifact, recipes if several else (recipes[0] if recipes else None), samples=samples, seq_len=seq_len, prefill=prefill,
         chunk=chunk, batch_size=batch_size, baseline=baseline, profile=profile,
-        load=_load_options(dtype, device, device_map), progress=_progress, backend=backend,
+        load=_load_options(dtype, device, device_map), progress=_progress, backend=backend, model_dtype=model_dtype_row,
     )
     render_perplexity(console, report)
     _write_json(json_out, report)

@@ -409,6 +409,7 @@ def test_eval_ppl_defaults(rec):
     assert args == (DataSpec("f.txt"), None, None, "int8")
     assert {k: kwargs[k] for k in ("samples", "seq_len", "prefill", "chunk", "batch_size", "baseline")} == {
         "samples": 4, "seq_len": 1024, "prefill": None, "chunk": 1, "batch_size": 4, "baseline": True}
+    assert kwargs["model_dtype"] is True
     assert "wrote" not in result.stderr  # no --json, no file
 
 

@@ -10,7 +10,7 @@ import torch
 
 from kvtool.errors import RuntimeConfigError
 from kvtool.recipe import load_recipe
-from tests.test_cli import assert_friendly_error, invoke, ok, shows, stories, stories_data
+from tests.test_cli import assert_friendly_error, fake_report, invoke, ok, shows, stories, stories_data
 from tests.tiny_models import tiny_model
 
 PER_ROW = ("ppl", "nll", "scored_tokens", "cache_bytes", "bits_per_element", "bytes_per_token", "kept_fraction",
@@ -76,3 +76,26 @@ def test_cli_repeated_recipe_refuses_a_bad_one_before_loading(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("Some text to read.\n")
     assert_friendly_error(invoke("eval", "ppl", "-d", text, "-r", "kivi-2bit", "-r", "no-such-recipe"), "no-such-recipe")
+
+
+def test_no_model_dtype_row_scores_one_pass_fewer_and_changes_no_delta():
+    from kvtool.eval.ppl_report import perplexity_reports
+    from kvtool.runtime.attach import CompressedRuntime
+
+    model = tiny_model("llama")  # float32: the model-dtype row is there by default
+    windows = torch.randint(3, 128, (2, 80), generator=torch.Generator().manual_seed(2))
+    runtime = CompressedRuntime.from_recipe(model, load_recipe("kivi-2bit"), backend="torch")
+    both = perplexity_reports(model, windows, [runtime], prefill=40, batch_size=2)[0]
+    lean = perplexity_reports(model, windows, [runtime], prefill=40, batch_size=2, model_dtype=False)[0]
+    assert "model_dtype_ppl" in both and not any(key.startswith("model_dtype") for key in lean)
+    for key in ("ppl", "baseline_ppl", "delta_pct", "delta_ci95_pct", "cache_bytes"):
+        assert lean[key] == pytest.approx(both[key], rel=1e-9), key
+
+
+def test_cli_passes_no_model_dtype_row(monkeypatch):
+    from kvtool import api
+
+    seen = {}
+    monkeypatch.setattr(api, "evaluate_perplexity", lambda *args, **kwargs: seen.update(kwargs) or fake_report())
+    ok(invoke("eval", "ppl", "-d", stories_data(), "--no-model-dtype-row"))
+    assert seen["model_dtype"] is False

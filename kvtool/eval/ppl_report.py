@@ -66,6 +66,7 @@ def perplexity_reports(
     chunk: int = 1,
     batch_size: int = 4,
     baseline: bool = True,
+    model_dtype: bool = True,
     progress: Progress = no_progress,
     make_runtime: Callable | None = None,
 ) -> list[dict]:
@@ -76,7 +77,8 @@ def perplexity_reports(
 
     Every report is complete on its own (the same keys as `perplexity_report`'s, the baseline rows repeated in each),
     and the deltas are paired over the same tokens: comparing N recipes costs N + 2 passes instead of 3 N. The
-    baselines run on the first runtime's backend.
+    baselines run on the first runtime's backend. ``model_dtype=False`` leaves the model-dtype row out (one pass
+    fewer; the deltas are against the 16-bit cache either way).
     """
     if not runtimes:
         raise ValueError("perplexity_reports needs at least one runtime")
@@ -88,7 +90,7 @@ def perplexity_reports(
     rows = [("", runtime) for runtime in runtimes]
     if baseline:
         rows.append(("baseline_", make_runtime(sixteen_bit_recipe())))
-        if model_dtype_differs(model) and not all(is_model_dtype_cache(runtime.recipe) for runtime in runtimes):
+        if model_dtype and model_dtype_differs(model) and not all(is_model_dtype_cache(runtime.recipe) for runtime in runtimes):
             rows.append(("model_dtype_", make_runtime(model_dtype_recipe(model))))
     settings = {"prefill": prefill, "chunk": chunk, "batch_size": batch_size}
     for _, row_runtime in rows:
