@@ -184,3 +184,17 @@ def test_a_target_reads_each_pooled_interval_and_the_plot_shows_it(tmp_path):
     assert_friendly_error(invoke("eval", "pool", *files, "--plot", tmp_path / "f.jpg"), "PNG", "f.jpg")
     assert_friendly_error(invoke("eval", "pool", *files, "--target", "nan"), "--target nan")
     assert not (tmp_path / "f.jpg").exists()
+
+
+def test_recorded_intervals_pool_as_their_reports_do():
+    from kvtool.eval.pooled_delta import pool_intervals
+
+    sets = _sets(3)
+    reports = [_report(base, other, start=i / 4) for i, (base, other) in enumerate(sets)]
+    pooled = pool_rows(reports, ["a", "b", "c"])
+    recorded = [(r["delta_pct"], *r["delta_ci95_pct"], r["scored_tokens"]) for r in reports]
+    assert pool_intervals(recorded) == pytest.approx((pooled.delta_pct, pooled.low_pct, pooled.high_pct), rel=1e-12)
+    with pytest.raises(RuntimeConfigError, match="two or more sets"):
+        pool_intervals(recorded[:1])
+    with pytest.raises(RuntimeConfigError, match="low <= delta <= high"):
+        pool_intervals([(1.0, 2.0, 3.0, 10), recorded[0]])

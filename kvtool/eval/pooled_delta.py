@@ -103,6 +103,19 @@ def _check_disjoint(rows: list[dict], sources: list[str]) -> None:
             seen[key] = source
 
 
+def pool_intervals(sets: list[tuple[float, float, float, int]]) -> tuple[float, float, float]:
+    """(delta %, low %, high %) pooled from disjoint sets' (delta %, low %, high %, scored tokens): the module's
+    stratified formula, for figures recorded without their reports (e.g. in `benchmarks/RESULTS.md`)."""
+    if len(sets) < 2 or any(n < 1 or not low <= delta <= high for delta, low, high, n in sets):
+        raise RuntimeConfigError("pool_intervals needs two or more sets of (delta, low <= delta <= high, tokens >= 1)")
+    total = sum(n for *_, n in sets)
+    mean = sum(n * math.log1p(delta / 100) for delta, _, _, n in sets) / total  # nats per scored token
+    errors = [(math.log1p(high / 100) - math.log1p(low / 100)) / (2 * Z_95) for _, low, high, _ in sets]
+    se = math.sqrt(sum((n * e) ** 2 for (*_, n), e in zip(sets, errors))) / total
+    percent = lambda nats: 100 * math.expm1(nats)  # noqa: E731
+    return percent(mean), percent(mean - Z_95 * se), percent(mean + Z_95 * se)
+
+
 def pool_rows(rows: list[dict], sources: list[str]) -> PooledDelta:
     """Pool one recipe's reports (``sources``: where each came from, for errors) into one delta and interval."""
     if len(rows) < 2:
@@ -119,15 +132,10 @@ def pool_rows(rows: list[dict], sources: list[str]) -> PooledDelta:
     _check_disjoint(rows, sources)
     tokens = [int(row["scored_tokens"]) for row in rows]
     total = sum(tokens)
-    means = [math.log1p(row["delta_pct"] / 100) for row in rows]  # nats per scored token
-    errors = [(math.log1p(row["delta_ci95_pct"][1] / 100) - math.log1p(row["delta_ci95_pct"][0] / 100)) / (2 * Z_95)
-              for row in rows]
-    mean = sum(n * m for n, m in zip(tokens, means)) / total
-    se = math.sqrt(sum((n * e) ** 2 for n, e in zip(tokens, errors))) / total
-    percent = lambda nats: 100 * math.expm1(nats)  # noqa: E731
+    delta, low, high = pool_intervals([(row["delta_pct"], *row["delta_ci95_pct"], n) for row, n in zip(rows, tokens)])
     geometric = lambda key: math.exp(sum(n * math.log(row[key]) for n, row in zip(tokens, rows)) / total)  # noqa: E731
     return PooledDelta(
-        recipe=recipe, delta_pct=percent(mean), low_pct=percent(mean - Z_95 * se), high_pct=percent(mean + Z_95 * se),
+        recipe=recipe, delta_pct=delta, low_pct=low, high_pct=high,
         sets=len(rows), windows=sum(int(row["windows"]) for row in rows), scored_tokens=total,
         end_fraction=sum(row["cache_bytes"] for row in rows) / sum(row["fp16_cache_bytes"] for row in rows),
         held_fraction_mean=None if any(row.get("held_fraction_mean") is None for row in rows)
