@@ -610,14 +610,15 @@ def window_ids(windows: torch.Tensor) -> list[str]:
     return [hashlib.sha256(row.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16] for row in windows]
 
 
-def pool_perplexity(reports: list[str | Path], target_pct: float | None = None) -> list[dict]:
+def pool_perplexity(reports: list[str | Path], target_pct: float | None = None, skipped: list[str] | None = None) -> list[dict]:
     """One delta per recipe from several `evaluate_perplexity` JSON reports on disjoint windows (`kvtool eval pool`).
 
     Each file is one report or a list (several recipes scored together); a recipe is pooled over the files that hold
     it (`kvtool.eval.pooled_delta`: the sets as independent strata, token-weighted, one 95% interval). Unreadable
     files, reports without the baseline's interval, sets of different protocols or models and sets that share a
     window are refused with the fix. With ``target_pct`` each row also says where its interval stands against
-    "delta <= target" (``verdict``: under, over, not resolved).
+    "delta <= target" (``verdict``: under, over, not resolved). With a ``skipped`` list, recipes found in one
+    report only are named there and left out instead of refused.
     """
     from kvtool.eval.pooled_delta import pool_reports, verdict
 
@@ -633,7 +634,7 @@ def pool_perplexity(reports: list[str | Path], target_pct: float | None = None) 
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise RuntimeConfigError(f"report {path} is not valid JSON ({error}): it may be truncated; run "
                                      "`kvtool eval ppl --json` for that set again") from None
-    rows = [pooled.to_dict() for pooled in pool_reports(loaded)]
+    rows = [pooled.to_dict() for pooled in pool_reports(loaded, skipped)]
     if target_pct is not None:
         for row in rows:
             row.update(target_pct=target_pct, verdict=verdict(row["delta_ci95_pct"][0], row["delta_ci95_pct"][1], target_pct))

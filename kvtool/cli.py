@@ -421,8 +421,11 @@ def eval_pool(
     from kvtool import api
     from kvtool.cli_render import render_pooled
 
-    pooled = api.pool_perplexity(reports, target_pct=target)
+    skipped: list[str] = []
+    pooled = api.pool_perplexity(reports, target_pct=target, skipped=skipped)
     render_pooled(console, pooled)
+    if skipped:
+        console.print(f"[yellow]note:[/] not pooled, in one report only: {escape(', '.join(skipped))}", highlight=False)
     if plot is not None:
         from kvtool.eval.plots import plot_pooled
 

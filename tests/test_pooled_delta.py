@@ -114,6 +114,11 @@ def test_a_file_of_several_recipes_pools_each_recipe_over_the_files():
     assert y.delta_pct == pytest.approx(100 * ((1 + x.delta_pct / 100) * math.exp(0.01) - 1), rel=1e-9)
     with pytest.raises(RuntimeConfigError, match="two or more sets"):
         pool_reports([("one.json", one), ("two.json", two[:1])])  # y is in one file only
+    skipped = []
+    (alone,) = pool_reports([("one.json", one), ("two.json", two[:1])], skipped)  # or left out where asked
+    assert alone.recipe == "x" and skipped == ["y"]
+    with pytest.raises(RuntimeConfigError, match="two or more sets"):  # nothing pools at all: refused still
+        pool_reports([("one.json", one[:1])], [])
 
 
 def test_cli_eval_pool_shows_each_set_and_the_pooled_interval(tmp_path):

@@ -145,11 +145,12 @@ def pool_rows(rows: list[dict], sources: list[str]) -> PooledDelta:
     )
 
 
-def pool_reports(reports: list[tuple[str, dict | list]]) -> list[PooledDelta]:
+def pool_reports(reports: list[tuple[str, dict | list]], skipped: list[str] | None = None) -> list[PooledDelta]:
     """Pool ``(source, report)`` pairs (`kvtool eval ppl --json` files, each one recipe or several) per recipe.
 
-    Every recipe found is pooled over the files that hold it, in the order the files were given; a recipe in only
-    one file is refused (nothing to pool), so pass the files of the sets you mean to combine.
+    Every recipe found is pooled over the files that hold it, in the order the files were given. A recipe in only
+    one file is refused (nothing to pool), or, where ``skipped`` is a list, left out and named there (the files of
+    a run with more recipes than the others); at least one recipe must pool.
     """
     by_recipe: dict[str, tuple[list[dict], list[str]]] = {}
     for source, report in reports:
@@ -159,6 +160,11 @@ def pool_reports(reports: list[tuple[str, dict | list]]) -> list[PooledDelta]:
             sources.append(source)
     if not by_recipe:
         raise RuntimeConfigError("no reports to pool: give two or more `kvtool eval ppl --json` files")
+    if skipped is not None:
+        alone = [recipe for recipe, (rows, _) in by_recipe.items() if len(rows) == 1]
+        if len(alone) < len(by_recipe):
+            skipped.extend(alone)
+            by_recipe = {recipe: entry for recipe, entry in by_recipe.items() if recipe not in alone}
     return [pool_rows(rows, sources) for rows, sources in by_recipe.values()]
 
 
