@@ -14,7 +14,9 @@ mapped through ``exp`` like a single report's.
 
 Refused (`RuntimeConfigError`, naming the fix): fewer than two sets, a set without an interval (run without
 ``--no-baseline`` and with two or more blocks), sets of different protocols (seq_len, prefill, chunk, model), and
-sets that share a window (the same windows twice are not independent evidence).
+sets that share a window (the same windows twice are not independent evidence). Reports carry a hash per window
+(``window_ids``); where one lacks them (written before they were added) the sets are told apart by where their data
+slice starts, which catches one slice given twice but not two overlapping slices that start apart.
 """
 
 from __future__ import annotations
