@@ -121,12 +121,17 @@ def test_a_file_of_several_recipes_pools_each_recipe_over_the_files():
         pool_reports([("one.json", one[:1])], [])
 
 
-def test_cli_eval_pool_shows_each_set_and_the_pooled_interval(tmp_path):
-    (b1, o1), (b2, o2) = _sets(2)
+def _report_files(folder, recipe: str) -> list:
+    """Two report files of ``recipe`` on disjoint sets (starts 0 and 0.5) in ``folder``."""
     files = []
-    for index, (base, other) in enumerate(((b1, o1), (b2, o2))):
-        files.append(tmp_path / f"set{index}.json")
-        files[-1].write_text(json.dumps(_report(base, other, index / 2, recipe="tq-3.5")))
+    for index, (base, other) in enumerate(_sets(2)):
+        files.append(folder / f"set{index}.json")
+        files[-1].write_text(json.dumps(_report(base, other, index / 2, recipe=recipe)))
+    return files
+
+
+def test_cli_eval_pool_shows_each_set_and_the_pooled_interval(tmp_path):
+    files = _report_files(tmp_path, "tq-3.5")
     out = tmp_path / "pooled.json"
     result = invoke("eval", "pool", *files, "--json", out)
     ok(result)
@@ -172,11 +177,7 @@ def test_a_target_reads_each_pooled_interval_and_the_plot_shows_it(tmp_path):
 
     assert verdict(1.0, 2.9, 3.0) == "under" and verdict(3.1, 4.0, 3.0) == "over" and verdict(2.0, 3.2, 3.0) == "not resolved"
     assert verdict(-1.0, 3.0, 3.0) == "under"  # "<= target": an upper end at the target meets it
-    (b1, o1), (b2, o2) = _sets(2)
-    files = []
-    for index, (base, other) in enumerate(((b1, o1), (b2, o2))):
-        files.append(tmp_path / f"set{index}.json")
-        files[-1].write_text(json.dumps(_report(base, other, index / 2, recipe="tq")))
+    files = _report_files(tmp_path, "tq")
     plot = tmp_path / "forest.png"
     result = invoke("eval", "pool", *files, "--target", 3, "--plot", plot, "--json", tmp_path / "p.json")
     ok(result)
