@@ -628,9 +628,12 @@ def pool_perplexity(reports: list[str | Path], target_pct: float | None = None, 
     loaded = []
     for path in map(Path, reports):
         if not path.is_file():
-            raise RuntimeConfigError(f"report {path} does not exist: give the files `kvtool eval ppl --json` wrote")
+            raise RuntimeConfigError(f"report {path} does not exist or is not a file: give the files "
+                                     "`kvtool eval ppl --json` wrote")
         try:
             loaded.append((str(path), json.loads(path.read_text())))
+        except OSError as error:
+            raise RuntimeConfigError(f"report {path} cannot be read ({error.strerror}): check its permissions") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise RuntimeConfigError(f"report {path} is not valid JSON ({error}): it may be truncated; run "
                                      "`kvtool eval ppl --json` for that set again") from None

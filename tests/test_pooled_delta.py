@@ -146,6 +146,7 @@ def test_cli_eval_pool_shows_each_set_and_the_pooled_interval(tmp_path):
     truncated.write_text(files[1].read_text()[:40])
     assert_friendly_error(invoke("eval", "pool", files[0], truncated), "truncated.json", "not valid JSON")
     assert_friendly_error(invoke("eval", "pool", files[0], tmp_path / "missing.json"), "missing.json", "does not exist")
+    assert_friendly_error(invoke("eval", "pool", files[0], tmp_path), "is not a file")
     assert_friendly_error(invoke("eval", "pool", files[0], files[0]), "same windows")
     assert not (tmp_path / "none.json").exists()
 
