@@ -10,6 +10,10 @@ import torch
 # imported (kvtool imports it only when the triton backend is used).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import skip_repatching_inside_launches
+
+    skip_repatching_inside_launches()  # about 30% of an interpreted kernel test's time: tests/triton_interpreter.py
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
