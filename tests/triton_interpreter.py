@@ -8,11 +8,10 @@ about 30% of an interpreted test's time (cProfile of ``test_triton_generation_wi
 60 of 198 s in ``_patch_lang``, 41,120 calls for 184 launches).
 
 `skip_repatching_inside_launches` wraps `_patch_lang`: while a launch's patch is in place, a helper call gets an empty
-scope instead; a launch, or a helper called outside one, runs Triton's own code. A launch patches
-``tl.core`` beside ``tl`` (Triton's own helpers, ``tl.max`` or ``tl.zeros``, are written against ``core``) and restores
-both when its grid is done. What the kernels compute
-does not change: the same patched functions are in place either way. Installed by ``tests/conftest.py`` under the
-interpreter only; a Triton whose interpreter lacks these names is left as it is.
+scope instead; a launch, or a helper called outside one, runs Triton's own code. A launch patches ``tl.core`` beside
+``tl`` (Triton's own helpers, ``tl.max`` or ``tl.zeros``, are written against ``core``) and restores both when its grid
+is done. What the kernels compute does not change: the same patched functions are in place either way. Installed by
+``tests/conftest.py`` under the interpreter only; a Triton whose interpreter lacks these names is left as it is.
 """
 
 from __future__ import annotations
