@@ -109,7 +109,13 @@ class QuantSpec:
         information, per element), ``gradient`` (ranks across layers and K/V from the
         reconstruction error projected on the loss gradient, per token; see
         `kvtool.methods.lowrank.rank_search`) or ``uniform`` (the same fraction everywhere).
-    hadamard: ``palu`` only: Walsh-Hadamard transform of the latents before quantizing them.
+    hadamard: ``palu`` only: Walsh-Hadamard transform of the latents before quantizing them
+        (block-wise at decode time: blocks of the largest power of two dividing the rank, at most 64).
+    rotate_basis: ``palu`` only, quantized latents: an r x r orthogonal rotation folded into the
+        basis at calibration (a Walsh-Hadamard matrix with random signs where the rank is a power of
+        two, else a seeded random orthogonal matrix), so every latent coordinate gets the same
+        calibration variance before the per-token codes, at no decode cost and for any rank;
+        replaces ``hadamard``.
     For ``palu``, ``bits`` is the latent code width (16 = float latents; otherwise uniform
     per-token quantization of the latents).
     fp8_format: ``fp8`` only: ``e4m3`` (torch.float8_e4m3fn, max 448) or ``e5m2`` (max 57344).
@@ -159,6 +165,7 @@ class QuantSpec:
     whiten: bool = True
     rank_allocation: str = "fisher"
     hadamard: bool = False
+    rotate_basis: bool = False
     fp8_format: str = "e4m3"
     granularity: str | None = None
     scale_fit: str = "amax"
@@ -210,6 +217,13 @@ class QuantSpec:
         _require(_is_int(self.group_heads) and self.group_heads >= 0, f"{p}.group_heads", "must be an integer >= 0 (0 = all heads)")
         _require(isinstance(self.whiten, bool), f"{p}.whiten", "must be true or false")
         _require(isinstance(self.hadamard, bool), f"{p}.hadamard", "must be true or false")
+        _require(isinstance(self.rotate_basis, bool), f"{p}.rotate_basis", "must be true or false")
+        if self.rotate_basis:
+            _require(self.method == "palu", f"{p}.rotate_basis", f"rotates a Palu basis: needs method 'palu', not '{self.method}'")
+            _require(self.bits != 16, f"{p}.rotate_basis",
+                     "mixes the latents for their quantized codes; 16-bit latents are not quantized: set bits below 16")
+            _require(not self.hadamard, f"{p}.rotate_basis",
+                     "and hadamard both mix the latents: keep one (rotate_basis mixes all of them at no decode cost)")
         _require(
             self.rank_allocation in RANK_ALLOCATIONS, f"{p}.rank_allocation",
             f"'{self.rank_allocation}' is not one of {list(RANK_ALLOCATIONS)}",

@@ -12,7 +12,8 @@ Encode, blocks x (N, g, S, D) of group G_i -> (N, S, g*D) -> minus bias -> laten
 Storage per block of one (sequence, head group) stream (leading block dim omitted):
 
 * ``bits == 16``: ``latent`` float16 (S, r);
-* otherwise: with ``hadamard`` the latent goes through a block-diagonal Walsh-Hadamard
+* otherwise: with ``rotate_basis`` the fitted basis already carries an r x r rotation
+  (`latent_rotation`, folded in at calibration: nothing extra at decode); with ``hadamard`` the latent goes through a block-diagonal Walsh-Hadamard
   transform (blocks of the largest power of two dividing r, at most 64; `fit_palu` rounds
   Hadamard ranks down to multiples of 8 so the blocks mix); L = r; then uniform asymmetric per-token quantization,
   one fp16 ``scale`` and ``zero`` per token and group of q = min(group_size, L) coordinates
@@ -41,7 +42,7 @@ import torch
 from kvtool.errors import ArtifactError, DataError, RecipeError, RuntimeConfigError
 from kvtool.methods.base import BlockQuantizer
 from kvtool.methods.lowrank.decompose import group_bases, group_count, reconstruction_error, to_groups
-from kvtool.methods.lowrank.hadamard import block_fwht
+from kvtool.methods.lowrank.hadamard import block_fwht, hadamard_matrix, is_power_of_two
 from kvtool.methods.lowrank.rank_search import allocate_ranks, error_curve, gradient_curve
 from kvtool.methods.quant.packing import pack_codes, packed_bytes, packed_rows, unpack_codes
 from kvtool.methods.registry import register
@@ -250,6 +251,24 @@ def _gradients(entry, samples: torch.Tensor, layer: int, name: str) -> torch.Ten
     return gradients
 
 
+def latent_rotation(rank: int, seed: int) -> torch.Tensor:
+    """(r, r) float64 orthogonal R for ``rotate_basis``: the basis U_r becomes U_r R, so latents h R.
+
+    The whitened SVD orders the latents by variance (their calibration covariance is diagonal, the squared
+    singular values); one per-token scale then covers the largest coordinates and the small ones get few
+    levels. Where r is a power of two, R = diag(signs) H (H the orthonormal Walsh-Hadamard matrix): every
+    entry is +-1/sqrt(r), so every rotated coordinate's variance is exactly the mean of the r variances.
+    Otherwise R is a seeded random orthogonal matrix (QR of a Gaussian matrix, signs fixed), which
+    equalizes them in expectation. Seeded: the same recipe and calibration give the same artifact.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if is_power_of_two(rank):
+        signs = torch.randint(0, 2, (rank,), generator=generator, dtype=torch.float64) * 2 - 1
+        return signs[:, None] * hadamard_matrix(rank, torch.float64)
+    q, r = torch.linalg.qr(torch.randn(rank, rank, generator=generator, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))[None, :]
+
+
 HADAMARD_RANK_MULTIPLE = 8  # Hadamard-mixed latents: ranks in multiples of 8 so every block mixes 8+ coordinates
 
 
@@ -325,10 +344,15 @@ def fit_palu(recipe: Recipe, layers: list[dict]) -> list[dict[str, torch.Tensor]
     multiple = HADAMARD_RANK_MULTIPLE if any(spec.hadamard and spec.bits != 16 for _, spec in parts) else 1
     ranks = {key: _round_rank(r, multiple, curves[key].numel() - 1) for key, r in ranks.items()}
     out: list[dict[str, torch.Tensor]] = [{} for _ in layers]
+    specs = dict(parts)
     for (i, name), item in fitted.items():
         r = ranks[(i, name)]
         error = reconstruction_error(item["bases"], r, item["samples"], bias=item["bias"])
-        out[i][f"{name}.basis"] = item["bases"][:, :, :r].contiguous()
+        basis = item["bases"][:, :, :r]  # (G, gD, r)
+        if specs[name].rotate_basis:
+            seed = specs[name].seed * 1_000_003 + 2 * i + (name == "values")
+            basis = (basis.double() @ latent_rotation(r, seed)).to(basis.dtype)
+        out[i][f"{name}.basis"] = basis.contiguous()
         out[i][f"{name}.bias"] = item["bias"].contiguous()
         out[i][f"{name}.relative_error"] = torch.tensor(error, dtype=torch.float32)
     return out
