@@ -112,10 +112,9 @@ class QuantSpec:
     hadamard: ``palu`` only: Walsh-Hadamard transform of the latents before quantizing them
         (block-wise at decode time: blocks of the largest power of two dividing the rank, at most 64).
     rotate_basis: ``palu`` only, quantized latents: an r x r orthogonal rotation folded into the
-        basis at calibration (a Walsh-Hadamard matrix with random signs where the rank is a power of
-        two, else a seeded random orthogonal matrix), so every latent coordinate gets the same
-        calibration variance before the per-token codes, at no decode cost and for any rank;
-        replaces ``hadamard``.
+        basis at calibration (a DCT (x) Walsh-Hadamard matrix, `latent_rotation`), which spreads the
+        first, dominant latent coordinate flat over all r coordinates before the per-token codes,
+        at no decode cost and for any rank; replaces ``hadamard``.
     For ``palu``, ``bits`` is the latent code width (16 = float latents; otherwise uniform
     per-token quantization of the latents).
     fp8_format: ``fp8`` only: ``e4m3`` (torch.float8_e4m3fn, max 448) or ``e5m2`` (max 57344).
