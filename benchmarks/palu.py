@@ -5,7 +5,7 @@
 
 Rows: 30/50/70% rank reduction (whitened SVD per KV head, Fisher ranks, 16-bit latents);
 whitened vs plain SVD and Fisher vs uniform vs gradient ranks at 50%; 30% reduction with latents at 3 and
-2 bits, with and without the Walsh-Hadamard transform. Perplexity through the runtime, delta
+2 bits, plain, with the Walsh-Hadamard transform and with the rotation folded into the basis (``rotate_basis``). Perplexity through the runtime, delta
 against the uncompressed cache, bits per element held, body compression vs 16-bit, bytes per token.
 Writes benchmarks/results/palu.json. Needs ../shared.
 """
@@ -35,9 +35,10 @@ def recipes(samples: int) -> list[Recipe]:
         palu("50%, gradient ranks", 0.5, samples, rank_allocation="gradient"),
     ]
     for bits in (3, 2):
-        for hadamard in (False, True):
-            label = f"30% + {bits}-bit latents" + (" + Hadamard" if hadamard else "")
-            rows.append(palu(label, 0.7, samples, bits=bits, hadamard=hadamard, group_heads=0, group_size=128))
+        for mixing in ("none", "hadamard", "rotate_basis"):
+            label = f"30% + {bits}-bit latents" + {"none": "", "hadamard": " + Hadamard", "rotate_basis": " + rotated basis"}[mixing]
+            rows.append(palu(label, 0.7, samples, bits=bits, hadamard=mixing == "hadamard",
+                             rotate_basis=mixing == "rotate_basis", group_heads=0, group_size=128))
     return rows
 
 

@@ -16,7 +16,7 @@ def tensor_summary(spec: QuantSpec) -> str:
     if spec.method == "palu":
         groups = {0: "all KV heads jointly", 1: "per KV head"}.get(spec.group_heads, f"groups of {spec.group_heads} KV heads")
         parts = [f"palu {spec.rank_fraction:.0%} rank {groups}"]
-        parts.append("16-bit latents" if spec.bits == 16 else f"{spec.bits}-bit latents" + (" + Hadamard" if spec.hadamard else ""))
+        parts.append("16-bit latents" if spec.bits == 16 else f"{spec.bits}-bit latents" + (" + Hadamard" if spec.hadamard else " + rotated basis" if spec.rotate_basis else ""))
         return ", ".join(parts)
     if spec.method == "turboquant":
         return turboquant_summary(spec)
