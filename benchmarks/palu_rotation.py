@@ -126,6 +126,17 @@ def measure(model, tokenizer, name: str, args) -> list[dict]:
     return rows
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows: figures depend on it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m"], choices=list(MODELS) + list(PRETRAINED))
@@ -143,7 +154,7 @@ def main() -> None:
     for name in args.models:
         model, tokenizer = load_model(str(SHARED / {**MODELS, **PRETRAINED}[name][0]))
         rows += measure(model, tokenizer, name, args)
-        machine = {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+        machine = {"platform": platform.platform(), "processor": cpu_model(), "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "device": "cpu"}
         write_json_atomic(args.out, {"machine": machine, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     table = Table(title="Palu latent codes: SQNR (dB) against the rank-r projection / against K or V, pooled over layers")

@@ -13,10 +13,11 @@ Storage per block of one (sequence, head group) stream (leading block dim omitte
 
 * ``bits == 16``: ``latent`` float16 (S, r);
 * otherwise: with ``rotate_basis`` the fitted basis already carries an r x r rotation
-  (`latent_rotation`, folded in at calibration: nothing extra at decode); with ``hadamard`` the latent goes through a block-diagonal Walsh-Hadamard
-  transform (blocks of the largest power of two dividing r, at most 64; `fit_palu` rounds
-  Hadamard ranks down to multiples of 8 so the blocks mix); L = r; then uniform asymmetric per-token quantization,
-  one fp16 ``scale`` and ``zero`` per token and group of q = min(group_size, L) coordinates
+  (`latent_rotation`, folded in at calibration: nothing extra at decode); with ``hadamard``
+  the latent goes through a block-diagonal Walsh-Hadamard transform (blocks of the largest
+  power of two dividing r, at most 64; `fit_palu` rounds Hadamard ranks down to multiples of 8
+  so the blocks mix); L = r; then uniform asymmetric per-token quantization, one fp16
+  ``scale`` and ``zero`` per token and group of q = min(group_size, L) coordinates
   (a last partial group is allowed): ``codes`` uint8 (S * bits / 8, L), bit-sliced and
   token-split (`packing.py`); ``scale``, ``zero`` float16 (S, ceil(L/q)).
 
@@ -261,10 +262,9 @@ def latent_rotation(rank: int) -> torch.Tensor:
     first basis vector constant; C_1 = [1]). Row i of R is the image of latent coordinate i; row 0 is flat
     (every entry +-1/sqrt(r)), so a token dominated by its first coordinate becomes a flat vector, and at a
     power-of-two rank every entry is +-1/sqrt(r), so every rotated coordinate's variance is exactly the mean
-    of the r variances. Deterministic (no seed). Measured on SmolLM2-135M's pre-RoPE keys at 3 bits per token:
-    18.8-23.8 dB at ranks 72-128, against 12.4-13.7 dB for a random orthogonal R and 10.5-18.6 dB for
-    Hadamard blocks of the largest power of two dividing r (`benchmarks/RESULTS.md`, "A rotation folded into
-    the Palu basis").
+    of the r variances. Deterministic (no seed). SmolLM2-135M's pre-RoPE keys in 3-bit codes at ranks 72-128
+    (`python -m benchmarks.palu_rotation`): 20.7-21.2 dB SQNR, against 13.1-14.6 dB for a random orthogonal R
+    and 13.7-17.7 dB for ``hadamard``'s blocks (`benchmarks/RESULTS.md`, "A rotation folded into the Palu basis").
     """
     odd = rank // (rank & -rank)
     n = torch.arange(odd, dtype=torch.float64)
