@@ -500,3 +500,11 @@ def test_quantized_error_falls_with_bits_and_rank():
     for fraction in (0.5, 1.0):
         assert errors[fraction, 2] > errors[fraction, 4] > errors[fraction, 8] >= errors[fraction, 16] * 0.99
     assert errors[0.5, 16] > errors[1.0, 16]
+
+
+def test_recipe_summary_names_the_latents_mixing():
+    from kvtool.recipe_summary import tensor_summary
+
+    assert tensor_summary(spec(bits=3, rotate_basis=True)).endswith("3-bit latents + rotated basis")
+    assert tensor_summary(spec(bits=3, hadamard=True)).endswith("3-bit latents + Hadamard")
+    assert tensor_summary(spec(bits=3)).endswith("3-bit latents")
