@@ -104,20 +104,20 @@ def measure(model, tokenizer, name: str, args) -> list[dict]:
         tensors = artifact.layer_tensors(layer)
         for part in ("keys", "values"):
             basis, bias = tensors[f"{part}.basis"], tensors[f"{part}.bias"]
-            blocks = collect.blocks(layer, part).double()
+            blocks = collect.blocks(layer, part)  # float32, as the runtime codes them; sums in float64
             width = basis.shape[1]
             for rank in args.ranks:
                 if rank > width:
                     continue
-                projected = mixed_quantizer(part, basis, bias, rank, 16, "none", head_dim).roundtrip(blocks.float()).double()
+                projected = mixed_quantizer(part, basis, bias, rank, 16, "none", head_dim).roundtrip(blocks).double()
                 for bits in args.bits:
                     for mixing in MIXINGS:
-                        coded = mixed_quantizer(part, basis, bias, rank, bits, mixing, head_dim).roundtrip(blocks.float()).double()
+                        coded = mixed_quantizer(part, basis, bias, rank, bits, mixing, head_dim).roundtrip(blocks).double()
                         sums = totals.setdefault((part, rank, bits, mixing), [0.0, 0.0, 0.0, 0.0])
                         sums[0] += float(projected.square().sum())
                         sums[1] += float((coded - projected).square().sum())
-                        sums[2] += float(blocks.square().sum())
-                        sums[3] += float((coded - blocks).square().sum())
+                        sums[2] += float(blocks.double().square().sum())
+                        sums[3] += float((coded - blocks.double()).square().sum())
     rows = []
     for (part, rank, bits, mixing), (proj, code_err, signal, total_err) in totals.items():
         rows.append({"model": name, "part": part, "rank": rank, "bits": bits, "mixing": mixing,
