@@ -154,6 +154,27 @@ def test_cpu_kernel_reads_8_bit_norms_as_the_dense_reference(side, head_dim, gqa
     torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
 
 
+@needs_numba
+def test_the_cpu_kernel_compiles_once_per_float_pool_width(sides):
+    """Every storage format goes through one compiled signature per float-pool width (16-bit bits as uint16; float8
+    bytes and int8 codes as uint8), whatever its norms (fp16 or 8-bit, keys and values alike or not): a compiled
+    signature costs seconds on first use (per machine, then cached on disk), so a signature per format multiplied the
+    first run's wait (41 signatures across the test suite before, about 10 s each on the 2-core VM)."""
+    from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
+    from kvtool.runtime.kernels.cpu_decode_kernel import combine, decode_serial
+    from kvtool.runtime.kernels.cpu_decode_rotated import decode_rotated_serial
+    from kvtool.runtime.store import INT8_SLOTS
+    from tests.test_cpu_decode import _cpu_args
+    from tests.test_kernels import build_case
+
+    for side in ("uniform-4", "turboquant-2.5-3.5", "turboquant-3-norm8", "turboquant-keys-norm8-values-norm16"):
+        for float_dtype in (torch.float16, torch.float8_e4m3fn, INT8_SLOTS):
+            args, reference = build_case(side, 64, 4, "cpu", seed=7, fbs=4, float_dtype=float_dtype)
+            torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
+    for kernel in (decode_serial, decode_rotated_serial, combine):
+        assert len(kernel.signatures) <= 2, (kernel, kernel.signatures)
+
+
 @needs_triton
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("side", [*SIDES, *QJL_SIDES])

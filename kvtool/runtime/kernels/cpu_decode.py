@@ -108,10 +108,9 @@ def _widths(bits: int) -> np.ndarray:
 
 
 def _u16(t: torch.Tensor) -> np.ndarray:
-    """A 16-bit float tensor's bit patterns as a numpy uint16 view (no copy); a float8 tensor's bytes as uint8; int8
-    codes as they are."""
-    if t.dtype == torch.int8:
-        return t.numpy()
+    """A 16-bit float tensor's bit patterns as a numpy uint16 view (no copy); a float8 tensor's bytes and int8 codes
+    as uint8 (the kernel reads int8 codes back as signed): one array type per width, so the kernel is compiled for
+    two pool types rather than one per format (each compiled signature costs seconds on first use)."""
     if t.element_size() == 1:
         return t.view(torch.uint8).numpy()
     return t.view(torch.int16).numpy().view(np.uint16)
@@ -124,8 +123,8 @@ def _held_view(t: torch.Tensor, kind: str = "") -> np.ndarray:
     """The numpy view of a store tensor (a pool tensor, a block table), made once per tensor object: they live for
     many steps (a pool that grows gets new tensors), and making views costs microseconds per call and layer.
     ``kind``: "" as is, "u16" the bit patterns of a 16-bit float tensor (a float8 one's bytes), "rows" the same
-    flattened per pool row, "2d" any other tensor flattened per row, "3d" a float pool (cap, FBS, 1, D) as
-    (cap, FBS, D).
+    flattened per pool row, "bytes" any tensor's bytes (uint8) flattened per pool row, "2d" any other tensor
+    flattened per row, "3d" a float pool (cap, FBS, 1, D) as (cap, FBS, D).
 
     A view holds the tensor's memory, so its entry goes the moment the tensor object does (a weak reference's
     callback): a grown pool's old rows and a finished cache's blocks are freed as before."""
@@ -133,8 +132,11 @@ def _held_view(t: torch.Tensor, kind: str = "") -> np.ndarray:
     entry = _VIEWS.get(key)
     if entry is not None and entry[0]() is t:
         return entry[1]
-    view = _u16(t) if kind in ("u16", "rows", "3d") else t.numpy()
-    if kind in ("rows", "2d"):  # explicit sizes: an empty pool (no rows yet) has no -1 to infer
+    if kind == "bytes":
+        view = t.view(torch.uint8).numpy()
+    else:
+        view = _u16(t) if kind in ("u16", "rows", "3d") else t.numpy()
+    if kind in ("rows", "2d", "bytes"):  # explicit sizes: an empty pool (no rows yet) has no -1 to infer
         view = view.reshape(view.shape[0], int(np.prod(view.shape[1:])))
     elif kind == "3d":
         view = view.reshape(view.shape[0], view.shape[1], int(np.prod(view.shape[2:])))
@@ -192,21 +194,21 @@ def _no_side() -> tuple:
 
 def _rotated_side(side: dict, fmt) -> tuple:
     """A TurboQuant side as `cpu_decode_rotated` takes it: (outlier channels d_o (0: no split), outlier codes, codes
-    (cap, rows, d) uint8, outlier norms, norms (cap, BS) fp16 bits or (cap, BS + 4) uint8 8-bit codes, outlier masks
-    (cap, D / 8) uint8, outlier codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
+    (cap, rows, d) uint8, outlier norms, norms (cap, 2 BS) uint8 (fp16 norms' bytes) or (cap, BS + 4) uint8 8-bit
+    codes, outlier masks (cap, D / 8) uint8, outlier codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
     outlier slice widths, slice widths, query scale (H_kv, D) float32 of keys with ``channel_scale: query``, else
     (0, D), and whether the masks are one per KV head (``outlier_channels: calibrated``: (H_kv, D / 8), read at the
     stream's head) rather than one per block); the outlier entries are placeholders without a split."""
     codes = _held_view(side["codes"])
     d_o, d_r = int(fmt.split), codes.shape[2]
-    norm_view = "rows" if fmt.scales == "norm" else "2d"  # fp16 bits, or 8-bit codes then the block's range
+    norm_view = "bytes" if fmt.scales == "norm" else "2d"  # fp16 norms' bytes, or 8-bit codes then the block's range
     norm = _held_view(side["norm"], norm_view)
     book = side["codebook"].numpy()
     if d_o == 0:
         placeholder = _no_side()  # the outlier instance's entries: never read (built once)
-        empty8, empty16, empty32 = placeholder[0], placeholder[1], placeholder[8]
+        empty8, empty32 = placeholder[0], placeholder[8]
         rotation = side["rotation"].numpy()
-        return (0, empty8, codes, empty16, norm, empty8[0], empty32[0], book, empty32, rotation, empty32[0, :0],
+        return (0, empty8, codes, empty8[0], norm, empty8[0], empty32[0], book, empty32, rotation, empty32[0, :0],
                 _signs(rotation), _widths(1), _widths(fmt.bits), _query_scale(side, codes.shape[2]), False)
     tables = side["split_tables"].numpy()  # outlier codebook, then P_o and P_r flattened
     levels = 2**fmt.split_bits
@@ -377,13 +379,14 @@ def cpu_decode_attention(
     if float_k.dtype == INT8_SLOTS and float_scales is None:
         raise ValueError("int8 float pools are read with their scales: pass float_scales")
     if not write:
-        new_bits = np.zeros((2, 1, 1), np.uint16)
+        new_bits = np.zeros((2, 1, 1), np.uint8 if float_k.element_size() == 1 else np.uint16)  # the pools' type
     elif float_k.dtype == torch.float16:  # numpy rounds to nearest even, as torch's cast does
         halves = np.empty((2, s, d), np.float16)
         halves[0], halves[1] = new_k_np, new_v_np
         new_bits = halves.view(np.uint16)
     elif float_k.dtype == INT8_SLOTS:  # codes here, their scales below (as the store encodes them)
-        new_bits, scale_bits, _ = int8_slots_on_host(np.stack((new_k_np, new_v_np)), d // float_scales[0].shape[-1])
+        codes, scale_bits, _ = int8_slots_on_host(np.stack((new_k_np, new_v_np)), d // float_scales[0].shape[-1])
+        new_bits = codes.view(np.uint8)
     else:  # bfloat16; float8 saturating, as the store writes it
         new_bits = _u16(to_float_slots(torch.stack((new_k, new_v)), float_k.dtype))
     if float_k.dtype == INT8_SLOTS:

@@ -118,7 +118,7 @@ def dot_half(a, h, hs, float_kind):
         for j in range(hs.shape[0]):
             base, part = j * group, np.float32(0.0)
             for c in range(group):  # (a fixed-length loop from an offset: LLVM vectorizes it, not range(base, end))
-                part += a[base + c] * np.float32(h[base + c])
+                part += a[base + c] * np.float32(np.int8(h[base + c]))  # (int8 codes passed as their bytes)
             acc += part * half_to_float(np.uint16(hs[j]))
     elif float_kind == BFLOAT16:
         for c in range(a.shape[0]):
@@ -147,7 +147,7 @@ def axpy_half(acc, p, h, hs, float_kind):
         for j in range(hs.shape[0]):
             ps, base = p * half_to_float(np.uint16(hs[j])), j * group
             for c in range(group):  # (as in `dot_half`: vectorized)
-                acc[base + c] += ps * np.float32(h[base + c])
+                acc[base + c] += ps * np.float32(np.int8(h[base + c]))
     elif float_kind == BFLOAT16:
         for c in range(acc.shape[0]):
             acc[c] += p * bf16_to_float(h[c])

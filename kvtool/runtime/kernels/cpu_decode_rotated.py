@@ -173,8 +173,8 @@ def _int16_at(norm, block, i):
 def block_norm_range(norm, block, bs):
     """(hi, step) float32 in octaves of a block whose ``norm`` holds 8-bit codes ((cap, bs + 4) uint8: the codes, then
     the block's log2 range hi, lo as int16 in 1/1024 octave): a code c reads 2**(hi - c step); (0, 0) for fp16 norms
-    ((cap, bs) fp16 bits)."""
-    if norm.shape[1] == bs:
+    ((cap, 2 bs) uint8: the little-endian bytes of each token's fp16 norm; bs >= 16, so 2 bs != bs + 4)."""
+    if norm.shape[1] == 2 * bs:
         return np.float32(0.0), np.float32(0.0)
     hi, lo = _int16_at(norm, block, bs), _int16_at(norm, block, bs + 2)
     return np.float32(hi / NORM_LEVEL_UNITS), np.float32((hi - lo) / (255.0 * NORM_LEVEL_UNITS))
@@ -182,11 +182,12 @@ def block_norm_range(norm, block, bs):
 
 @njit(cache=True, inline="always", fastmath=FAST)
 def token_norm(norm, block, t, hi, step, bs):
-    """||x_t|| of token t of the block (bs tokens): its fp16 bits, or with 8-bit codes (norm (cap, bs + 4)) 2**(hi - c
-    step) from the block's range (`block_norm_range`)."""
-    if norm.shape[1] != bs:
+    """||x_t|| of token t of the block (bs tokens): its fp16 norm (norm (cap, 2 bs): two bytes per token), or with
+    8-bit codes (norm (cap, bs + 4)) 2**(hi - c step) from the block's range (`block_norm_range`). Both are uint8
+    arrays, so the kernel has one compiled signature for either (and for keys and values that differ)."""
+    if norm.shape[1] != 2 * bs:
         return np.float32(np.exp((hi - np.float32(norm[block, t]) * step) * np.float32(LN2)))
-    return half_to_float(np.uint16(norm[block, t]))  # (typed for both arrays: the branch above runs for uint8 ones)
+    return half_to_float(np.uint16(np.uint16(norm[block, 2 * t]) | (np.uint16(norm[block, 2 * t + 1]) << np.uint16(8))))
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
