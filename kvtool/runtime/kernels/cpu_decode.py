@@ -151,35 +151,55 @@ def _held_view(t: torch.Tensor, kind: str = "") -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    """The compiled kernel (Numba imported on first use; compiled once, then loaded from the on-disk cache).
+    """The compiled kernel (Numba imported on first use; compiled once, then loaded from the on-disk cache): per body
+    kind (TurboQuant's rotated one or not), the one-thread step and the work items a threaded step spreads."""
+    from kvtool.runtime.kernels.cpu_decode_kernel import attend_items, combine_streams, decode_serial, part_scratch
+    from kvtool.runtime.kernels.cpu_decode_rotated import attend_items_rotated, decode_rotated_serial
 
-    Numba's ``workqueue`` threads unless NUMBA_THREADING_LAYER says otherwise: OpenMP worker threads spin after each
-    parallel region and would take the cores from torch's own threads between two layers."""
-    import os
-
-    import numba
-
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        numba.config.THREADING_LAYER = "workqueue"
-    from kvtool.runtime.kernels.cpu_decode_kernel import decode_parallel, decode_serial
-    from kvtool.runtime.kernels.cpu_decode_rotated import decode_rotated_parallel, decode_rotated_serial
-
-    return {False: (decode_serial, decode_parallel), True: (decode_rotated_serial, decode_rotated_parallel)}
+    return {False: (decode_serial, attend_items), True: (decode_rotated_serial, attend_items_rotated),
+            "scratch": part_scratch, "combine": combine_streams}
 
 
-_THREADS = [0]  # the thread count last given to Numba
-_ONE_AT_A_TIME = threading.Lock()  # Numba's workqueue threads abort the process if two Python threads launch at once
+_ONE_AT_A_TIME = threading.Lock()  # one step at a time: the threads of a step share the pool below
+_POOL: list = [None, 0]  # a thread pool of a step's helper threads, and its size (made again when torch's count changes)
 
 
-def _follow_torch_threads() -> None:
-    """Run the kernel's streams on as many threads as torch uses (``torch.set_num_threads`` / OMP_NUM_THREADS), so a
-    process that limits torch limits the kernel too (and workers sharing a machine do not oversubscribe it)."""
-    want = torch.get_num_threads()
-    if want != _THREADS[0]:
-        import numba
+def _helper_threads(count: int):
+    """A pool of ``count`` threads for a step's items (kept between steps: starting threads costs more than a step's
+    work on a small model)."""
+    if _POOL[1] != count:
+        from concurrent.futures import ThreadPoolExecutor
 
-        numba.set_num_threads(max(1, min(want, numba.config.NUMBA_NUM_THREADS)))
-        _THREADS[0] = want
+        if _POOL[0] is not None:
+            _POOL[0].shutdown(wait=False)
+        _POOL[0], _POOL[1] = ThreadPoolExecutor(count, thread_name_prefix="kvtool-cpu-decode"), count
+    return _POOL[0]
+
+
+def _decode_on_threads(kernels: dict, rotated: bool, threads: int, args: tuple) -> None:
+    """A decode step's (stream, part) items split into ``threads`` contiguous ranges, run at once (the compiled items
+    release the GIL: one range on this thread, the others on helper threads), then every stream's merge here.
+    ``args`` are `decode_serial`'s."""
+    (q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+     k_side, v_side, rope, window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score,
+     body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, out) = args
+    weights, part_max, part_sum, part_acc = kernels["scratch"](q, float_len, body_len, bs, parts)
+    items = kernels[rotated][1]
+    shared = (q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head, k_side,
+              v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc)
+    total = q.shape[0] * parts
+    bounds = [total * i // threads for i in range(threads + 1)]
+    ranges = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    helpers = [_helper_threads(threads - 1).submit(items, a, b, *shared) for a, b in ranges[1:]]
+    if ranges:
+        items(*ranges[0], *shared)
+    for done in helpers:
+        done.result()
+    kernels["combine"](
+        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
+        has_sink, new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts,
+        weights, part_max, part_sum, part_acc, out,
+    )
 
 
 MODES = {"channel": 1, "token": 2, "block": 3, "static": 4}  # the kernel's scale modes (`side_vectors`)
@@ -355,8 +375,9 @@ def cpu_decode_attention(
 
     Serial by default: inside a model's decode step the parallel call measured slower end to end on a 2-core machine
     (SmolLM2-135M, kivi-4bit at 2K tokens 1.36x `DynamicCache`'s step time against 1.16x serial; batch 8 at 1K 1.53x
-    against 1.27x): torch's OpenMP threads spin between operations and take the cores back from Numba's.
-    ``parallel`` is there for machines with cores to spare."""
+    against 1.27x): torch's OpenMP threads spin between operations and take the cores back from the kernel's.
+    ``parallel`` is there for machines with cores to spare: the step's items run on Python threads (the compiled
+    items release the GIL), as many as ``torch.get_num_threads()``."""
     s, r, d = q.shape
     if (scores is not None or positions is not None) and not write:
         raise ValueError("scores and positions are written with the new token: pass write=True")
@@ -409,19 +430,23 @@ def cpu_decode_attention(
     if positions is not None:  # a sequence's streams are consecutive
         new_pos = np.repeat(np.asarray(positions[1], dtype=np.int32), s // len(positions[1]))
     window_arrays = _window_arrays(window, has_body)
-    serial_kernel, parallel_kernel = _kernel()[rotated]
+    kernels = _kernel()
     with _ONE_AT_A_TIME:
-        _follow_torch_threads()
-        spread = parallel and _THREADS[0] > 1
+        threads = torch.get_num_threads()  # as many as torch uses (a process that limits torch limits the kernel too)
+        spread = parallel and threads > 1
         if parts is None:
-            parts = -(-2 * _THREADS[0] // s) if spread and s < 2 * _THREADS[0] else 1  # few streams: split their tokens
-        (parallel_kernel if spread else serial_kernel)(
+            parts = -(-2 * threads // s) if spread and s < 2 * threads else 1  # few streams: split their tokens
+        args = (
             q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"), float_ks, float_vs,
             ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen, heads, k_side, v_side, rope_arrays,
             window_arrays, int(block_size or 1), FLOAT_KINDS[float_k.dtype],
             float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write),
             float_score, body_score, new_score, score_mode, float_pos, new_pos, positions is not None, parts, out,
         )
+        if spread:
+            _decode_on_threads(kernels, rotated, threads, args)
+        else:
+            kernels[rotated][0](*args)
     return torch.from_numpy(out)
 
 

@@ -9,8 +9,9 @@ How it is written for speed (the compiler vectorizes simple loops over contiguou
 * a stream's held tokens are cut into ``parts`` (whole blocks each; flash-decoding): each part is one work item with
   its own softmax maximum, sum and weighted values (`attend_part`), and `combine` merges the parts of every stream
   with this step's own token. `decode_serial` runs the items on one thread (the default: in a model's step torch's
-  spinning OpenMP threads made the parallel call slower end to end on 2 cores), `decode_parallel` spreads them over
-  Numba's threads (``prange``; a batch-1 step has few streams, 3 on SmolLM2, so their tokens are split).
+  spinning OpenMP threads made the parallel call slower end to end on 2 cores); with ``parallel`` `cpu_decode.py`
+  spreads them over Python threads, each running `attend_items` without the GIL (a batch-1 step has few streams, 3 on
+  SmolLM2, so their tokens are split).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import platform
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FP8_LAYOUTS, INT8_SCALED
@@ -638,27 +639,20 @@ def decode_serial(
     )
 
 
-@njit(cache=True, parallel=True, fastmath=FAST)
-def decode_parallel(
-    q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
-    k_side, v_side, rope,
-    window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
-    float_pos, new_pos, write_pos, parts, out,
+@njit(cache=True, nogil=True, fastmath=FAST)
+def attend_items(
+    first, last, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+    k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
-    """As `decode_serial`, the (stream, part) items spread over Numba's threads; the merge stays on this thread."""
-    streams = q.shape[0]
-    weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
-    for item in prange(streams * parts):
+    """The (stream, part) items [first, last) of a decode step (`attend_part` each), without the GIL: `cpu_decode.py`
+    runs a step's items on several Python threads at once (``parallel``), then `combine_streams` on one. (Numba's
+    ``prange`` did the same, at about a minute of compilation per signature.)"""
+    for item in range(first, last):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
             body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
-    combine_streams(
-        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
-        new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
-        part_max, part_sum, part_acc, out,
-    )
 
 
 @njit(cache=True, inline="always")

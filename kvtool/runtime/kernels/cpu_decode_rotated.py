@@ -24,7 +24,7 @@ read here (their stores stay on the torch path).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from kvtool.methods.quant.turboquant import NORM_LEVEL_UNITS
 from kvtool.runtime.kernels.cpu_decode_kernel import (
@@ -319,7 +319,7 @@ def attend_part_rotated(
     float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_vs, float_table, float_kind, bs, scores, acc)
 
 
-# The two drivers repeat `cpu_decode_kernel.decode_serial` / ``decode_parallel`` with this module's work item: Numba's
+# The two drivers repeat `cpu_decode_kernel.decode_serial` / `attend_items` with this module's work item: Numba's
 # on-disk cache keeps no function that takes another compiled function as an argument or closes over one (it would be
 # compiled again in every process, about 15 s), so each work item gets its drivers spelled out.
 @njit(cache=True, fastmath=FAST)
@@ -345,24 +345,15 @@ def decode_rotated_serial(
     )
 
 
-@njit(cache=True, parallel=True, fastmath=FAST)
-def decode_rotated_parallel(
-    q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
-    k_side, v_side, rope,
-    window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
-    float_pos, new_pos, write_pos, parts, out,
+@njit(cache=True, nogil=True, fastmath=FAST)
+def attend_items_rotated(
+    first, last, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+    k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
-    """`cpu_decode_kernel.decode_parallel` over TurboQuant bodies."""
-    streams = q.shape[0]
-    weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
-    for item in prange(streams * parts):
+    """`cpu_decode_kernel.attend_items` over TurboQuant bodies."""
+    for item in range(first, last):
         attend_part_rotated(
             item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
             body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         )
-    combine_streams(
-        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
-        new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
-        part_max, part_sum, part_acc, out,
-    )
