@@ -197,6 +197,9 @@ FORMATS = {
                        values=QuantSpec(method="int_static", bits=3, granularity="head", scale_fit="mse", axis="token", path="values")),
     "int-static-pre-rope": dict(keys=QuantSpec(method="int_static", bits=8, granularity="channel", pre_rope=True, path="keys"),
                                 values=QuantSpec(method="int_static", bits=4, granularity="channel", scale_fit="mse", axis="token", path="values")),
+    "palu-keys-turboquant-values": dict(keys=QuantSpec(method="palu", bits=3, pre_rope=True, rank_fraction=0.5, group_heads=0, rank_allocation="uniform",
+                                                      rotate_basis=True, group_size=256, path="keys"),
+                                        values=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, norm_bits=8, axis="token", path="values")),
     "turboquant-qjl": dict(keys=QuantSpec(method="turboquant", bits=3, qjl=True, path="keys"),
                            values=QuantSpec(method="turboquant", bits=2, extra_bits=0.5, axis="token", path="values")),
 }
