@@ -39,6 +39,7 @@ TURBOQUANT_FRACTIONS = (0.0, 0.25, 0.5)
 TURBOQUANT_NORM_BITS = (16, 8)  # a token's norm per instance: float16, or an 8-bit log code over the block's range
 TURBOQUANT_OUTLIER_FRACTIONS = (0.125, 0.25, 0.5)  # of the channels, coded at bits + extra_bits / fraction
 TURBOQUANT_OUTLIER_EXTRA = (1, 2)  # extra_bits / outlier_channel_fraction: the outliers' bits over the rest's
+SPLIT_ROTATIONS = ("haar", "kronecker")  # turboquant's rotation of a split instance whose width is not a power of two
 OUTLIER_CHANNELS = ("block", "calibrated")  # turboquant's split: each block's own channels, or calibrated per KV head
 CHANNEL_SCALES = ("none", "query")  # turboquant keys: none, or fitted from the calibration queries
 RANK_ALLOCATIONS = ("fisher", "gradient", "uniform")
@@ -137,6 +138,15 @@ class QuantSpec:
         tokens) and stores them as a D-bit mask. ``calibrated``: `kvtool calibrate` picks them once
         per layer and KV head from the calibration text's mean squares (keys after RoPE, divided by
         ``channel_scale`` where there is one; values); blocks store no mask.
+    split_rotation: ``turboquant`` with ``extra_bits`` only: the rotation of a split instance whose
+        width is not a power of two (head_dim 64 with a quarter of outliers: 48 regular channels;
+        256: 192). ``haar`` (default, the paper's): a Haar-random orthogonal matrix, read as a dense
+        d x d product per query row and block by the CPU kernel. ``kronecker``: (M kron H_n) diag(s),
+        random signs s, the Walsh-Hadamard transform of the width's largest power-of-two factor n
+        (>= 8) and a Haar-random m x m matrix M across its odd factor m (48 = 3 x 16): every output
+        still mixes every input, and the CPU kernel applies it as m fast transforms and an m x m
+        product (a fraction of the dense product's work). Power-of-two widths use the randomized
+        Hadamard rotation either way.
     qjl: ``turboquant`` keys only: spend one of the ``bits`` on a 1-bit QJL sketch of the
         residual (unbiased inner products with the query).
     seed: ``turboquant`` only: seed of the random rotation's signs (and of the QJL matrix).
@@ -175,6 +185,7 @@ class QuantSpec:
     channel_scale: str = "none"
     norm_bits: int = 16
     outlier_channels: str = "block"
+    split_rotation: str = "haar"
     path: str = field(default="keys", repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -282,6 +293,11 @@ class QuantSpec:
                  f"'{self.outlier_channels}' is not one of {list(OUTLIER_CHANNELS)}")
         _require(self.outlier_channels == "block" or (method == "turboquant" and self.extra_bits), f"{p}.outlier_channels",
                  "'calibrated' chooses the channels of turboquant's outlier split: needs method 'turboquant' with "
+                 "extra_bits 0.25 or 0.5")
+        _require(self.split_rotation in SPLIT_ROTATIONS, f"{p}.split_rotation",
+                 f"'{self.split_rotation}' is not one of {list(SPLIT_ROTATIONS)}")
+        _require(self.split_rotation == "haar" or (method == "turboquant" and self.extra_bits), f"{p}.split_rotation",
+                 "'kronecker' rotates an instance of turboquant's outlier split: needs method 'turboquant' with "
                  "extra_bits 0.25 or 0.5")
         _require(self.norm_bits in TURBOQUANT_NORM_BITS and not isinstance(self.norm_bits, bool), f"{p}.norm_bits",
                  f"{self.norm_bits} is not one of {list(TURBOQUANT_NORM_BITS)}")

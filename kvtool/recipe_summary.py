@@ -40,6 +40,8 @@ def turboquant_summary(spec: QuantSpec) -> str:
         outlier_bits = spec.bits + round(spec.extra_bits / spec.outlier_channel_fraction)
         where = "calibrated per KV head" if spec.outlier_channels == "calibrated" else "per block"
         parts.append(f"{spec.outlier_channel_fraction:.1%} outlier channels at {outlier_bits}-bit {where}".replace(".0%", "%"))
+    if spec.split_rotation == "kronecker":
+        parts.append("Kronecker rotation")
     if spec.qjl:
         parts.append("1 bit QJL")
     if spec.channel_scale == "query":

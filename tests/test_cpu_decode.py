@@ -200,6 +200,12 @@ TURBOQUANT_SIDES = {
         QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.5, path="values")),
     "turboquant-3-query-scale": (QuantSpec(method="turboquant", bits=3, channel_scale="query"),
                                  QuantSpec(method="turboquant", bits=3, path="values")),
+    # ``split_rotation: kronecker``: the regular instances' 48 / 96 / 192 channels rotate by m fast transforms and M
+    "turboquant-k3.5-v2.5-kronecker": (
+        QuantSpec(method="turboquant", bits=3, extra_bits=0.5, outlier_channel_fraction=0.25, split_rotation="kronecker",
+                  path="keys"),
+        QuantSpec(method="turboquant", bits=2, extra_bits=0.25, outlier_channel_fraction=0.25, split_rotation="kronecker",
+                  path="values")),
 }
 
 
@@ -224,7 +230,8 @@ def test_cpu_kernel_reads_turboquant_blocks_as_the_dense_reference(side, head_di
         torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("side", ["turboquant-3", "turboquant-k3.5-v2.5", "turboquant-k3.5-v2.5-query-scale"])
+@pytest.mark.parametrize("side", ["turboquant-3", "turboquant-k3.5-v2.5", "turboquant-k3.5-v2.5-query-scale",
+                                  "turboquant-k3.5-v2.5-kronecker"])
 @pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1)])
 def test_cpu_kernel_reads_16_token_turboquant_blocks(side, head_dim, gqa):
     """``cache.block_size: 16`` (turboquant only): the kernel reads the shorter blocks as the dense reference."""
@@ -270,6 +277,53 @@ def test_power_of_two_turboquant_rotations_run_as_the_fast_transform():
     fake = _rotation_matrix(64, Instance("", 64, 3, seed=9, qjl=False).tensors()).numpy().copy()
     fake[0, 3] *= -1  # a first row of +-1 / sqrt(d) whose matrix is not H diag(s)
     assert _signs(fake).shape == (0,)
+
+
+@pytest.mark.parametrize("dim", [48, 56, 96, 160, 192])
+def test_kronecker_split_rotations_run_as_fast_transforms_and_a_small_matrix(dim, monkeypatch):
+    """``split_rotation: kronecker``: P = (M kron H_n) diag(s) is orthogonal, the kernel finds (M, s / sqrt(n)) from P
+    (not the dense product), and its transform equals P on the queries and P^T on the value sums; a Haar-random matrix
+    or a perturbed Kronecker one stays dense."""
+    from kvtool.methods.quant.turboquant import Instance, _rotation_matrix, kronecker_factors
+    from kvtool.runtime.kernels.cpu_decode import _fast_rotation
+    from kvtool.runtime.kernels.cpu_decode_rotated import rotate_rows, unrotate_into
+
+    m, n = kronecker_factors(dim)
+    p = _rotation_matrix(dim, Instance("", dim, 3, seed=5, qjl=False, kronecker=True).tensors()).numpy()
+    np.testing.assert_allclose(p @ p.T, np.eye(dim), atol=1e-5)
+    assert np.abs(p).max() < 1.0 / math.sqrt(n) + 1e-6  # spread: no entry larger than H_n's
+    mix, signs = _fast_rotation(p)
+    assert mix.shape == (m, m) and signs.shape == (dim,)
+    rng = np.random.default_rng(dim)
+    queries = rng.standard_normal((3, dim + 8)).astype(np.float32)  # rows of a wider head, read at an offset
+    order = rng.permutation(dim + 8).astype(np.int64)
+    rotated = np.empty((3, dim), np.float32)
+    rotate_rows(queries, order, 8, mix, signs, np.empty(dim + 8, np.float32), rotated)
+    np.testing.assert_allclose(rotated, queries[:, order[8:]] @ p.T, rtol=1e-4, atol=1e-4)
+    sums = rng.standard_normal((3, dim)).astype(np.float32)
+    acc = np.zeros((3, dim + 8), np.float32)
+    unrotate_into(sums, mix, signs, order, 8, np.empty(dim, np.float32), acc)
+    expected = np.zeros_like(acc)
+    expected[:, order[8:]] = sums @ p
+    np.testing.assert_allclose(acc, expected, rtol=1e-4, atol=1e-4)
+    haar = _rotation_matrix(dim, Instance("", dim, 3, seed=5, qjl=False).tensors()).numpy()
+    assert _fast_rotation(haar)[1].shape == (0,)
+    bent = p.copy()
+    bent[1, 2] += 0.05  # not among the entries the cache keys on: the check itself must refuse it
+    monkeypatch.setattr("kvtool.runtime.kernels.cpu_decode._KRONECKER", {})
+    assert _fast_rotation(bent)[1].shape == (0,)
+
+
+def test_kronecker_split_rotation_needs_a_wide_power_of_two_factor():
+    from kvtool.errors import RecipeError
+    from kvtool.methods.quant.turboquant import TurboQuantizer
+
+    spec = QuantSpec(method="turboquant", bits=2, extra_bits=0.5, outlier_channel_fraction=0.25, split_rotation="kronecker")
+    TurboQuantizer(spec, 64, 32)  # 16 + 48 = 3 x 16
+    with pytest.raises(RecipeError, match="split_rotation"):
+        TurboQuantizer(spec, 16, 32)  # 4 + 12 = 3 x 4
+    with pytest.raises(RecipeError, match="split_rotation"):
+        QuantSpec(method="uniform", bits=4, split_rotation="kronecker")
 
 
 def test_cpu_kernel_refuses_what_it_cannot_read():

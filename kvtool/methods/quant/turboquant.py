@@ -125,6 +125,23 @@ def random_orthogonal(dim: int, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
+def kronecker_factors(dim: int) -> tuple[int, int]:
+    """(m, n): ``dim = m * n``, n the largest power of two dividing it, m odd."""
+    n = dim & -dim
+    return dim // n, n
+
+
+@functools.lru_cache(maxsize=None)
+def kronecker_orthogonal(dim: int, seed: int) -> torch.Tensor:
+    """(dim, dim) float32 P = (M kron H_n) diag(s) (``split_rotation: kronecker``): s random +-1 (`rotation_signs`), H_n
+    the orthonormal Walsh-Hadamard matrix of the largest power-of-two factor n of ``dim``, M (m, m) Haar-random over the
+    odd factor m. Viewing x as (m, n) rows of n channels, P x = M (H_n (s * x) per row): every output mixes every input,
+    and a kernel applies it as m fast transforms of n and one m x m product per column."""
+    m, n = kronecker_factors(dim)
+    mix = random_orthogonal(m, seed).double().contiguous() if m > 1 else torch.ones(1, 1, dtype=torch.float64)
+    return (torch.kron(mix, hadamard_matrix(n, dtype=torch.float64)) * rotation_signs(dim, seed).double()[None, :]).float()
+
+
 @functools.lru_cache(maxsize=None)
 def qjl_matrix(dim: int, seed: int) -> torch.Tensor:
     """(dim, dim) float32 standard Gaussian: the QJL projection G (rows = sketch coordinates)."""
@@ -209,6 +226,7 @@ class Instance:
     bits: int
     seed: int
     qjl: bool
+    kronecker: bool = False  # ``split_rotation: kronecker``: a width that is not a power of two rotates by `kronecker_orthogonal`
 
     @property
     def code_bits(self) -> int:
@@ -219,6 +237,8 @@ class Instance:
         out = {"codebook": lloyd_max_codebook(self.dim, self.code_bits)}
         if is_power_of_two(self.dim):
             out["signs"] = rotation_signs(self.dim, self.seed)
+        elif self.kronecker:
+            out["matrix"] = kronecker_orthogonal(self.dim, self.seed)
         else:
             out["matrix"] = random_orthogonal(self.dim, self.seed)
         if self.qjl:
@@ -262,8 +282,17 @@ class TurboQuantizer(BlockQuantizer):
         self.outliers = round(head_dim * spec.outlier_channel_fraction) if spec.extra_bits else 0  # per block
         if self.outliers:
             outlier_bits = spec.bits + round(spec.extra_bits / spec.outlier_channel_fraction)
-            self.instances = (Instance("outlier_", self.outliers, outlier_bits, spec.seed + 1, spec.qjl),
-                              Instance("", head_dim - self.outliers, spec.bits, spec.seed, spec.qjl))
+            kronecker = spec.split_rotation == "kronecker"
+            self.instances = (Instance("outlier_", self.outliers, outlier_bits, spec.seed + 1, spec.qjl, kronecker),
+                              Instance("", head_dim - self.outliers, spec.bits, spec.seed, spec.qjl, kronecker))
+            for inst in self.instances:
+                if kronecker and not is_power_of_two(inst.dim) and kronecker_factors(inst.dim)[1] < 8:
+                    raise RecipeError(
+                        f"recipe field '{spec.path}.split_rotation': 'kronecker' needs each split instance's width to "
+                        f"have a power-of-two factor of at least 8; head_dim {head_dim} with outlier_channel_fraction "
+                        f"{spec.outlier_channel_fraction} gives {inst.dim} = {kronecker_factors(inst.dim)[0]} x "
+                        f"{kronecker_factors(inst.dim)[1]}; use split_rotation: haar or another fraction"
+                    )
         else:
             self.instances = (Instance("", head_dim, spec.bits, spec.seed, spec.qjl),)
         self._device_cache: dict[torch.device, list[dict[str, torch.Tensor]]] = {}

@@ -215,7 +215,8 @@ def _no_side() -> tuple:
 def _rotated_side(side: dict, fmt) -> tuple:
     """A TurboQuant side as `cpu_decode_rotated` takes it: (outlier channels d_o (0: no split), outlier codes, codes
     (cap, rows, d) uint8, outlier norms, norms (cap, 2 BS) uint8 (fp16 norms' bytes) or (cap, BS + 4) uint8 8-bit
-    codes, outlier masks (cap, D / 8) uint8, outlier codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs,
+    codes, outlier masks (cap, D / 8) uint8, outlier codebook, codebook float32, outlier rotation (d_o, d_o), rotation (d_r, d_r) float32, their Hadamard signs
+    (a ``split_rotation: kronecker`` instance's rotation as its m x m factor beside its signs, `_fast_rotation`),
     outlier slice widths, slice widths, query scale (H_kv, D) float32 of keys with ``channel_scale: query``, else
     (0, D), and whether the masks are one per KV head (``outlier_channels: calibrated``: (H_kv, D / 8), read at the
     stream's head) rather than one per block); the outlier entries are placeholders without a split."""
@@ -234,8 +235,9 @@ def _rotated_side(side: dict, fmt) -> tuple:
     levels = 2**fmt.split_bits
     rot_o = tables[levels : levels + d_o * d_o].reshape(d_o, d_o)
     rot_r = tables[levels + d_o * d_o : levels + d_o * d_o + d_r * d_r].reshape(d_r, d_r)
+    (rot_o, signs_o), (rot_r, signs_r) = _fast_rotation(rot_o), _fast_rotation(rot_r)
     return (d_o, _held_view(side["outlier_codes"]), codes, _held_view(side["outlier_norm"], norm_view), norm,
-            _held_view(side["outlier_mask"], "2d"), tables[:levels], book, rot_o, rot_r, _signs(rot_o), _signs(rot_r),
+            _held_view(side["outlier_mask"], "2d"), tables[:levels], book, rot_o, rot_r, signs_o, signs_r,
             _widths(fmt.split_bits), _widths(fmt.bits), _query_scale(side, d_o + d_r), bool(fmt.static_mask))
 
 
@@ -267,6 +269,39 @@ def _signs(rotation: np.ndarray) -> np.ndarray:
             signs = (candidate / np.sqrt(np.float32(d))).astype(np.float32)
     _SIGNS[key] = signs
     return signs
+
+
+_KRONECKER: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # a rotation's first row -> (M, signs) or (P, none)
+
+
+def _fast_rotation(rotation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(matrix, signs) of a split instance's rotation P (d, d) as the kernel reads it: H diag(s) (a power of two):
+    (P, s / sqrt(d)), the fast transform; (M kron H_n) diag(s) (``split_rotation: kronecker``, `kronecker_orthogonal`):
+    (M (m, m), s / sqrt(n)), m fast transforms of n and one m x m product per column; else (P, (0,)): the dense
+    product. The Kronecker form is recovered from P itself (signs from its first row, with M's first-row signs folded
+    in; M from P's entries at multiples of n) and checked against it whole, once: cached by the first row and the
+    entries at multiples of n, which determine the Kronecker form."""
+    signs = _signs(rotation)
+    d = rotation.shape[0]
+    if signs.shape[0] == d:
+        return rotation, signs
+    from kvtool.methods.lowrank.hadamard import hadamard_matrix
+    from kvtool.methods.quant.turboquant import kronecker_factors
+
+    m, n = kronecker_factors(d)
+    key = rotation[0].tobytes() + rotation[::n, ::n].tobytes()
+    found = _KRONECKER.get(key)
+    if found is not None:
+        return found
+    found = (rotation, signs)
+    if n >= 8 and m > 1:
+        s = np.sign(rotation[0]).astype(np.float32)
+        if np.all(s != 0):
+            mix = (rotation[::n, ::n] * np.float32(np.sqrt(n)) / s[None, ::n]).astype(np.float32)  # (m, m)
+            if np.allclose(rotation, np.kron(mix, hadamard_matrix(n).numpy()) * s[None, :], atol=1e-5):
+                found = (np.ascontiguousarray(mix), (s / np.sqrt(np.float32(n))).astype(np.float32))
+    _KRONECKER[key] = found
+    return found
 
 
 def _side_arrays(side: dict | None, fmt) -> tuple:

@@ -123,9 +123,28 @@ def walsh_hadamard(x):
 @njit(cache=True, inline="always", fastmath=FAST)
 def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
     """rotated (R, d) <- P q of every query row qs (R, D) taken at channels ``order[offset : offset + d]``: with
-    ``signs`` (d,) (P = H diag(s), d a power of two) by the fast transform, else by the matrix P (d, d)."""
+    ``signs`` (d,) (P = H diag(s), d a power of two) by the fast transform; with ``signs`` (d,) and ``rotation`` the
+    m x m factor M of P = (M kron H_n) diag(s) (``split_rotation: kronecker``) by m fast transforms and M; else by the
+    matrix P (d, d)."""
     d = rotated.shape[1]
     fast = signs.shape[0] == d
+    m = rotation.shape[0]
+    if fast and m != d:  # (M kron H_n) diag(s): m fast transforms of n channels, then M across them
+        n = d // m
+        for r in range(qs.shape[0]):
+            qr = qs[r]
+            out = rotated[r]
+            for c in range(d):
+                gathered[c] = qr[order[offset + c]] * signs[c]
+            for k in range(m):
+                walsh_hadamard(gathered[k * n : (k + 1) * n])
+            out[:] = 0.0
+            for i in range(m):
+                for k in range(m):
+                    a = rotation[i, k]
+                    for j in range(n):
+                        out[i * n + j] += a * gathered[k * n + j]
+        return
     for r in range(qs.shape[0]):
         qr = qs[r]
         out = rotated[r]
@@ -143,12 +162,26 @@ def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
 @njit(cache=True, inline="always", fastmath=FAST)
 def unrotate_into(summed, rotation, signs, order, offset, row, acc):
     """acc (R, D) += P^T summed[r] (an instance's rotated-domain sums (R, d)) at channels ``order[offset : offset + d]``
-    (``row``: (d,) scratch): with ``signs`` diag(s) H y by the fast transform, else by the matrix."""
+    (``row``: (d,) scratch): with ``signs`` diag(s) H y by the fast transform (with ``rotation`` an m x m factor M,
+    ``split_rotation: kronecker``: diag(s) (M^T kron H_n) y), else by the matrix."""
     d = summed.shape[1]
     fast = signs.shape[0] == d
+    m = rotation.shape[0]
     for r in range(summed.shape[0]):
         sr = summed[r]
-        if fast:
+        if fast and m != d:  # diag(s) (M^T kron H_n): M^T across the n-channel groups, then m fast transforms
+            n = d // m
+            row[:] = 0.0
+            for k in range(m):
+                for i in range(m):
+                    a = rotation[i, k]
+                    for j in range(n):
+                        row[k * n + j] += a * sr[i * n + j]
+            for k in range(m):
+                walsh_hadamard(row[k * n : (k + 1) * n])
+            for c in range(d):
+                row[c] *= signs[c]
+        elif fast:
             row[:] = sr
             walsh_hadamard(row)
             for c in range(d):
