@@ -271,7 +271,7 @@ def _signs(rotation: np.ndarray) -> np.ndarray:
     return signs
 
 
-_KRONECKER: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # a rotation's first row -> (M, signs) or (P, none)
+_KRONECKER: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # a rotation's first row and M grid -> (M, signs) or (P, none)
 
 
 def _fast_rotation(rotation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
