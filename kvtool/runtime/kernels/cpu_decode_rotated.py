@@ -121,6 +121,20 @@ def walsh_hadamard(x):
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
+def mix_groups(src, mix, transpose, dst):
+    """dst (m n,) <- (M kron I_n) src, or (M^T kron I_n) src with ``transpose``: the m x m factor M of a
+    ``split_rotation: kronecker`` rotation across the m groups of n channels (src read at its first m n entries)."""
+    m = mix.shape[0]
+    n = dst.shape[0] // m
+    dst[:] = 0.0
+    for i in range(m):
+        for k in range(m):
+            a = mix[k, i] if transpose else mix[i, k]
+            for j in range(n):
+                dst[i * n + j] += a * src[k * n + j]
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
 def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
     """rotated (R, d) <- P q of every query row qs (R, D) taken at channels ``order[offset : offset + d]``: with
     ``signs`` (d,) (P = H diag(s), d a power of two) by the fast transform; with ``signs`` (d,) and ``rotation`` the
@@ -138,12 +152,7 @@ def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
                 gathered[c] = qr[order[offset + c]] * signs[c]
             for k in range(m):
                 walsh_hadamard(gathered[k * n : (k + 1) * n])
-            out[:] = 0.0
-            for i in range(m):
-                for k in range(m):
-                    a = rotation[i, k]
-                    for j in range(n):
-                        out[i * n + j] += a * gathered[k * n + j]
+            mix_groups(gathered, rotation, False, out)
         return
     for r in range(qs.shape[0]):
         qr = qs[r]
@@ -171,12 +180,7 @@ def unrotate_into(summed, rotation, signs, order, offset, row, acc):
         sr = summed[r]
         if fast and m != d:  # diag(s) (M^T kron H_n): M^T across the n-channel groups, then m fast transforms
             n = d // m
-            row[:] = 0.0
-            for k in range(m):
-                for i in range(m):
-                    a = rotation[i, k]
-                    for j in range(n):
-                        row[k * n + j] += a * sr[i * n + j]
+            mix_groups(sr, rotation, True, row)
             for k in range(m):
                 walsh_hadamard(row[k * n : (k + 1) * n])
             for c in range(d):
