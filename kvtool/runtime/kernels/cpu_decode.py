@@ -271,7 +271,7 @@ def _signs(rotation: np.ndarray) -> np.ndarray:
     return signs
 
 
-_KRONECKER: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # a rotation's first row and M grid -> (M, signs) or (P, none)
+_KRONECKER: dict[bytes, tuple[np.ndarray | None, np.ndarray]] = {}  # a rotation's first row and M grid -> (M or None, signs)
 
 
 def _fast_rotation(rotation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -280,27 +280,32 @@ def _fast_rotation(rotation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (M (m, m), s / sqrt(n)), m fast transforms of n and one m x m product per column; else (P, (0,)): the dense
     product. The Kronecker form is recovered from P itself (signs from its first row, with M's first-row signs folded
     in; M from P's entries at multiples of n) and checked against it whole, once: cached by the first row and the
-    entries at multiples of n, which determine the Kronecker form."""
-    signs = _signs(rotation)
+    entries at multiples of n (n = d & -d), which determine either form (the cache keeps the verdict, never P: the
+    matrix returned is the caller's); a step pays one lookup per side."""
     d = rotation.shape[0]
-    if signs.shape[0] == d:
-        return rotation, signs
-    from kvtool.methods.lowrank.hadamard import hadamard_matrix
-    from kvtool.methods.quant.turboquant import kronecker_factors
-
-    m, n = kronecker_factors(d)
+    n = d & -d  # the largest power of two dividing d (d itself for a power of two)
     key = rotation[0].tobytes() + rotation[::n, ::n].tobytes()
     found = _KRONECKER.get(key)
-    if found is not None:
-        return found
-    found = (rotation, signs)
-    if n >= 8 and m > 1:
+    if found is None:
+        found = _KRONECKER[key] = _find_kronecker(rotation, n)
+    mix, signs = found
+    return (rotation if mix is None else mix), signs
+
+
+def _find_kronecker(rotation: np.ndarray, n: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """(M, s / sqrt(n)) when P = (M kron H_n) diag(s), else (None, `_signs(P)`): see `_fast_rotation`."""
+    from kvtool.methods.lowrank.hadamard import hadamard_matrix
+
+    d = rotation.shape[0]
+    m = d // n
+    signs = _signs(rotation)
+    found = (None, signs)
+    if signs.shape[0] != d and n >= 8 and m > 1:
         s = np.sign(rotation[0]).astype(np.float32)
         if np.all(s != 0):
             mix = (rotation[::n, ::n] * np.float32(np.sqrt(n)) / s[None, ::n]).astype(np.float32)  # (m, m)
             if np.allclose(rotation, np.kron(mix, hadamard_matrix(n).numpy()) * s[None, :], atol=1e-5):
                 found = (np.ascontiguousarray(mix), (s / np.sqrt(np.float32(n))).astype(np.float32))
-    _KRONECKER[key] = found
     return found
 
 
