@@ -244,8 +244,9 @@ def dequantize_groups(buf, scale, zero, block, group):
         for gi in range(groups):
             sc = half_to_float(scale[block, t * groups + gi])
             zr = half_to_float(zero[block, t * groups + gi])
-            for c in range(gi * group, (gi + 1) * group):
-                row[c] = row[c] * sc + zr
+            part = row[gi * group:(gi + 1) * group]  # a view from 0: LLVM vectorizes it, not range(base, end) (1.4x
+            for c in range(part.shape[0]):  # on a kivi-4bit block)
+                part[c] = part[c] * sc + zr
 
 
 LOG2E = np.float32(1.4426950408889634)
