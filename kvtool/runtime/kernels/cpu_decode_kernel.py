@@ -8,6 +8,11 @@ How it is written for speed (the compiler vectorizes simple loops over contiguou
 * 16-bit floats are widened in registers where they are read (`half_to_float`: one ``vcvtph2ps`` per 8 values on
   x86 with F16C, a native conversion on ARM, exact bit arithmetic elsewhere), so no float copy of a block is made;
 * exp is a vectorized polynomial (`exp_shifted`), since ``np.exp`` does not vectorize without Intel SVML;
+* only the per-row and per-token helpers (conversions, dot, axpy, exp, RoPE of a row) are inlined at Numba's level
+  (``inline="always"``); the per-block and per-part ones (`load_codes`, `side_vectors`, `dequantize_groups`, the float
+  blocks' passes, `part_softmax`, TurboQuant's `body_scores` / `body_values` ...) are calls, which LLVM may still
+  inline. Inlining those too multiplied the first compile (TurboQuant's kernel 142 s on a 2-core VM, 25 s without; the
+  plain kernel 21 s, 15 s) and ran no faster (1-5% slower at best-of-300 per block);
 * a stream's held tokens are cut into ``parts`` (whole blocks each; flash-decoding): each part is one work item with
   its own softmax maximum, sum and weighted values (`attend_part`), and `combine` merges the parts of every stream
   with this step's own token. `decode_serial` runs the items on one thread (the default: in a model's step torch's
@@ -192,7 +197,7 @@ def unpack_block(codes, block, widths, buf):
         low += w
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def load_codes(codes, block, widths, fp8_mantissa, fp8_bias, buf):
     """buf (BS, D) float32 <- body block ``block``'s codes: fp8 bytes (cap, BS, D) decoded to floats when
     ``fp8_mantissa`` > 0, else bit-sliced integer codes (`unpack_block`)."""
@@ -206,7 +211,7 @@ def load_codes(codes, block, widths, fp8_mantissa, fp8_bias, buf):
         unpack_block(codes, block, widths, buf)
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def side_vectors(mode, scale16, zero16, table_scale, table_zero, has_zero, block, head, scale, zero):
     """Per-channel scale and zero (D,) of a block whose parameters do not vary by token: mode 1 fp16 per block and
     channel; 4 calibrated tables (rows 1 or H_kv, columns 1 or D) read at the stream's KV head; 3 one float32 per
@@ -235,7 +240,7 @@ def side_vectors(mode, scale16, zero16, table_scale, table_zero, has_zero, block
         zero[:] = 0.0
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def dequantize_groups(buf, scale, zero, block, group):
     """buf (BS, D) codes -> values in place: code * scale + zero per token and group of ``group`` channels
     (scale / zero (cap, BS * D / group) float16 bits)."""
@@ -321,7 +326,7 @@ def rotate_row(row, cos, sin, rotary, interleaved):
             row[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def window_hidden(s, first, last, n_body, body_table, float_table, bs, fbs, window):
     """(last - first,) bool: the tokens [first, last) of stream s (body blocks, then float slots) that a sliding
     window hides from this step's query (position <= query position - W); empty when the layer has no window."""
@@ -340,7 +345,7 @@ def window_hidden(s, first, last, n_body, body_table, float_table, bs, fbs, wind
     return hidden
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def open_part(s, part, parts, float_len, body_len, bs, fbs, part_max, part_sum, part_acc):
     """Start work item (s, part): its units [u0, u1) (body blocks of ``bs`` tokens, then float blocks of ``fbs``), its
     token range [first, last), and its weighted values zeroed; an empty part (u0 >= u1) is finished here (m = -inf,
@@ -357,7 +362,7 @@ def open_part(s, part, parts, float_len, body_len, bs, fbs, part_max, part_sum, 
     return u0, u1, first, last
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_ks, float_table, float_kind, bs, scores):
     """scores (R, tokens) <- q . k of the float slots among units [u0, u1) of stream s (keys widened as read;
     ``float_ks`` (cap, FBS, D / G) their scales when the slots are int8 codes)."""
@@ -373,7 +378,7 @@ def float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_ks, floa
                 scores[r, base + t] = dot_half(qs[r], keys[t], key_scales[t if scaled else 0], float_kind)
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum):
     """The part's softmax terms per row, in place over its logits ``scores[:, first:last]`` (soft-capped; a sliding
@@ -405,7 +410,7 @@ def part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fb
         part_sum[s, part, r] = total
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_vs, float_table, float_kind, bs, weights, acc):
     """acc (R, D) += the weighted values (widened as read) of the float slots among units [u0, u1) of stream s."""
     rows, fbs = acc.shape[0], float_v.shape[1]

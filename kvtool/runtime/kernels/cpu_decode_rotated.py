@@ -59,7 +59,7 @@ def block_order(mask, block, order):
             n += 1
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def codebook_tile(codes, block, widths, codebook, index, tile):
     """tile (BS, d) float32 <- the codebook values of block ``block``'s codes (cap, BS * b / 8, d), bit-sliced and
     token-split as `cpu_decode_kernel.unpack_block` reads them; the lower slices' bits gather in ``index`` (BS, d)
@@ -135,7 +135,7 @@ def mix_groups(src, mix, transpose, dst):
                 dst[i * n + j] += a * src[k * n + j]
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
     """rotated (R, d) <- P q of every query row qs (R, D) taken at channels ``order[offset : offset + d]``: with
     ``signs`` (d,) (P = H diag(s), d a power of two) by the fast transform; with ``signs`` (d,) and ``rotation`` the
@@ -169,7 +169,7 @@ def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
                 out[j] = dot(rotation[j], gathered[:d])
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def unrotate_into(summed, rotation, signs, order, offset, row, acc):
     """acc (R, D) += P^T summed[r] (an instance's rotated-domain sums (R, d)) at channels ``order[offset : offset + d]``
     (``row``: (d,) scratch): with ``signs`` diag(s) H y by the fast transform (with ``rotation`` an m x m factor M,
@@ -228,7 +228,7 @@ def token_norm(norm, block, t, hi, step, bs):
     return half_to_float(np.uint16(np.uint16(norm[block, 2 * t]) | (np.uint16(norm[block, 2 * t + 1]) << np.uint16(8))))
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def instance_scores(scores, base, rotated, tile, norm, block):
     """scores[r, base + t] += ||x_t|| (P q_r) . y_t over the block's tokens: one instance's share of the logits."""
     bs = tile.shape[0]
@@ -239,7 +239,7 @@ def instance_scores(scores, base, rotated, tile, norm, block):
             scores[r, base + t] += nt * dot(rotated[r], tile[t])
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def instance_values(weights, base, tile, norm, block, summed):
     """summed (R, d) += sum_t p_t ||x_t|| y_t over the block's tokens: one instance's weighted rows, rotated domain."""
     bs = tile.shape[0]
@@ -252,7 +252,7 @@ def instance_values(weights, base, tile, norm, block, summed):
                 axpy(summed[r], p * nt, tile[t])
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, head):
     """scores[r, j * bs + t] <- the logits of the tokens of body columns [j0, j1) of stream s (TurboQuant keys; ``head``
     the stream's KV head, whose row of a calibrated mask gives every block's channel order)."""
@@ -284,7 +284,7 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, he
         instance_scores(scores, base, rotated_r, tile_r, norm_r, block)
 
 
-@njit(cache=True, inline="always", fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
     """acc (R, D) += the weighted values of body columns [j0, j1) of stream s (TurboQuant values; weights (R, tokens);
     ``head`` as in `body_scores`)."""
