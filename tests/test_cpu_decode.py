@@ -136,6 +136,30 @@ def test_held_numpy_views_go_with_their_tensors():
     assert key not in cpu_decode._VIEWS
 
 
+def test_held_body_sides_are_made_once_remade_for_new_tensors_and_go_with_their_codes():
+    """The kernel's tuple of a body side (views of its pool tensors and tables) is made once per set of tensors and
+    format; a side with any new tensor (a grown pool, another table) or another format gets its own; the entry goes
+    when its codes tensor does (nothing keeps a freed pool's memory)."""
+    import gc
+
+    from kvtool.runtime.kernels import cpu_decode
+
+    args, _ = build_case("uniform-4", 64, 1, "cpu", seed=3)
+    side, fmt = dict(args["body"][0]), args["formats"][0]
+    held = cpu_decode._held_side(side, fmt, False)
+    assert cpu_decode._held_side(dict(side), fmt, False) is held  # a new dict of the same tensors: the same tuple
+    regrown = {name: t.clone() for name, t in side.items()}
+    other = cpu_decode._held_side(regrown, fmt, False)
+    assert other is not held and np.shares_memory(other[0], regrown["codes"].numpy())
+    key = (id(regrown["codes"]), False)
+    assert key in cpu_decode._SIDES
+    regrown["scale"] = regrown["scale"].clone()  # one tensor replaced: made again
+    assert cpu_decode._held_side(regrown, fmt, False) is not other
+    del regrown, other
+    gc.collect()
+    assert key not in cpu_decode._SIDES
+
+
 def _float_only_reference(args: dict, softcap=None, sink_logits=None) -> torch.Tensor:
     """Dense attention over each stream's float tokens and the new token (a store with no body: float recipes)."""
     out = []
@@ -512,6 +536,38 @@ def test_numba_backend_generates_the_torch_backends_tokens_and_store(name):
     eviction the kernel's steps (stores, positions, scores) and the torch path's cuts alternate too."""
     steps = {"float16": 23, "h2o-4bit": 12, "h2o-4bit-prerope": 12, "turboquant-3bit-h2o-block16": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
     _assert_numba_matches_torch(tiny_model("llama", kv_heads=2), RECIPES[name], steps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_take_the_host_array_path_and_a_bfloat16_model_decodes_as_on_torch(dtype, monkeypatch):
+    """Decode steps the kernel runs and stores go through `KvtoolLayer._cpu_kernel_step` (queries and tokens as host
+    arrays, no general-path tensor operations): in nearly every step of every layer, so the lean path cannot silently
+    turn off. A bfloat16 model's queries are widened to float32 on the host and the output cast back: its tokens are
+    the torch backend's."""
+    from kvtool.runtime.layer import KvtoolLayer
+
+    taken = []
+    step = KvtoolLayer._cpu_kernel_step
+
+    def counted(self, *args):
+        out = step(self, *args)
+        taken.append(out is not None)
+        if out is not None:
+            assert out.dtype == dtype and out.shape[1] == 1  # (B, 1, H_q, D) in the model's dtype
+        return out
+
+    monkeypatch.setattr(KvtoolLayer, "_cpu_kernel_step", counted)
+    model = tiny_model("llama", kv_heads=2).to(dtype)
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=70)
+    by_torch, _ = _generate(model, RECIPES["kivi-3bit"], "torch", ids, mask)
+    assert not taken  # the torch backend never asks
+    by_numba, cache = _generate(model, RECIPES["kivi-3bit"], "numba", ids, mask)
+    layers = model.config.num_hidden_layers
+    assert sum(taken) >= 20 * layers and cache.memory_report()["kernel_steps"] >= sum(taken)
+    assert torch.equal(by_torch.sequences, by_numba.sequences)
+    tolerance = 2e-3 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(torch.stack(by_numba.logits).float(), torch.stack(by_torch.logits).float(), rtol=tolerance,
+                               atol=tolerance)
 
 
 def _assert_numba_matches_torch(model, recipe, steps: int) -> None:

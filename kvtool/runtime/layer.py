@@ -276,6 +276,10 @@ class KvtoolLayer(CacheLayerMixin):
         """Attention of the new queries (B, H_q, t, D) over the store and the new tokens; then store. (B, t, H_q, D)."""
         new_k, new_v, seen_before = self._pending
         self._pending = None
+        if query.shape[2] == 1 and self.context.backend == "numba":
+            out = self._cpu_kernel_step(query, new_k, new_v, attention_mask, scaling, kwargs, seen_before)
+            if out is not None:
+                return out
         b, hq, t, d = query.shape
         g, groups, G = self.g, self.groups, hq // self.heads
         s, r = b * groups, G * t
@@ -313,13 +317,8 @@ class KvtoolLayer(CacheLayerMixin):
                 positions[:, 0], scoring,
             )
             out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
-            if writes:  # the kernel stored the token (and its position and score): count it
-                self.store.appended_one()
-                self.lengths = self.lengths + 1
-                if self.index == 0:
-                    self.context.record(positions, torch.ones(b, dtype=torch.int64, device=self.device))
-                if policy is not None and policy.evicts_while_decoding:  # one of the steps no stream can be due in
-                    self._quiet_steps -= 1
+            if writes:  # (only an empty store's step that scores, soft-caps or has sinks: else `_cpu_kernel_step`)
+                self._count_kernel_write(b, positions)
                 return out
         else:
             q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
@@ -352,6 +351,50 @@ class KvtoolLayer(CacheLayerMixin):
             out = out.reshape(b, groups, g, G, t, d).reshape(b, hq, t, d).transpose(1, 2).to(query.dtype)
         self._store_new(nk, nv, real, positions, received, t)
         return out
+
+    def _cpu_kernel_step(self, query, new_k, new_v, attention_mask, scaling: float, kwargs: dict, seen_before: int):
+        """A decode step the CPU kernel both runs and stores (`_kernel_covers` and `_kernel_writes`, every new token
+        real), from the model's tensors to the output on host arrays: the general path's result with about a dozen
+        fewer tensor operations per layer and step (at a few thousand held tokens those cost a third as much as the
+        kernel's own work). None when the step is not such a one: the general path runs it."""
+        if self.g != 1 or self._empty() or not _decoding_real_tokens(attention_mask, self.context.all_real):
+            return None
+        options = LayerOptions(
+            scaling=scaling, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+            sliding_window=kwargs.get("sliding_window") or self.context.sliding_window(self.index),
+        )
+        policy = self.policy
+        scoring = policy is not None and policy.uses_attention and policy.evicts_while_decoding
+        if not (self._kernel_covers(1, scoring, options, None) and self._kernel_writes(None)):
+            return None
+        b, hq, _, d = query.shape
+        s = b * self.groups
+        positions = None  # (B, 1): written with the token, a sliding window's query, layer 0's record
+        if "pos" in self.store.layout.meta or options.sliding_window or (self.index == 0 and self.context.sequence_positions is not None):
+            positions = self.context.positions(b, 1, seen_before, query.device)
+        q = _host_rows(query, s) * np.float32(scaling)  # (S, R, D) float32, already scaled
+        sink_logits = self._sink_logits(options.sinks, b, 1)
+        out = self._kernel_decode(
+            q, _host_rows(new_k, s)[:, 0], _host_rows(new_v, s)[:, 0], options,
+            None if sink_logits is None else sink_logits[:, 0], "exact", True, None if positions is None else positions[:, 0],
+            scoring,
+        )  # (S, R, D) float32: (B, H_q, D), which is (B, 1, H_q, D) for one token
+        out = out.view(b, 1, hq, d)
+        if query.dtype != torch.float32:
+            out = out.to(query.dtype)
+        self._count_kernel_write(b, positions)
+        return out
+
+    def _count_kernel_write(self, b: int, positions: torch.Tensor | None) -> None:
+        """The CPU kernel stored this decode step's token (and its position and score): count it (``positions``
+        (B, 1), which layer 0 records where the context keeps them)."""
+        self.store.appended_one()
+        self.lengths = self.lengths + 1
+        if self.index == 0 and positions is not None:
+            self.context.record(positions, torch.ones(b, dtype=torch.int64, device=self.device))
+        policy = self.policy
+        if policy is not None and policy.evicts_while_decoding:  # one of the steps no stream can be due in
+            self._quiet_steps -= 1
 
     def _observation_window(self, t: int, sliding_window: int | None, real: torch.Tensor | None) -> torch.Tensor | int:
         """Query tokens of this forward of ``t`` whose attention scores the others, per stream (S,) int64, or one int
@@ -526,6 +569,8 @@ class KvtoolLayer(CacheLayerMixin):
 
         float_dtype = self.store.layout.float_dtype
         if float_dtype in BYTE_SLOT_DTYPES:  # the token as its float slot holds it, as the torch path reads it back
+            if isinstance(new_k, np.ndarray):  # host rows (`_cpu_kernel_step`)
+                new_k, new_v = torch.from_numpy(new_k), torch.from_numpy(new_v)
             new_k, new_v = round_trip_float_slots(torch.stack((new_k, new_v)), float_dtype)
         if self._sparse_step(1, options):  # RocketKV's stage 2: the chosen slots only
             from kvtool.runtime.kernels.sparse_decode import sparse_decode_attention
@@ -559,7 +604,7 @@ class KvtoolLayer(CacheLayerMixin):
             if write:  # the next float block of streams whose last one is full (`LayerStore.can_append_one`)
                 store.reserve_one()
                 float_pool = store.float_pool.tensors  # a grown pool has new tensors
-            has_body = store.body_pool is not None and int(store.body_len.max()) > 0
+            has_body = store.body_pool is not None and store.body_pool.used > 0  # (streams with none read no block)
             meta = store.layout.meta if write else ()  # written with the token: its position, its score
             scores = None
             if "score" in meta:
@@ -981,6 +1026,16 @@ class KvtoolLayer(CacheLayerMixin):
     def stream_tensors(self) -> list[torch.Tensor]:
         """Per-stream state a policy keeps between forwards (none for most policies)."""
         return [] if self.stream_state is None else [self.stream_state]
+
+
+def _host_rows(x: torch.Tensor, streams: int) -> np.ndarray:
+    """One token's (B, H, 1, D) CPU tensor as float32 rows per stream (S, H B / S, D) on the host (no copy when it is
+    float32 in (B, H, D) order)."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.requires_grad:
+        x = x.detach()
+    return x.numpy().reshape(streams, -1, x.shape[-1])
 
 
 def _sdpa(query, key, value, mask, scaling) -> torch.Tensor:

@@ -302,9 +302,9 @@ class LayerStore:
     def appended_one(self) -> None:
         """Every stream's next float slot was written in place (a kernel did it; `can_append_one` allowed it)."""
         quiet = self.quiet_appends()
-        self._set("float_len", self.float_len + 1)
-        if quiet > 0:  # still counted down; after a reserved block it is recomputed
-            self._quiet = quiet - 1
+        self.float_len = self.float_len + 1  # a new int64 array, as `_set` makes (every decode step of every layer)
+        self._device.pop("float_len", None)
+        self._quiet = quiet - 1 if quiet > 0 else None  # counted down; after a reserved block it is recomputed
 
     def lengths(self, name: str) -> torch.Tensor:
         """Device copy (S,) int64 of a host length array, cached until it changes."""

@@ -309,6 +309,36 @@ def _find_kronecker(rotation: np.ndarray, n: int) -> tuple[np.ndarray | None, np
     return found
 
 
+_SIDES: dict[tuple[int, bool], tuple] = {}  # (id of a side's codes tensor, rotated) -> (weak refs to its tensors, format, arrays)
+
+
+def _held_side(side: dict, fmt, rotated: bool) -> tuple:
+    """`_rotated_side` or `_side_arrays` of a body side, made once per set of side tensors and format: a layer reads
+    the same pool tensors and calibrated tables for many steps (a grown pool has new ones), and the tuple is a dozen
+    views. Weak references, as in `_held_view`: an entry never keeps a tensor alive, and goes with its codes."""
+    build = _rotated_side if rotated else _side_arrays
+    values = tuple(side.values())
+    if not all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+        return build(side, fmt)
+    key = (id(side["codes"]), rotated)
+    entry = _SIDES.get(key)
+    if entry is not None and entry[1] is fmt and len(entry[0]) == len(values) and all(
+        ref() is v for ref, v in zip(entry[0], values)
+    ):
+        return entry[2]
+    arrays = build(side, fmt)
+    codes_at = list(side).index("codes")
+
+    def forget(ref, key=key, codes_at=codes_at):  # (holds no tensor, nor the side)
+        held = _SIDES.get(key)
+        if held is not None and held[0][codes_at] is ref:
+            _SIDES.pop(key, None)
+
+    refs = tuple(weakref.ref(v, forget) if i == codes_at else weakref.ref(v) for i, v in enumerate(values))
+    _SIDES[key] = (refs, fmt, arrays)
+    return arrays
+
+
 def _side_arrays(side: dict | None, fmt) -> tuple:
     """One body side as the kernel takes it: (codes uint8 (cap, rows, D), fp16 scale / zero bits (cap, n) or
     placeholders, slice widths, scale mode, token group, fp8 mantissa bits and bias (0, 0: integer codes), float32
@@ -376,9 +406,9 @@ def _rope_arrays(rope, blen: np.ndarray, block_size: int) -> tuple:
 
 
 def cpu_decode_attention(
-    q: torch.Tensor,  # (S, R, D) float32, already multiplied by the softmax scale
-    new_k: torch.Tensor,  # (S, D) float32: this step's token, attended to by every row
-    new_v: torch.Tensor,  # (S, D) float32
+    q: torch.Tensor | np.ndarray,  # (S, R, D) float32, already multiplied by the softmax scale (a tensor or host array)
+    new_k: torch.Tensor | np.ndarray,  # (S, D) float32: this step's token, attended to by every row
+    new_v: torch.Tensor | np.ndarray,  # (S, D) float32
     float_k: torch.Tensor,  # (cap, FBS, D) or (cap, FBS, 1, D) float16 / bfloat16 / float8 / int8 float pool (one head
     # per stream)
     float_v: torch.Tensor,
@@ -421,22 +451,21 @@ def cpu_decode_attention(
     s, r, d = q.shape
     if (scores is not None or positions is not None) and not write:
         raise ValueError("scores and positions are written with the new token: pass write=True")
-    q_np = q.contiguous().float().numpy()
+    q_np = _host(q)
     out = np.empty((s, r, d), dtype=np.float32)
     has_body = body is not None and body_table is not None and body_table.shape[1] > 0 and body_len is not None
     ftable = _held_view(float_table) if float_table.shape[1] else np.zeros((s, 1), np.int32)
     rotated = has_body and reads_rotated(formats[0])
     if has_body:
         btable, blen = _held_view(body_table), np.ascontiguousarray(body_len, dtype=np.int64)
-        side_arrays = _rotated_side if rotated else _side_arrays
-        k_side, v_side = side_arrays(body[0], formats[0]), side_arrays(body[1], formats[1])
+        k_side, v_side = _held_side(body[0], formats[0], rotated), _held_side(body[1], formats[1], rotated)
     else:
         btable, blen = np.zeros((s, 1), np.int32), np.zeros(s, np.int64)
         k_side = v_side = _side_arrays(None, None)
     rope_arrays = _rope_arrays(rope, blen, int(block_size)) if rope is not None and has_body else _no_rope()
     heads = _held_view(stream_head) if stream_head is not None else np.zeros(s, np.int64)
     sinks = sink_logits.float().contiguous().numpy() if sink_logits is not None else np.zeros((1, 1), np.float32)
-    new_k_np, new_v_np = new_k.contiguous().float().numpy(), new_v.contiguous().float().numpy()
+    new_k_np, new_v_np = _host(new_k), _host(new_v)
     if float_k.dtype == INT8_SLOTS and float_scales is None:
         raise ValueError("int8 float pools are read with their scales: pass float_scales")
     if not write:
@@ -449,7 +478,7 @@ def cpu_decode_attention(
         codes, scale_bits, _ = int8_slots_on_host(np.stack((new_k_np, new_v_np)), d // float_scales[0].shape[-1])
         new_bits = codes.view(np.uint8)
     else:  # bfloat16; float8 saturating, as the store writes it
-        new_bits = _u16(to_float_slots(torch.stack((new_k, new_v)), float_k.dtype))
+        new_bits = _u16(to_float_slots(torch.from_numpy(np.stack((new_k_np, new_v_np))), float_k.dtype))
     if float_k.dtype == INT8_SLOTS:
         float_ks, float_vs = (_held_view(t, "3d") for t in float_scales)
         if write:  # the token's scales at the slot the kernel writes its codes to
@@ -488,6 +517,13 @@ def cpu_decode_attention(
         else:
             kernels[rotated][0](*args)
     return torch.from_numpy(out)
+
+
+def _host(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A float32 C-ordered host array of a CPU tensor or array (the same object when it already is one)."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x, dtype=np.float32)
+    return x.contiguous().float().numpy()
 
 
 def _window_arrays(window: tuple | None, has_body: bool) -> tuple:
