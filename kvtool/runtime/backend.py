@@ -39,8 +39,9 @@ Resolved once per runtime and reported in every memory report (``backend``):
   frequencies). On a step
   that only appends (no block to encode or allocate, no eviction due) the same call stores the
   token, its position and its score, and adds the attention every held token received to its
-  score, so attention-scored policies (h2o, tova, snapkv, ...) run on it between their cuts; the
-  rest (cuts, flushes, prefill, a sliding-window rule's frees) stays on the torch path. Needs the
+  score, so attention-scored policies (h2o, tova, snapkv, ...) run on it between their cuts (such a
+  step takes the model's query and token as host arrays and returns the output as a view, with none
+  of the general path's tensor operations: `KvtoolLayer._cpu_kernel_step`); the rest (cuts, flushes, prefill, a sliding-window rule's frees) stays on the torch path. Needs the
   ``numba`` package (a dependency of kvtool);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
   decode kernel reads; on CPU ``numba`` when Numba is installed and the CPU kernel reads the
