@@ -136,25 +136,25 @@ def test_held_numpy_views_go_with_their_tensors():
     assert key not in cpu_decode._VIEWS
 
 
-def test_held_body_sides_are_made_once_remade_for_new_tensors_and_go_with_their_codes():
-    """The kernel's tuple of a body side (views of its pool tensors and tables) is made once per set of tensors and
-    format; a side with any new tensor (a grown pool, another table) or another format gets its own; the entry goes
-    when its codes tensor does (nothing keeps a freed pool's memory)."""
+def test_held_turboquant_sides_are_made_once_remade_for_new_tensors_and_go_with_their_codes():
+    """The kernel's tuple of a TurboQuant body side (views of its pool tensors, rotations in their fast form) is made
+    once per set of tensors and format; a side with any new tensor (a grown pool, another rotation) gets its own; the
+    entry goes when its codes tensor does (nothing keeps a freed pool's memory)."""
     import gc
 
     from kvtool.runtime.kernels import cpu_decode
 
-    args, _ = build_case("uniform-4", 64, 1, "cpu", seed=3)
+    args, _ = build_case("turboquant-2.5-3.5", 64, 1, "cpu", seed=3, bs=16)
     side, fmt = dict(args["body"][0]), args["formats"][0]
-    held = cpu_decode._held_side(side, fmt, False)
-    assert cpu_decode._held_side(dict(side), fmt, False) is held  # a new dict of the same tensors: the same tuple
+    held = cpu_decode._held_rotated_side(side, fmt)
+    assert cpu_decode._held_rotated_side(dict(side), fmt) is held  # a new dict of the same tensors: the same tuple
     regrown = {name: t.clone() for name, t in side.items()}
-    other = cpu_decode._held_side(regrown, fmt, False)
-    assert other is not held and np.shares_memory(other[0], regrown["codes"].numpy())
-    key = (id(regrown["codes"]), False)
+    other = cpu_decode._held_rotated_side(regrown, fmt)
+    assert other is not held and np.shares_memory(other[2], regrown["codes"].numpy())
+    key = id(regrown["codes"])
     assert key in cpu_decode._SIDES
-    regrown["scale"] = regrown["scale"].clone()  # one tensor replaced: made again
-    assert cpu_decode._held_side(regrown, fmt, False) is not other
+    regrown["norm"] = regrown["norm"].clone()  # one tensor replaced: made again
+    assert cpu_decode._held_rotated_side(regrown, fmt) is not other
     del regrown, other
     gc.collect()
     assert key not in cpu_decode._SIDES
