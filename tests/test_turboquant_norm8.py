@@ -161,8 +161,8 @@ def test_the_cpu_kernel_compiles_once_per_float_pool_width(sides):
     signature costs seconds on first use (per machine, then cached on disk), so a signature per format multiplied the
     first run's wait (41 signatures across the test suite before, about 10 s each on the 2-core VM)."""
     from kvtool.runtime.kernels.cpu_decode import cpu_decode_attention
-    from kvtool.runtime.kernels.cpu_decode_kernel import combine, decode_serial
-    from kvtool.runtime.kernels.cpu_decode_rotated import decode_rotated_serial
+    from kvtool.runtime.kernels.cpu_decode_kernel import combine, decode_step
+    from kvtool.runtime.kernels.cpu_decode_rotated import decode_rotated_step
     from kvtool.runtime.store import INT8_SLOTS
     from tests.test_cpu_decode import _cpu_args
     from tests.test_kernels import build_case
@@ -171,7 +171,7 @@ def test_the_cpu_kernel_compiles_once_per_float_pool_width(sides):
         for float_dtype in (torch.float16, torch.float8_e4m3fn, INT8_SLOTS):
             args, reference = build_case(side, 64, 4, "cpu", seed=7, fbs=4, float_dtype=float_dtype)
             torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
-    for kernel in (decode_serial, decode_rotated_serial, combine):
+    for kernel in (decode_step, decode_rotated_step, combine):
         assert len(kernel.signatures) <= 2, (kernel, kernel.signatures)
 
 

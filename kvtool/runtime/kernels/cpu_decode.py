@@ -28,11 +28,11 @@ Per stream (one sequence x one KV head): R query rows (its GQA group, already sc
 tokens (body blocks, then the float region's slots, then this step's own token: the order does not change the
 sums); optional soft-capping (Gemma 2) and learned sink logits (gpt-oss). A stream's tokens may be cut into parts
 of whole blocks (flash-decoding: each part's softmax maximum, sum and weighted values, merged per stream), which
-only matters with ``parallel``. Exp is a vectorized polynomial (about 1 ulp); weights under e^-60 of a part's
+only matters when a step is spread over threads. Exp is a vectorized polynomial (about 1 ulp); weights under e^-60 of a part's
 largest are dropped (relative contribution < 1e-26). With ``write`` the call also stores the step's token in each
 stream's next float slot (with its position, and its score when the store keeps scores); with ``scoring`` every
-held slot's score grows by the attention it received (H2O, TOVA, SnapKV, ... between their cuts). Serial unless
-``parallel`` (see `cpu_decode_attention`).
+held slot's score grows by the attention it received (H2O, TOVA, SnapKV, ... between their cuts). One thread, or
+torch's OpenMP threads for a large step (see `cpu_decode_attention`).
 
 The pure-torch reference is the store's torch path; `tests/test_cpu_decode.py` compares the two over formats,
 bits, GQA ratios and ragged lengths (empty and one-token streams included).
@@ -50,6 +50,7 @@ import torch
 
 from kvtool.methods.quant.packing import slice_widths
 from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FLOAT16, INT8_SCALED, NORM_MODES
+from kvtool.runtime.kernels.openmp_team import openmp_team
 from kvtool.runtime.store import INT8_SLOTS, int8_slots_on_host, to_float_slots
 
 FLOAT_KINDS = {  # pool dtypes read
@@ -152,14 +153,19 @@ def _held_view(t: torch.Tensor, kind: str = "") -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def _kernel():
     """The compiled kernel (Numba imported on first use; compiled once, then loaded from the on-disk cache): per body
-    kind (TurboQuant's rotated one or not), the one-thread step and the work items a threaded step spreads."""
-    from kvtool.runtime.kernels.cpu_decode_kernel import attend_items, combine_streams, decode_serial, part_scratch
-    from kvtool.runtime.kernels.cpu_decode_rotated import attend_items_rotated, decode_rotated_serial
+    kind (TurboQuant's rotated one or not), the step (on one thread or torch's OpenMP team) and the work items a step
+    spread over Python threads runs."""
+    from kvtool.runtime.kernels.cpu_decode_kernel import attend_items, combine_streams, decode_step, part_scratch
+    from kvtool.runtime.kernels.cpu_decode_rotated import attend_items_rotated, decode_rotated_step
 
-    return {False: (decode_serial, attend_items), True: (decode_rotated_serial, attend_items_rotated),
+    return {False: (decode_step, attend_items), True: (decode_rotated_step, attend_items_rotated),
             "scratch": part_scratch, "combine": combine_streams}
 
 
+# A step spreads over torch's threads from this much work (held tokens x query rows x head_dim over the streams):
+# SmolLM2-135M at batch 1 reads 0.3M at 512 tokens (3 streams x 512 x 3 x 64), where one thread and two tie, and 0.6M
+# at 1K, where two gain (RESULTS.md, "The CPU kernel on torch's OpenMP threads").
+SPREAD_MIN_WORK = 1 << 19
 _ONE_AT_A_TIME = threading.Lock()  # one step at a time: the threads of a step share the pool below
 _POOL: list = [None, 0]  # a thread pool of a step's helper threads, and its size (made again when torch's count changes)
 
@@ -176,20 +182,32 @@ def _helper_threads(count: int):
     return _POOL[0]
 
 
-def _decode_on_threads(kernels: dict, rotated: bool, threads: int, args: tuple) -> None:
-    """A decode step's (stream, part) items split into ``threads`` contiguous ranges, run at once (the compiled items
-    release the GIL: one range on this thread, the others on helper threads), then every stream's merge here.
-    ``args`` are `decode_serial`'s."""
+def _item_ranges(streams: int, parts: int, threads: int) -> np.ndarray:
+    """(N, 2) int64: a step's (stream, part) items cut into ``threads`` contiguous ranges [first, last), empty ones
+    left out."""
+    total = streams * parts
+    bounds = [total * i // threads for i in range(threads + 1)]
+    return np.array([(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=np.int64).reshape(-1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_team() -> tuple:
+    """`decode_step`'s team arguments of a step on one thread: no addresses, one thread, no ranges (built once)."""
+    return (0, 0, 0), 1, np.zeros((1, 2), np.int64)
+
+
+def _decode_on_python_threads(kernels: dict, rotated: bool, threads: int, args: tuple, scratch: tuple) -> None:
+    """A decode step spread where torch has no OpenMP team (``parallel=True``): its items cut into ``threads`` ranges,
+    run at once on this thread and helper threads (the compiled items release the GIL), then every stream's merge
+    here. ``args`` and ``scratch`` are `decode_step`'s."""
     (q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
      k_side, v_side, rope, window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score,
      body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, out) = args
-    weights, part_max, part_sum, part_acc = kernels["scratch"](q, float_len, body_len, bs, parts)
+    weights, part_max, part_sum, part_acc = scratch
     items = kernels[rotated][1]
     shared = (q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head, k_side,
               v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc)
-    total = q.shape[0] * parts
-    bounds = [total * i // threads for i in range(threads + 1)]
-    ranges = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    ranges = _item_ranges(q.shape[0], parts, threads).tolist()
     helpers = [_helper_threads(threads - 1).submit(items, a, b, *shared) for a, b in ranges[1:]]
     if ranges:
         items(*ranges[0], *shared)
@@ -428,9 +446,8 @@ def cpu_decode_attention(
     rope=None,  # `body_rope.BodyRope`: body keys stored before RoPE, rotated at their true positions in the kernel
     window: tuple | None = None,  # a sliding-window layer: (W, query position per stream (S,), float pool pos
     # (cap, FBS) int32, body pool pos (cap, BS) int32 or None); held tokens at positions <= query - W are not attended
-    parallel: bool = False,  # spread the work over as many threads as torch uses (see below)
-    parts: int | None = None,  # pieces each stream's tokens are cut into (None: 1; with ``parallel``, enough for
-    # every thread)
+    parallel: bool | None = None,  # spread the work over torch's threads: None when it is large enough (see below)
+    parts: int | None = None,  # pieces each stream's tokens are cut into (None: 1; spread, enough for every thread)
     float_scales: tuple | None = None,  # int8 float pools: (key, value) scales (cap, FBS[, 1], D / G) float16
 ) -> torch.Tensor:
     """Attention output (S, R, D) float32 of one decode step over the paged store, on CPU tensors.
@@ -442,11 +459,12 @@ def cpu_decode_attention(
     path's `attend_stored` with `_accumulate` leaves them); without, the new slot's score is 0. ``positions`` (an
     evicting store, with ``write``): the new slot's position.
 
-    Serial by default: inside a model's decode step the parallel call measured slower end to end on a 2-core machine
-    (SmolLM2-135M, kivi-4bit at 2K tokens 1.36x `DynamicCache`'s step time against 1.16x serial; batch 8 at 1K 1.53x
-    against 1.27x): torch's OpenMP threads spin between operations and take the cores back from the kernel's.
-    ``parallel`` is there for machines with cores to spare: the step's items run on Python threads (the compiled
-    items release the GIL), as many as ``torch.get_num_threads()``."""
+    Threads: ``parallel=None`` (the default) spreads the step's work items over ``torch.get_num_threads()`` threads
+    when torch's OpenMP threads can run them (`openmp_team`) and the step reads at least `SPREAD_MIN_WORK` (held
+    tokens x query rows x head_dim, summed over the streams); else it runs on this thread: a smaller step gains
+    nothing from a second thread (SmolLM2-135M at 512 tokens, batch 1: a tie). ``True`` spreads any step (on Python threads
+    where there is no OpenMP team: on a machine whose cores torch keeps busy that is slower than serial), ``False``
+    never does."""
     s, r, d = q.shape
     if (scores is not None or positions is not None) and not write:
         raise ValueError("scores and positions are written with the new token: pass write=True")
@@ -500,22 +518,33 @@ def cpu_decode_attention(
         new_pos = np.repeat(np.asarray(positions[1], dtype=np.int32), s // len(positions[1]))
     window_arrays = _window_arrays(window, has_body)
     kernels = _kernel()
+    lengths = np.ascontiguousarray(float_len, dtype=np.int64)
     with _ONE_AT_A_TIME:
         threads = torch.get_num_threads()  # as many as torch uses (a process that limits torch limits the kernel too)
-        spread = parallel and threads > 1
+        if parallel is None:
+            work = (int(lengths.sum()) + int(blen.sum()) * int(block_size or 1)) * r * d
+            spread = threads > 1 and work >= SPREAD_MIN_WORK and openmp_team() is not None
+        else:
+            spread = parallel and threads > 1
         if parts is None:
             parts = -(-2 * threads // s) if spread and s < 2 * threads else 1  # few streams: split their tokens
         args = (
             q_np, new_k_np, new_v_np, _held_view(float_k, "3d"), _held_view(float_v, "3d"), float_ks, float_vs,
-            ftable, np.ascontiguousarray(float_len, dtype=np.int64), btable, blen, heads, k_side, v_side, rope_arrays,
+            ftable, lengths, btable, blen, heads, k_side, v_side, rope_arrays,
             window_arrays, int(block_size or 1), FLOAT_KINDS[float_k.dtype],
             float(softcap or 0.0), sinks, sink_logits is not None, new_bits, bool(write),
             float_score, body_score, new_score, score_mode, float_pos, new_pos, positions is not None, parts, out,
         )
-        if spread:
-            _decode_on_threads(kernels, rotated, threads, args)
+        scratch = kernels["scratch"](q_np, lengths, blen, int(block_size or 1), parts)  # the items' outputs
+        team = openmp_team() if spread else None
+        if spread and team is None:
+            _decode_on_python_threads(kernels, rotated, threads, args, scratch)
+        elif spread:
+            kernels[rotated][0](*args, *scratch, (team.gomp_parallel, team.thread_num, team.num_threads), threads,
+                                _item_ranges(s, parts, threads))
+            team.runs += 1
         else:
-            kernels[rotated][0](*args)
+            kernels[rotated][0](*args, *scratch, *_no_team())
     return torch.from_numpy(out)
 
 

@@ -15,10 +15,11 @@ How it is written for speed (the compiler vectorizes simple loops over contiguou
   plain kernel 21 s, 15 s) and ran no faster (1-5% slower at best-of-300 per block);
 * a stream's held tokens are cut into ``parts`` (whole blocks each; flash-decoding): each part is one work item with
   its own softmax maximum, sum and weighted values (`attend_part`), and `combine` merges the parts of every stream
-  with this step's own token. `decode_serial` runs the items on one thread (the default: in a model's step torch's
-  spinning OpenMP threads made the parallel call slower end to end on 2 cores); with ``parallel`` `cpu_decode.py`
-  spreads them over Python threads, each running `attend_items` without the GIL (a batch-1 step has few streams, 3 on
-  SmolLM2, so their tokens are split).
+  with this step's own token. `decode_step` runs the items on one thread, or for a large step (`cpu_decode.py`'s
+  ``SPREAD_MIN_WORK``) on torch's own OpenMP threads (`items_on_team_thread`: `team_launch.py` calls
+  ``GOMP_parallel`` from compiled code, no Python on those threads), then `combine_streams` on one (a batch-1
+  step has few streams, 3 on SmolLM2, so their tokens are split). Threads of our own (`attend_items` on Python
+  threads) are left for a torch without OpenMP: beside torch's spinning threads they made the step slower.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FP8_LAYOUTS, INT8_SCALED
+from kvtool.runtime.kernels.borrowed import borrowed
+from kvtool.runtime.kernels.team_launch import team_runner
 
 TINY_LOGIT = np.float32(-60.0)  # relative weights under e^-60 are dropped (subnormal products are ~100x slower)
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized) and fused; no assumption about inf / nan
@@ -616,6 +619,16 @@ def combine_streams(
     part_max, part_sum, part_acc, out,
 ):
     """`combine` for every stream, on this thread."""
+    # the caller owns every array for the whole call: no reference counts (`borrowed`)
+    (
+        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
+        has_sink, new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts,
+        weights, part_max, part_sum, part_acc, out,
+    ) = borrowed((
+        q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
+        has_sink, new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts,
+        weights, part_max, part_sum, part_acc, out,
+    ))
     for s in range(q.shape[0]):
         combine(
             s, q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits,
@@ -624,22 +637,54 @@ def combine_streams(
         )
 
 
-@njit(cache=True, fastmath=FAST)
-def decode_serial(
+def items_on_team_thread(payload, thread, size):
+    """What each thread of an OpenMP team runs (`team_launch`): ``payload`` = (ranges (N, 2) int64 item ranges
+    [first, last), then `attend_part`'s arguments after (stream, part)); thread ``thread`` of ``size`` takes every
+    size-th range from its number."""
+    ranges, parts = payload[0], payload[18]
+    for i in range(thread, ranges.shape[0], size):
+        for item in range(ranges[i, 0], ranges[i, 1]):
+            attend_part(item // parts, item % parts, *payload[1:])
+
+
+_items_on_team = team_runner(items_on_team_thread)
+
+
+@njit(cache=True, nogil=True, fastmath=FAST)
+def decode_step(
     q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
     k_side, v_side, rope,
     window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
-    float_pos, new_pos, write_pos, parts, out,
+    float_pos, new_pos, write_pos, parts, out, weights, part_max, part_sum, part_acc, team, threads, ranges,
 ):
-    """One decode step of a layer on this thread: every (stream, part) item, then every stream's `combine`."""
-    streams = q.shape[0]
-    weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
-    for item in range(streams * parts):
-        attend_part(
-            item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
-            body_len, stream_head,
+    """One decode step of a layer: every (stream, part) item, then every stream's `combine` (the scratch ``weights``
+    ... ``part_acc`` from `part_scratch`). The items run on this thread, or with ``team`` (the addresses of
+    ``GOMP_parallel``, ``omp_get_thread_num`` and ``omp_get_num_threads``, `openmp_team`; zeros: none) on a team of
+    ``threads`` OpenMP threads, this one among them, each taking item ranges of ``ranges`` (N, 2) [first, last)."""
+    # the caller owns every array for the whole call: no reference counts (`borrowed`)
+    (
+        q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len,
+        stream_head, k_side, v_side, rope, window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write,
+        float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, out, weights, part_max,
+        part_sum, part_acc,
+    ) = borrowed((
+        q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len,
+        stream_head, k_side, v_side, rope, window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write,
+        float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, out, weights, part_max,
+        part_sum, part_acc,
+    ))
+    if team[0] != 0:
+        _items_on_team(team[0], team[1], team[2], threads, (
+            ranges, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
-        )
+        ))
+    else:
+        for item in range(q.shape[0] * parts):
+            attend_part(
+                item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
+                body_len, stream_head,
+                k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
+            )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
         new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
@@ -652,9 +697,18 @@ def attend_items(
     first, last, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
     k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
-    """The (stream, part) items [first, last) of a decode step (`attend_part` each), without the GIL: `cpu_decode.py`
-    runs a step's items on several Python threads at once (``parallel``), then `combine_streams` on one. (Numba's
-    ``prange`` did the same, at about a minute of compilation per signature.)"""
+    """The (stream, part) items [first, last) of a decode step (`attend_part` each), without the GIL: each thread of
+    a step spread over Python threads runs a range of them (a torch without OpenMP, ``parallel=True``), then
+    `combine_streams` merges them on one. (Numba's ``prange`` did the same, at about a minute of compilation per
+    signature.)"""
+    # the caller owns every array for the whole call: no reference counts (`borrowed`)
+    (
+        q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head, k_side,
+        v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
+    ) = borrowed((
+        q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head, k_side,
+        v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
+    ))
     for item in range(first, last):
         attend_part(
             item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,

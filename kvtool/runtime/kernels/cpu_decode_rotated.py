@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit
 
 from kvtool.methods.quant.turboquant import NORM_LEVEL_UNITS
+from kvtool.runtime.kernels.borrowed import borrowed
 from kvtool.runtime.kernels.cpu_decode_kernel import (
     FAST,
     axpy,
@@ -39,6 +40,7 @@ from kvtool.runtime.kernels.cpu_decode_kernel import (
     part_scratch,
     part_softmax,
 )
+from kvtool.runtime.kernels.team_launch import team_runner
 
 LN2 = 0.6931471805599453  # 8-bit norms: 2**x = exp(x ln 2)
 
@@ -357,25 +359,52 @@ def attend_part_rotated(
     float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_vs, float_table, float_kind, bs, scores, acc)
 
 
-# The two drivers repeat `cpu_decode_kernel.decode_serial` / `attend_items` with this module's work item: Numba's
-# on-disk cache keeps no function that takes another compiled function as an argument or closes over one (it would be
-# compiled again in every process, about 15 s), so each work item gets its drivers spelled out.
-@njit(cache=True, fastmath=FAST)
-def decode_rotated_serial(
+# The drivers repeat `cpu_decode_kernel.decode_step` / `items_on_team_thread` / `attend_items` with this module's
+# work item: Numba's on-disk cache keeps no function that takes another compiled function as an argument or closes over
+# one (it would be compiled again in every process, about 15 s), so each work item gets its drivers spelled out.
+def rotated_items_on_team_thread(payload, thread, size):
+    """`cpu_decode_kernel.items_on_team_thread` over TurboQuant bodies."""
+    ranges, parts = payload[0], payload[18]
+    for i in range(thread, ranges.shape[0], size):
+        for item in range(ranges[i, 0], ranges[i, 1]):
+            attend_part_rotated(item // parts, item % parts, *payload[1:])
+
+
+_rotated_items_on_team = team_runner(rotated_items_on_team_thread)
+
+
+@njit(cache=True, nogil=True, fastmath=FAST)
+def decode_rotated_step(
     q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
     k_side, v_side, rope,
     window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write, float_score, body_score, new_score, score_mode,
-    float_pos, new_pos, write_pos, parts, out,
+    float_pos, new_pos, write_pos, parts, out, weights, part_max, part_sum, part_acc, team, threads, ranges,
 ):
-    """`cpu_decode_kernel.decode_serial` over TurboQuant bodies."""
-    streams = q.shape[0]
-    weights, part_max, part_sum, part_acc = part_scratch(q, float_len, body_len, bs, parts)
-    for item in range(streams * parts):
-        attend_part_rotated(
-            item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
-            body_len, stream_head,
+    """`cpu_decode_kernel.decode_step` over TurboQuant bodies."""
+    # the caller owns every array for the whole call: no reference counts (`borrowed`)
+    (
+        q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len,
+        stream_head, k_side, v_side, rope, window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write,
+        float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, out, weights, part_max,
+        part_sum, part_acc,
+    ) = borrowed((
+        q, new_k, new_v, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len,
+        stream_head, k_side, v_side, rope, window, bs, float_kind, softcap, sink_logits, has_sink, new_bits, write,
+        float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, out, weights, part_max,
+        part_sum, part_acc,
+    ))
+    if team[0] != 0:
+        _rotated_items_on_team(team[0], team[1], team[2], threads, (
+            ranges, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
-        )
+        ))
+    else:
+        for item in range(q.shape[0] * parts):
+            attend_part_rotated(
+                item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
+                body_len, stream_head,
+                k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
+            )
     combine_streams(
         q, new_k, new_v, float_k, float_v, float_table, float_len, body_table, body_len, bs, softcap, sink_logits, has_sink,
         new_bits, write, float_score, body_score, new_score, score_mode, float_pos, new_pos, write_pos, parts, weights,
@@ -389,6 +418,14 @@ def attend_items_rotated(
     k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
 ):
     """`cpu_decode_kernel.attend_items` over TurboQuant bodies."""
+    # the caller owns every array for the whole call: no reference counts (`borrowed`)
+    (
+        q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head, k_side,
+        v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
+    ) = borrowed((
+        q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head, k_side,
+        v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
+    ))
     for item in range(first, last):
         attend_part_rotated(
             item // parts, item % parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table,
