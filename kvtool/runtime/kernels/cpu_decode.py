@@ -28,8 +28,8 @@ Per stream (one sequence x one KV head): R query rows (its GQA group, already sc
 tokens (body blocks, then the float region's slots, then this step's own token: the order does not change the
 sums); optional soft-capping (Gemma 2) and learned sink logits (gpt-oss). A stream's tokens may be cut into parts
 of whole blocks (flash-decoding: each part's softmax maximum, sum and weighted values, merged per stream), which
-only matters when a step is spread over threads. Exp is a vectorized polynomial (about 1 ulp); weights under e^-60 of a part's
-largest are dropped (relative contribution < 1e-26). With ``write`` the call also stores the step's token in each
+only matters when a step is spread over threads. Exp is a vectorized polynomial (about 1 ulp); weights under e^-60
+of a part's largest are dropped (relative contribution < 1e-26). With ``write`` the call also stores the step's token in each
 stream's next float slot (with its position, and its score when the store keeps scores); with ``scoring`` every
 held slot's score grows by the attention it received (H2O, TOVA, SnapKV, ... between their cuts). One thread, or
 torch's OpenMP threads for a large step (see `cpu_decode_attention`).
@@ -462,9 +462,9 @@ def cpu_decode_attention(
     Threads: ``parallel=None`` (the default) spreads the step's work items over ``torch.get_num_threads()`` threads
     when torch's OpenMP threads can run them (`openmp_team`) and the step reads at least `SPREAD_MIN_WORK` (held
     tokens x query rows x head_dim, summed over the streams); else it runs on this thread: a smaller step gains
-    nothing from a second thread (SmolLM2-135M at 512 tokens, batch 1: a tie). ``True`` spreads any step (on Python threads
-    where there is no OpenMP team: on a machine whose cores torch keeps busy that is slower than serial), ``False``
-    never does."""
+    nothing from a second thread (SmolLM2-135M at 512 tokens, batch 1: a tie). ``True`` spreads any step (on Python
+    threads where there is no OpenMP team: on a machine whose cores torch keeps busy that is slower than serial),
+    ``False`` never does."""
     s, r, d = q.shape
     if (scores is not None or positions is not None) and not write:
         raise ValueError("scores and positions are written with the new token: pass write=True")

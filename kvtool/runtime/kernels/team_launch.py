@@ -2,8 +2,8 @@
 on the team's threads (`openmp_team.py` finds the runtime; `cpu_decode.py` uses it for a threaded decode step).
 
 Why compiled: a Python callback on another thread needs the GIL and a Python thread state there, and on the 2-core
-VM of RESULTS.md that cost about 45 us per run against 3 us for a compiled one, as much as the work a 512-token
-step of SmolLM2-135M could split.
+VM of RESULTS.md that cost 45-64 us per run against 2-5 us for a compiled one: as much as the work a 512-token step
+of SmolLM2-135M could split.
 
 `team_runner(body)` returns an intrinsic ``run(gomp_parallel, thread_num, num_threads, threads, payload)`` for
 compiled callers (``nogil``): it writes ``payload`` (a tuple of arrays and scalars) on the caller's stack, emits
@@ -13,8 +13,9 @@ calling thread runs the worker as thread 0, torch's OpenMP threads the others, a
 The three runtime entry points come in as integer addresses (from ctypes, at run time), so the compiled code is
 cached on disk like the rest of the kernel. ``body`` divides the work by thread number and team size (a team may be
 smaller than asked: one thread inside another parallel region). The payload is borrowed (the caller's frame keeps
-every array alive until the call returns; its arrays are not reference-counted on the team: `borrowed.py`) and ``body`` must not raise: an exception on a team thread has nowhere to
-go (the decode items never raise: no bounds checks, no Python objects).
+every array alive until the call returns; on the team its arrays are not reference-counted: `borrowed.py`), and
+``body`` must not raise: an exception on a team thread has nowhere to go (the decode items never raise: no bounds
+checks, no Python objects).
 """
 
 from __future__ import annotations
