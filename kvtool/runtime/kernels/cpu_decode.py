@@ -521,9 +521,9 @@ def cpu_decode_attention(
     lengths = np.ascontiguousarray(float_len, dtype=np.int64)
     with _ONE_AT_A_TIME:
         threads = torch.get_num_threads()  # as many as torch uses (a process that limits torch limits the kernel too)
-        if parallel is None:
-            work = (int(lengths.sum()) + int(blen.sum()) * int(block_size or 1)) * r * d
-            spread = threads > 1 and work >= SPREAD_MIN_WORK and openmp_team() is not None
+        if parallel is None:  # (the held tokens summed in Python: numpy's sum costs microseconds on a few streams)
+            spread = (threads > 1 and (sum(lengths.tolist()) + sum(blen.tolist()) * int(block_size or 1)) * r * d
+                      >= SPREAD_MIN_WORK and openmp_team() is not None)
         else:
             spread = parallel and threads > 1
         if parts is None:
