@@ -639,12 +639,12 @@ def combine_streams(
 
 def items_on_team_thread(payload, thread, size):
     """What each thread of an OpenMP team runs (`team_launch`): ``payload`` = (ranges (N, 2) int64 item ranges
-    [first, last), then `attend_part`'s arguments after (stream, part)); thread ``thread`` of ``size`` takes every
+    [first, last), the parts per stream, then `attend_part`'s arguments after (stream, part)); thread ``thread`` of ``size`` takes every
     size-th range from its number."""
-    ranges, parts = payload[0], payload[18]
+    ranges, parts = payload[0], payload[1]
     for i in range(thread, ranges.shape[0], size):
         for item in range(ranges[i, 0], ranges[i, 1]):
-            attend_part(item // parts, item % parts, *payload[1:])
+            attend_part(item // parts, item % parts, *payload[2:])
 
 
 _items_on_team = team_runner(items_on_team_thread)
@@ -675,7 +675,7 @@ def decode_step(
     ))
     if team[0] != 0:
         _items_on_team(team[0], team[1], team[2], threads, (
-            ranges, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+            ranges, parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         ))
     else:

@@ -364,10 +364,10 @@ def attend_part_rotated(
 # one (it would be compiled again in every process, about 15 s), so each work item gets its drivers spelled out.
 def rotated_items_on_team_thread(payload, thread, size):
     """`cpu_decode_kernel.items_on_team_thread` over TurboQuant bodies."""
-    ranges, parts = payload[0], payload[18]
+    ranges, parts = payload[0], payload[1]
     for i in range(thread, ranges.shape[0], size):
         for item in range(ranges[i, 0], ranges[i, 1]):
-            attend_part_rotated(item // parts, item % parts, *payload[1:])
+            attend_part_rotated(item // parts, item % parts, *payload[2:])
 
 
 _rotated_items_on_team = team_runner(rotated_items_on_team_thread)
@@ -395,7 +395,7 @@ def decode_rotated_step(
     ))
     if team[0] != 0:
         _rotated_items_on_team(team[0], team[1], team[2], threads, (
-            ranges, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
+            ranges, parts, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
             k_side, v_side, rope, window, bs, float_kind, softcap, parts, weights, part_max, part_sum, part_acc,
         ))
     else:
