@@ -105,6 +105,19 @@ def test_a_forked_process_does_not_use_its_parents_team():
     assert child.exitcode == 0 and queue.get(timeout=5) is True
 
 
+@pytest.mark.skipif(not ON_OPENMP, reason="torch does not run on OpenMP here")
+def test_a_renamed_runtime_is_found_among_the_mapped_libraries(monkeypatch):
+    """Wheels that bundle their OpenMP runtime may rename it (``libgomp-<hash>.so.1``): found by the path mapped into
+    the process when no usual name matches, and it is torch's own copy (the same entry points)."""
+    from kvtool.runtime.kernels import openmp_team
+
+    usual = _team()
+    monkeypatch.setattr(openmp_team, "_TEAM", {})
+    monkeypatch.setattr(openmp_team, "_LIBRARIES", ("libkvtool-no-such-runtime.so",))
+    found = openmp_team.openmp_team()
+    assert found is not None and found.gomp_parallel == usual.gomp_parallel
+
+
 def test_the_team_can_be_turned_off(monkeypatch):
     """``KVTOOL_CPU_TEAM=0``: no team (every step on one thread unless ``parallel=True`` asks for Python threads)."""
     from kvtool.runtime.kernels import openmp_team

@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-_LIBRARIES = ("libgomp.so.1", "libiomp5.so")  # torch's OpenMP runtimes
+_LIBRARIES = ("libgomp.so.1", "libiomp5.so")  # torch's OpenMP runtimes, by the names it links them as
 
 
 @dataclass
@@ -55,7 +55,7 @@ def _find_team() -> OpenMPTeam | None:
 
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
-    for name in _LIBRARIES:
+    for name in (*_LIBRARIES, *_loaded_runtimes(os.path.dirname(torch.__file__))):
         try:  # RTLD_NOLOAD: the runtime torch already loaded, or nothing (never a second copy)
             library = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:
@@ -67,3 +67,14 @@ def _find_team() -> OpenMPTeam | None:
             continue
         return OpenMPTeam(*entry)
     return None
+
+
+def _loaded_runtimes(torch_dir: str) -> list[str]:
+    """Paths of the OpenMP runtimes mapped into this process, torch's own first: wheels that bundle one may rename it
+    (``libgomp-<hash>.so.1``), which the names above do not find."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line and ("libgomp" in line or "libiomp" in line)}
+    except OSError:
+        return []
+    return sorted(paths, key=lambda path: not path.startswith(torch_dir))
