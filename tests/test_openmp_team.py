@@ -119,13 +119,20 @@ def test_a_renamed_runtime_is_found_among_the_mapped_libraries(monkeypatch):
     assert found is not None and found.gomp_parallel == usual.gomp_parallel
 
 
-def test_the_team_can_be_turned_off(monkeypatch):
-    """``KVTOOL_CPU_TEAM=0``: no team (every step on one thread unless ``parallel=True`` asks for Python threads)."""
-    from kvtool.runtime.kernels import openmp_team
+def test_the_team_can_be_turned_off(two_threads, monkeypatch):
+    """``KVTOOL_CPU_TEAM=0``: no team (every step on one thread unless ``parallel=True`` asks for Python threads). The
+    Python threads' path (what a torch without OpenMP runs) gives the dense reference's attention, split into parts."""
+    from kvtool.runtime.kernels import cpu_decode, openmp_team
 
     monkeypatch.setattr(openmp_team, "_TEAM", {})
     monkeypatch.setenv("KVTOOL_CPU_TEAM", "0")
     assert openmp_team.openmp_team() is None
+    on_threads, python_threads = [], cpu_decode._decode_on_python_threads
+    monkeypatch.setattr(cpu_decode, "_decode_on_python_threads", lambda *a: on_threads.append(1) or python_threads(*a))
+    args, reference = build_case("uniform-4", 64, 4, "cpu", seed=13)
+    out = cpu_decode.cpu_decode_attention(**_cpu_args(args), parallel=True, parts=3)
+    assert on_threads == [1]
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not ON_OPENMP, reason="torch does not run on OpenMP here")
