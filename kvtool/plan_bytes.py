@@ -39,7 +39,7 @@ import torch
 
 from kvtool.errors import RecipeError
 from kvtool.recipe import Recipe
-from kvtool.runtime.eviction import SlidingWindowRule, WindowedBudget
+from kvtool.runtime.eviction import SlidingWindowRule, WindowedBudget, layer_policy
 from kvtool.runtime.layer import build_formats, summary_tokens, slot_meta, storage_dtype, token_sum_layout
 from kvtool.runtime.store import LayerStore, StoreLayout
 
@@ -163,10 +163,11 @@ def predict_layer_bytes(runtime, context: int, batch: int, dtype: torch.dtype | 
         layer = recipe.for_layer(index)  # its layer_overrides applied
         window = windows[index] if index < len(windows) else None
         rule = SlidingWindowRule(window, layer.cache.block_size if _quantized(layer) else 0) if window else None
-        store = _empty_store(layer, fitted, geometry, store_dtype, policy or rule, window)
+        evicting, layer_rule = layer_policy(policy, budget_rule, index)  # none where a layer keeps everything
+        store = _empty_store(layer, fitted, geometry, store_dtype, evicting or rule, window)
         per_sequence = geometry.num_kv_heads // store.layout.heads_per_stream  # streams of one sequence
-        if policy is not None:  # budgeted (check_predictable); on a sliding-window layer a share of the window
-            layer_budget = WindowedBudget(budget_rule, window) if rule is not None else budget_rule
+        if evicting is not None:  # budgeted (check_predictable); on a sliding-window layer a share of the window
+            layer_budget = WindowedBudget(layer_rule, window) if rule is not None else layer_rule
             budget = int(layer_budget(index, torch.tensor([context]))[0])
             most = rule.limit + rule.spec.interval - 1 if rule is not None else None
             total = batch * _evicting_sequence_bytes(layer, store, budget, context, per_sequence, most)
@@ -182,7 +183,9 @@ def predict_layer_bytes(runtime, context: int, batch: int, dtype: torch.dtype | 
 def predict_cache_bytes(runtime, context: int, batch: int, dtype: torch.dtype | None = None) -> int:
     """Bytes the runtime's cache holds at ``context`` tokens of ``batch`` unpadded sequences (see `predict_layer_bytes`)."""
     total = sum(predict_layer_bytes(runtime, context, batch, dtype))
-    if runtime.recipe.keys.pre_rope and not runtime.recipe.evicts:  # positions of each sequence's tokens
+    recipe = runtime.recipe
+    if recipe.keys.pre_rope and (not recipe.evicts or recipe.eviction.sliding_budget is not None):  # positions of each
+        # sequence's tokens (layers without a policy read their pre-RoPE keys' positions there)
         total += batch * context * 4 + batch * LENGTH_BYTES
     return total
 

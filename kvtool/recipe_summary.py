@@ -69,6 +69,8 @@ def eviction_summary(recipe: Recipe) -> str:
         return f"fastgen T={spec.threshold:g}, r_l={spec.local_ratio:g}, r_f={spec.frequent_ratio:g} ({source})"
     budget = f"{spec.budget_tokens} tokens" if spec.budget_tokens is not None else f"{spec.budget:.0%}"
     parts = [f"{spec.policy}: keep {budget}", f"{spec.sink_tokens} sink + {spec.window} recent"]
+    if spec.sliding_budget is not None:
+        parts[0] += f" ({spec.sliding_budget:.1%} of the window on sliding-window layers)"
     from kvtool.methods.evict.base import policy_class
 
     if spec.window_share is not None and policy_class(spec.policy).observes_window:

@@ -497,6 +497,15 @@ RECIPES = {
         values=QuantSpec(method="turboquant", bits=3, path="values"),
         cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=16),
         eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8)),
+    "h2o-local-half-4bit": Recipe(  # eviction on the sliding-window layers only (`sliding_budget`)
+        name="h2o4l", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+        eviction=EvictionSpec(policy="h2o", budget=1.0, sliding_budget=0.5, sink_tokens=2, window=8),
+    ),
+    "h2o-local-half-4bit-prerope": Recipe(  # ... keys before RoPE: the global layers (no policy) read the sequences'
+        # recorded positions, the sliding ones their slots' (row 1 left-padded)
+        name="h2o4lp", keys=QuantSpec(bits=4, pre_rope=True, path="keys"), cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+        eviction=EvictionSpec(policy="h2o", budget=1.0, sliding_budget=0.5, sink_tokens=2, window=8),
+    ),
     "h2o-4bit-prerope": Recipe(  # ... and at the positions an evicting store keeps per slot
         name="h2o4p", keys=QuantSpec(bits=4, pre_rope=True, path="keys"), cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
         eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8),
@@ -610,7 +619,9 @@ def test_pre_rope_keys_stay_on_torch_when_the_rope_frequencies_change_with_lengt
 
 SLIDING = [("gemma3_text", "kivi-3bit"), ("gemma3_text", "float16"), ("gemma3_text", "uniform-3bit-prerope"),
            ("gemma2", "kivi-3bit"), ("mistral", "fp8-e4m3"), ("mistral", "streamingllm-4bit"),
-           ("gemma3_text", "turboquant-k3.5-v2.5"), ("gemma3_text", "turboquant-k3.5-v2.5-block16")]
+           ("gemma3_text", "turboquant-k3.5-v2.5"), ("gemma3_text", "turboquant-k3.5-v2.5-block16"),
+           ("gemma3_text", "h2o"), ("gemma3_text", "h2o-4bit"), ("gemma3_text", "turboquant-3bit-h2o-block16"),
+           ("gemma3_text", "h2o-local-half-4bit"), ("gemma3_text", "h2o-local-half-4bit-prerope")]
 
 
 @pytest.mark.parametrize("family,name", SLIDING, ids=[f"{f}-{n}" for f, n in SLIDING])
@@ -618,7 +629,10 @@ def test_numba_backend_reads_sliding_window_layers_as_the_torch_path_does(family
     """Sliding-window layers (window 24 < the 70-token prompt) on the kernel: it hides the held tokens the window does
     not show (the rule frees body blocks whole, so the oldest block is partly hidden; sinks are hidden until freed),
     after soft-capping (Gemma 2). Same tokens, logits and store as the torch path; the kernel ran on the sliding
-    layers too (every layer, at least 16 of 23 decode steps)."""
+    layers too (every layer, at least 16 of 23 decode steps). Evicting recipes (H2O, and H2O on the sliding layers
+    only): between the policy's cuts and the window rule's the kernel stores the token and adds its scores there too
+    (before, a sliding layer with a policy took the torch path at every step: these cases ran the kernel on the
+    global layers only and failed the count)."""
     model = featured_model(family, sliding_window=24, kv_heads=2)
     assert any(CompressedRuntime.from_recipe(model, RECIPES[name]).adapter.geometry.sliding_windows)
     _assert_numba_matches_torch(model, RECIPES[name], 16)

@@ -126,6 +126,19 @@ def test_bad_value_names_field(path, value):
         recipe_from_dict(with_field(path, value))
 
 
+@pytest.mark.parametrize("policy, value, message", [
+    ("h2o", 0.0, "must be a fraction in \\(0, 1\\]"), ("h2o", 1.5, "must be a fraction"),
+    ("cake", 0.5, "sets each layer's budget itself"), ("fastgen", 0.5, "has no budget"), ("none", 0.5, "has no budget"),
+])
+def test_sliding_budget_is_a_fraction_of_a_budgeted_policy(policy, value, message):
+    raw = good()
+    raw["eviction"] = {"policy": policy, "budget": 1.0, "sliding_budget": value}
+    with pytest.raises(RecipeError, match=rf"recipe field 'eviction\.sliding_budget': .*{message}"):
+        recipe_from_dict(raw)
+    raw["eviction"] = {"policy": "streamingllm", "budget": 1.0, "sliding_budget": 0.5}
+    assert recipe_from_dict(raw).eviction.sliding_budget == 0.5
+
+
 def test_block_size_16_only_for_turboquant_codes():
     """16-token blocks take turboquant (byte-read codes) on every quantized side, overrides included; uniform codes
     are read as 32-token words, so the error names the method and the fix."""

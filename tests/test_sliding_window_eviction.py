@@ -116,6 +116,92 @@ def test_a_sliding_layer_keeps_its_share_of_the_window_and_a_global_layer_its_sh
     assert chose_older
 
 
+@pytest.mark.parametrize("quantization", [None, "kivi-4bit"])
+def test_sliding_budget_evicts_on_the_sliding_layers_only(quantization):
+    """`eviction.sliding_budget`: with budget 1.0 and sliding_budget 0.5 the global layers hold every token of a
+    120-token prompt and of the decoded ones, the sliding layers half of their 48-token window (24, + the eviction
+    slack and one body block while decoding), chosen by the policy among the tokens the window shows."""
+    r = recipe("h2o", quantization, budget=1.0)
+    r = dataclasses.replace(r, eviction=dataclasses.replace(r.eviction, sliding_budget=0.5))
+    model = featured_model("gemma3_text", sliding_window=WINDOW)
+    runtime = CompressedRuntime.from_recipe(model, r)
+    windows = runtime.adapter.geometry.sliding_windows
+    assert any(windows) and not all(windows)
+    ids = torch.randint(3, 100, (1, 160), generator=torch.Generator().manual_seed(5))
+    block = 32 if quantization else 0
+    steps = []
+
+    def check(cache, reference):
+        held = [int(layer.store.tokens().max()) for layer in cache.layers]
+        steps.append(held)
+        for layer, h, window in zip(cache.layers, held, windows):
+            if window is None:
+                assert h == int(layer.lengths.max()), (layer.index, h)  # nothing evicted
+            else:
+                assert h <= 24 + 15 + block, (layer.index, h)
+
+    cache = decode(runtime, ids, prefill=120, each_step=check)
+    for layer, window in zip(cache.layers, windows):  # a layer that evicts nothing runs without the policy
+        assert (layer.policy is None and layer.store.layout.meta == ()) == (window is None), layer.index
+    first = steps[0]  # right after the prefill: cut to the budgets exactly
+    assert [h for h, w in zip(first, windows) if w is None] == [120] * windows.count(None)
+    if not quantization:
+        assert all(h == 24 for h, w in zip(first, windows) if w)
+    assert all(int(layer.store.tokens().max()) == 160 for layer, w in zip(cache.layers, windows) if w is None)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_sliding_budget_layers_without_a_policy_rotate_pre_rope_keys_at_the_sequences_positions(backend):
+    """8-bit keys stored before RoPE, every token kept (budget 1.0, sliding_budget 1.0 on a window longer than the
+    text), a batch of two with row 1 left-padded and positions from 40 (explicit ``position_ids``): the global layers
+    run without a policy, so their keys' positions come from the sequences' recorded ones (no per-slot positions).
+    Step by step the logits follow transformers' own cache (measured: 6e-3; with the keys rotated at their slot
+    index instead, 0.11)."""
+    from transformers import DynamicCache
+
+    from kvtool.recipe import CacheSpec, QuantSpec, Recipe
+    from tests.tiny_models import tiny_tokenizer_free_inputs
+
+    model = featured_model("gemma3_text", sliding_window=256)
+    r = Recipe(name="prerope8-local", keys=QuantSpec(bits=8, pre_rope=True, path="keys"),
+               values=QuantSpec(bits=8, axis="token", group_size=16, path="values"),
+               cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+               eviction=dataclasses.replace(recipe("h2o").eviction, budget=1.0, sliding_budget=1.0))
+    runtime = CompressedRuntime.from_recipe(model, r, backend=backend)
+    windows = runtime.adapter.geometry.sliding_windows
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=120, vocab=100)
+    positions = torch.arange(120)[None].expand(2, -1) + 40
+
+    def stepwise(cache, prefill=60):
+        with torch.no_grad():
+            out = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=positions[:, :prefill],
+                         **with_cache(cache)).logits[:, -1]]
+            for i in range(prefill, ids.shape[1]):
+                out.append(model(ids[:, i:i + 1], attention_mask=mask[:, :i + 1], position_ids=positions[:, i:i + 1],
+                                 **with_cache(cache)).logits[:, -1])
+        return torch.stack(out, 1)  # (B, steps, V)
+
+    cache = runtime.new_cache()
+    ours, theirs = stepwise(cache), stepwise(DynamicCache(config=model.config))
+    assert cache.context.sequence_positions is not None
+    assert all((layer.policy is None) == (w is None) for layer, w in zip(cache.layers, windows))
+    assert all(int(layer.store.body_len.min()) >= 2 for layer in cache.layers)  # pre-RoPE body blocks read back
+    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=0)
+
+
+def test_sliding_budget_is_a_share_of_the_window_whatever_the_other_layers_keep():
+    """The rule: sliding layers at their fraction of what they can see (at most the window), the others at
+    ``budget`` or ``budget_tokens``; growth per kind."""
+    rule = BudgetRule(0.25, None, torch.ones(3), frozenset({0, 2}), 0.5)
+    lengths = torch.tensor([10, 48, 200])
+    assert WindowedBudget(rule, 48)(0, lengths).tolist() == [5, 24, 24]
+    assert rule(1, lengths).tolist() == [3, 12, 50]
+    assert rule.growth(0) == 0.5 and rule.growth(1) == 0.25
+    tokens = BudgetRule(0.5, 100, torch.ones(3), frozenset({1}), 0.75)
+    assert WindowedBudget(tokens, 48)(1, lengths).tolist() == [8, 36, 36] and tokens(0, lengths).tolist() == [100] * 3
+    assert BudgetRule(0.5, None, torch.ones(2), frozenset({0}), None)(0, lengths).tolist() == [5, 24, 100]  # unset
+
+
 def test_the_prefill_only_protocol_still_frees_what_the_window_hides():
     """With an interval longer than the generation (the policy never cuts while decoding, as in the peers'
     prefill-only protocol) a sliding layer still drops what left its window, as transformers' cache does."""
@@ -144,12 +230,17 @@ def test_windowed_budget_is_a_share_of_the_window_that_stops_growing():
     assert quiet_steps(5, windowed.growth(0)) == 5  # no growth: exactly the room
 
 
-@pytest.mark.parametrize("policy,quantization", [("h2o", None), ("snapkv", "kivi-4bit")])
-def test_the_plan_bounds_what_sliding_layers_hold(policy, quantization):
+@pytest.mark.parametrize("policy,quantization,sliding_budget", [("h2o", None, None), ("snapkv", "kivi-4bit", None),
+                                                                 ("h2o", "kivi-4bit", 0.5)])
+def test_the_plan_bounds_what_sliding_layers_hold(policy, quantization, sliding_budget):
     """`predict_layer_bytes` on a model with sliding-window layers: never below what any step holds, and within 5%
-    of the largest step at the context where decoding ends (the rule's limit is reached)."""
+    of the largest step at the context where decoding ends (the rule's limit is reached). With ``sliding_budget``
+    (budget 1.0: the global layers evict nothing and hold no per-slot metadata) the global layers too."""
     model = featured_model("gemma3_text", sliding_window=WINDOW)
-    runtime = CompressedRuntime.from_recipe(model, recipe(policy, quantization))
+    evicting = recipe(policy, quantization)
+    if sliding_budget is not None:
+        evicting = dataclasses.replace(evicting, eviction=dataclasses.replace(evicting.eviction, budget=1.0, sliding_budget=sliding_budget))
+    runtime = CompressedRuntime.from_recipe(model, evicting)
     ids = torch.randint(3, 100, (2, 160), generator=torch.Generator().manual_seed(3))
     windows = runtime.adapter.geometry.sliding_windows
     steps = []
@@ -163,6 +254,8 @@ def test_the_plan_bounds_what_sliding_layers_hold(policy, quantization):
         if window:
             most = max(step[index] for step in steps[-32:])
             assert most >= 0.95 * predicted[index] / 1.02, (index, most, predicted[index])
+        elif sliding_budget is not None:  # every token held, no per-slot metadata: the prediction is the bytes held
+            assert abs(steps[-1][index] - predicted[index]) <= 0.002 * predicted[index], (index, steps[-1][index], predicted[index])
 
 
 def test_cake_splits_the_layers_visible_tokens():

@@ -123,7 +123,8 @@ class CompressedRuntime:
             budget=budget,
             special_ids=profile.get("tokens.special"),
             punct_ids=profile.get("tokens.punctuation"),
-            needs_sequence_positions=self.recipe.keys.pre_rope and policy is None,
+            # (pre-RoPE keys of a layer without a policy: also the layers a `sliding_budget` recipe evicts nothing on)
+            needs_sequence_positions=self.recipe.keys.pre_rope and (policy is None or self.recipe.eviction.sliding_budget is not None),
             backend=self.backend,
             shared_formats=self.formats,
         )
@@ -155,7 +156,9 @@ class CompressedRuntime:
             profile = {**profile, "heads.policy": fastgen_head_policies(spec, profile)}
         weights = layer_budgets(spec, geometry.num_layers, profile.get("layers.budget_weight"))
         policy = policy_class(spec.policy)(spec, profile)
-        rule = BudgetRule(spec.budget, spec.budget_tokens, policy.layer_weights(weights))  # PyramidInfer: its own pyramid
+        sliding = frozenset(i for i, window in enumerate(geometry.sliding_windows) if window)  # `sliding_budget`'s layers
+        rule = BudgetRule(spec.budget, spec.budget_tokens, policy.layer_weights(weights), sliding, spec.sliding_budget)
+        # (PyramidInfer: its own pyramid)
         # CAKE: budgets from the preferences it measures
         return policy, policy.budget_rule(rule, geometry.num_layers, tuple(geometry.sliding_windows))
 

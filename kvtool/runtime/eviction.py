@@ -32,11 +32,26 @@ class BudgetRule:
 
     never_shrinks = True
 
-    def __init__(self, ratio: float, tokens: int | None, layer_weights: torch.Tensor) -> None:
+    def __init__(
+        self, ratio: float, tokens: int | None, layer_weights: torch.Tensor, sliding_layers: frozenset[int] = frozenset(),
+        sliding_fraction: float | None = None,
+    ) -> None:
         self.ratio, self.tokens, self.weights = ratio, tokens, layer_weights.double()
         self.fractions = layer_fractions(ratio, self.weights)  # (L,) per-layer fraction kept, mean = ratio
+        # `EvictionSpec.sliding_budget`: these layers keep this fraction of what they can see (the runtime asks them
+        # through `WindowedBudget`, at most their window), whatever ``ratio`` / ``tokens`` give the others
+        self.sliding = frozenset(sliding_layers) if sliding_fraction is not None else frozenset()
+        self.sliding_fraction = sliding_fraction
+
+    def keeps_everything(self, layer: int) -> bool:
+        """``layer`` is one of the others of a ``sliding_budget`` recipe and its budget keeps every token it sees
+        (``budget: 1.0``): it runs without the policy (`layer_policy`)."""
+        return (self.sliding_fraction is not None and layer not in self.sliding and self.tokens is None
+                and float(self.fractions[layer]) >= 1.0)
 
     def __call__(self, layer: int, length: torch.Tensor) -> torch.Tensor:
+        if layer in self.sliding:
+            return ratio_budget(self.sliding_fraction, length)
         if self.tokens is not None:
             return torch.full_like(length, max(1, round(self.tokens * float(self.weights[layer]))))
         return ratio_budget(float(self.fractions[layer]), length)
@@ -44,7 +59,20 @@ class BudgetRule:
     def growth(self, layer: int) -> float:
         """g such that k more tokens of a sequence raise ``layer``'s budget by at least floor(g k): the fraction
         kept (ceil(f (L + k)) >= ceil(f L) + floor(f k)), 0 for a fixed token budget."""
+        if layer in self.sliding:
+            return float(self.sliding_fraction)
         return 0.0 if self.tokens is not None else float(self.fractions[layer])
+
+
+def layer_policy(policy, budget, layer: int):
+    """(policy, budget rule) of ``layer``: (None, None) where a recipe that evicts on its sliding-window layers only
+    (`EvictionSpec.sliding_budget` with ``budget: 1.0``) keeps every token of this one. Such a layer stores no per-slot
+    positions and scores (8 bytes per token and stream) and scores no attention; evicting nothing, it would have
+    kept the same tokens."""
+    keeps = getattr(budget, "keeps_everything", None)
+    if policy is not None and keeps is not None and keeps(layer):
+        return None, None
+    return policy, budget
 
 
 class WindowedBudget:

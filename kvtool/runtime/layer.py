@@ -35,7 +35,7 @@ from kvtool.methods.registry import quantizer_class
 from kvtool.models.attention_hook import claim_next_attention
 from kvtool.recipe import Recipe
 from kvtool.runtime import prefill_attention
-from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, WindowedBudget, choose, quiet_steps
+from kvtool.runtime.eviction import SlidingWindowRule, SlotTable, WindowedBudget, choose, layer_policy, quiet_steps
 from kvtool.runtime.formats import lift_format
 from kvtool.runtime.paged_attention import (
     CHUNK_ELEMENTS, REUSE_ELEMENTS, Chunk, LayerOptions, Received, attend, attend_scored, attend_stored, chunk_tokens,
@@ -193,7 +193,7 @@ class KvtoolLayer(CacheLayerMixin):
         self.key_format, self.value_format, self.g = context.formats(self.index, self.plan, d, h, store_dtype)
         self.__dict__.pop("_kernel_formats_held", None)  # `_kernel_formats` of the formats and device chosen here
         self.heads, self.groups = h, h // self.g
-        policy, self.budget = context.policy, context.budget
+        policy, self.budget = layer_policy(context.policy, context.budget, self.index)  # (None where nothing is evicted)
         window = context.sliding_window(self.index)
         block = recipe.cache.block_size if (recipe.quantizes or recipe.keys.pre_rope) else 0
         if policy is None and window:  # a sliding-window layer frees what no later query can see
@@ -393,8 +393,8 @@ class KvtoolLayer(CacheLayerMixin):
         if self.index == 0 and positions is not None:
             self.context.record(positions, torch.ones(b, dtype=torch.int64, device=self.device))
         policy = self.policy
-        if policy is not None and policy.evicts_while_decoding:  # one of the steps no stream can be due in
-            self._quiet_steps -= 1
+        if policy is not None and (policy.evicts_while_decoding or self.window_rule is not None):
+            self._quiet_steps -= 1  # one of the steps no stream can be due in (`_evict` counts them the same way)
 
     def _observation_window(self, t: int, sliding_window: int | None, real: torch.Tensor | None) -> torch.Tensor | int:
         """Query tokens of this forward of ``t`` whose attention scores the others, per stream (S,) int64, or one int
@@ -434,12 +434,13 @@ class KvtoolLayer(CacheLayerMixin):
 
     def _policy_quiet(self) -> bool:
         """This decode step only appends, as `_evict` decides it: no policy; one that never cuts while decoding (and
-        no sliding-window rule); or a budgeted one within the steps no stream can be due in (`_quiet_steps`)."""
+        no sliding-window rule); or a budgeted one within the steps no stream can be due in (`_quiet_steps`, which on a
+        sliding-window layer also counts the window rule's schedule: `_evict`)."""
         policy = self.policy
         if policy is None:
             return True
         if self.window_rule is not None:
-            return False
+            return policy.budgeted and self._quiet_steps > 0
         return not policy.evicts_while_decoding or (policy.budgeted and self._quiet_steps > 0)
 
     def _cpu_kernel_reads(self) -> bool:
