@@ -54,6 +54,9 @@ FLOORS = {
 }
 # recipes without a budget (the kept fraction follows each prompt) -> (least cases answered, kept fraction range)
 UNBUDGETED_FLOORS = {"fastgen-prompt-t95": (4, 0.6, 0.8)}
+# recipes that evict on sliding-window layers only (`eviction.sliding_budget`, budget 1.0): SmolLM2 has none, so they
+# keep everything here; their floors are on Gemma-3-270M (`tests/test_gemma3_pipeline.py`)
+LOCAL_ONLY = {"h2o-local"}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,15 @@ def test_every_bundled_evicting_recipe_at_half_the_cache_has_a_floor():
 
     recipes = [load_recipe(path.stem) for path in bundled_recipe_dir().glob("*.yaml")]  # top level, not ablations
     evicting = {r.name for r in recipes if r.evicts and not r.eviction.fastgen_offline}  # offline fastgen: needs a profile
-    assert evicting == set(FLOORS) | set(UNBUDGETED_FLOORS)
+    assert evicting == set(FLOORS) | set(UNBUDGETED_FLOORS) | LOCAL_ONLY
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL_ONLY))
+def test_a_local_only_recipe_keeps_everything_on_a_model_without_sliding_layers(passkey, name):
+    recipe = load_recipe(name)
+    assert recipe.eviction.budget == 1.0 and recipe.eviction.sliding_budget is not None
+    result = passkey(recipe)
+    assert result["kept_fraction"] == 1.0 and result["accuracy"] == 1.0, (result["kept_fraction"], by_depth(result))
 
 
 @pytest.mark.parametrize("name", sorted(FLOORS))

@@ -102,11 +102,12 @@ def _uniform(bits: int) -> Recipe:
     # 2026-11-24: 0.445, 0.336, 0.349, 0.537)
     [("uniform-4", 0.06, 0.50), ("uniform-2", 0.80, 0.38), ("kvquant-4", 0.12, 0.40), ("h2o-50", 0.35, 0.60),
      ("uniform-3bit-prerope", 0.12, 0.32),  # measured 2026-11-24: +6.90% (one 56-token window: noisy), 0.286
-     ("turboquant-k3.5-v2.5", 0.12, 0.27)],  # measured 2026-11-28: +2.90%, 0.261 (600 tokens: the open block weighs)
+     ("turboquant-k3.5-v2.5", 0.12, 0.27),  # measured 2026-11-28: +2.90%, 0.261 (600 tokens: the open block weighs)
+     ("h2o-local", 0.05, 0.66)],  # H2O on the 15 sliding layers only (half of each window): measured 2026-11-30 -0.75%, 0.628
 )
 def test_perplexity_floor_per_recipe_family(gemma3, windows, baseline, kvquant4, name, ceiling, max_bytes):
     model, _ = gemma3
-    if name in ("uniform-3bit-prerope", "turboquant-k3.5-v2.5"):  # bundled (the first stores keys before RoPE)
+    if name in ("uniform-3bit-prerope", "turboquant-k3.5-v2.5", "h2o-local"):  # bundled (the first stores keys before RoPE)
         runtime = CompressedRuntime.from_recipe(model, load_recipe(name))
     elif name.startswith("uniform"):
         runtime = CompressedRuntime.from_recipe(model, _uniform(int(name[-1])))
