@@ -129,7 +129,7 @@ def test_sliding_budget_evicts_on_the_sliding_layers_only(quantization):
     assert any(windows) and not all(windows)
     ids = torch.randint(3, 100, (1, 160), generator=torch.Generator().manual_seed(5))
     block = 32 if quantization else 0
-    steps = []
+    steps, chose_older = [], []
 
     def check(cache, reference):
         held = [int(layer.store.tokens().max()) for layer in cache.layers]
@@ -139,6 +139,10 @@ def test_sliding_budget_evicts_on_the_sliding_layers_only(quantization):
                 assert h == int(layer.lengths.max()), (layer.index, h)  # nothing evicted
             else:
                 assert h <= 24 + 15 + block, (layer.index, h)
+                if len(steps) == 1 and not quantization:  # after the prefill: inside the window, not just the newest
+                    _, _, positions, valid = layer.decoded()
+                    assert bool((positions[valid] > 119 - window).all())
+                    chose_older.append(bool((positions[valid] < 120 - 24).any()))
 
     cache = decode(runtime, ids, prefill=120, each_step=check)
     for layer, window in zip(cache.layers, windows):  # a layer that evicts nothing runs without the policy
@@ -146,7 +150,7 @@ def test_sliding_budget_evicts_on_the_sliding_layers_only(quantization):
     first = steps[0]  # right after the prefill: cut to the budgets exactly
     assert [h for h, w in zip(first, windows) if w is None] == [120] * windows.count(None)
     if not quantization:
-        assert all(h == 24 for h, w in zip(first, windows) if w)
+        assert all(h == 24 for h, w in zip(first, windows) if w) and any(chose_older)
     assert all(int(layer.store.tokens().max()) == 160 for layer, w in zip(cache.layers, windows) if w is None)
 
 
