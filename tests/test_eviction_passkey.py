@@ -56,7 +56,7 @@ FLOORS = {
 UNBUDGETED_FLOORS = {"fastgen-prompt-t95": (4, 0.6, 0.8)}
 # recipes that evict on sliding-window layers only (`eviction.sliding_budget`, budget 1.0): SmolLM2 has none, so they
 # keep everything here; their floors are on Gemma-3-270M (`tests/test_gemma3_pipeline.py`)
-LOCAL_ONLY = {"h2o-local"}
+LOCAL_ONLY = {"h2o-local", "turboquant-local"}  # (turboquant-local: over 3.5 / 2.5-bit TurboQuant codes)
 
 
 @pytest.fixture(scope="module")

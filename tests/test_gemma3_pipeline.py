@@ -103,11 +103,12 @@ def _uniform(bits: int) -> Recipe:
     [("uniform-4", 0.06, 0.50), ("uniform-2", 0.80, 0.38), ("kvquant-4", 0.12, 0.40), ("h2o-50", 0.35, 0.60),
      ("uniform-3bit-prerope", 0.12, 0.32),  # measured 2026-11-24: +6.90% (one 56-token window: noisy), 0.286
      ("turboquant-k3.5-v2.5", 0.12, 0.27),  # measured 2026-11-28: +2.90%, 0.261 (600 tokens: the open block weighs)
-     ("h2o-local", 0.05, 0.66)],  # H2O on the 15 sliding layers only (half of each window): measured 2026-11-30 -0.75%, 0.628
+     ("h2o-local", 0.05, 0.66),  # H2O on the 15 sliding layers only (half of each window): measured 2026-11-30 -0.75%, 0.628
+     ("turboquant-local", 0.20, 0.15)],  # n8-int8's codes, the sliding layers at half their window: 2026-12-07 +12.42%, 0.127
 )
 def test_perplexity_floor_per_recipe_family(gemma3, windows, baseline, kvquant4, name, ceiling, max_bytes):
     model, _ = gemma3
-    if name in ("uniform-3bit-prerope", "turboquant-k3.5-v2.5", "h2o-local"):  # bundled (the first stores keys before RoPE)
+    if name in ("uniform-3bit-prerope", "turboquant-k3.5-v2.5", "h2o-local", "turboquant-local"):  # bundled (the first stores keys before RoPE)
         runtime = CompressedRuntime.from_recipe(model, load_recipe(name))
     elif name.startswith("uniform"):
         runtime = CompressedRuntime.from_recipe(model, _uniform(int(name[-1])))
@@ -123,3 +124,42 @@ def test_perplexity_floor_per_recipe_family(gemma3, windows, baseline, kvquant4,
     assert result.ppl != baseline.ppl  # compression is on
     assert result.cache_bytes < max_bytes * result.fp16_cache_bytes, (result.cache_bytes, result.fp16_cache_bytes)
     assert torch.isfinite(torch.tensor(result.ppl))
+
+
+# Pass key on Gemma-3-270M for the recipes that evict on its 15 sliding-window layers only (`eviction.sliding_budget`;
+# SmolLM2, which has none, keeps everything with them: `tests/test_eviction_passkey.py`). Plain text, 768 tokens, the
+# needle at depths 0 and 0.5 (one seed: 2 cases): both beyond the 256 tokens a halved local window holds, inside the
+# full 512 window for the second. The global layers hold the long-range reads, so every case the full cache answers
+# must stay answered (measured 2026-11-30 on the 20-case grid at 1K-2K: 0.95 for the full cache and both recipes, the
+# same miss at 2048). A recipe that evicted on the global layers too would lose the early needle.
+LOCAL_ONLY_PASSKEY_GRID = (768,), (0.0, 0.5), 1
+
+
+@pytest.fixture(scope="module")
+def gemma3_passkey(gemma3):
+    from kvtool.eval.retrieval import evaluate_grid
+    from kvtool.eval.retrieval_request import RetrievalGrid
+    from kvtool.eval.retrieval_tasks import PasskeyTask, text_filler
+
+    model, tokenizer = gemma3
+    task = PasskeyTask(tokenizer, text_filler(tokenizer, DataSpec.parse(str(shared_path(EVAL)))))
+    grid = RetrievalGrid(*LOCAL_ONLY_PASSKEY_GRID)
+
+    def accuracy(recipe: Recipe) -> dict:
+        return evaluate_grid(model, CompressedRuntime.from_recipe(model, recipe), task, grid, pad_id=tokenizer.pad_token_id)
+
+    return accuracy
+
+
+def test_the_full_cache_answers_the_local_only_pass_keys(gemma3_passkey):
+    from kvtool.eval.baselines import sixteen_bit_recipe
+
+    full = gemma3_passkey(sixteen_bit_recipe())
+    assert full["accuracy"] == 1.0, full["grid"]  # the prompt works on this model at this length
+
+
+@pytest.mark.parametrize("name", ["h2o-local", "turboquant-local"])
+def test_local_only_eviction_keeps_the_full_caches_pass_keys(gemma3_passkey, name):
+    result = gemma3_passkey(load_recipe(name))
+    assert result["accuracy"] == 1.0, (name, result["grid"])
+    assert result["cache_bytes"] < 0.75 * result["fp16_cache_bytes"], result  # it evicted (and quantized, for turboquant-local)
