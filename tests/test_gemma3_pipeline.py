@@ -11,7 +11,10 @@ their last 512 tokens).
   profile -> `generate` and `evaluate_perplexity` from the artifact;
 * perplexity-delta floors per recipe family (uniform 4-/2-bit, KVQuant 4-bit, H2O at 50%
   kept): each must stay under its ceiling AND differ from the uncompressed run (compression
-  on), and the bytes held must drop as the recipe promises.
+  on), and the bytes held must drop as the recipe promises;
+* pass keys for the recipes that evict on the sliding-window layers only (`h2o-local`,
+  `turboquant-local`): the needles the full cache answers beyond a halved local window stay
+  answered (the global layers hold them).
 
 The ceilings are regression floors from the first measured run (2-core CPU, this window):
 uniform 4-bit +3.8%, uniform 2-bit +51%, KVQuant 4-bit (calibrated on 2 x 128 tokens only)
