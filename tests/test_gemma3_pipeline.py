@@ -37,6 +37,7 @@ from kvtool.eval.perplexity import perplexity
 from kvtool.recipe import Recipe, load_recipe
 from kvtool.runtime.attach import CompressedRuntime, uncompressed_recipe
 from tests.conftest import shared_path, test_model_path
+from tests.test_eviction_passkey import LOCAL_ONLY
 
 pytestmark = pytest.mark.slow
 CALIB = "data/text/wikitext2_valid.txt[0:0.9]"
@@ -161,7 +162,7 @@ def test_the_full_cache_answers_the_local_only_pass_keys(gemma3_passkey):
     assert full["accuracy"] == 1.0, full["grid"]  # the prompt works on this model at this length
 
 
-@pytest.mark.parametrize("name", ["h2o-local", "turboquant-local"])
+@pytest.mark.parametrize("name", sorted(LOCAL_ONLY))  # every bundled one (`tests/test_eviction_passkey.py` checks the list)
 def test_local_only_eviction_keeps_the_full_caches_pass_keys(gemma3_passkey, name):
     result = gemma3_passkey(load_recipe(name))
     assert result["accuracy"] == 1.0, (name, result["grid"])
