@@ -189,6 +189,49 @@ def _eviction_spec(recipe: str | Path | Recipe | None, **overrides: float | None
     return dataclasses.replace(resolved.eviction, **{k: v for k, v in overrides.items() if v is not None})
 
 
+# --- fit-windows ------------------------------------------------------------------------------
+
+
+def fit_windows(
+    data: str | DataSpec,
+    out: str | Path,
+    model: str | None = None,
+    recipe: str | Path | Recipe | None = None,
+    *,
+    mean_share: float = 0.3,
+    shares: tuple[float, ...] | None = None,
+    samples: int = 2,
+    seq_len: int = 2048,
+    seed: int = 0,
+    name: str | None = None,
+    load: LoadOptions = LoadOptions(),
+    progress: Progress = no_progress,
+) -> tuple[Recipe, "WindowFit"]:
+    """Fit each sliding-window layer's share of its window on calibration text; write the recipe to ``out`` (YAML).
+
+    ``recipe``: the codes to keep (default: none, a 16-bit cache); StreamingLLM on the sliding-window layers is
+    added at the fitted shares (`kvtool.window_fit`). Returns (recipe written, what was measured)."""
+    from kvtool.fileio import atomic_write
+    from kvtool.recipe import dump_recipe
+    from kvtool.window_fit import DEFAULT_SHARES, WindowFit, check_fit_base, fit_window_shares, fitted_recipe  # noqa: F401
+
+    _require_positive(samples=samples, seq_len=seq_len)
+    check_output_path(out)
+    base = recipe if isinstance(recipe, Recipe) else load_recipe(recipe if recipe is not None else "uncompressed")
+    check_fit_base(base)  # before minutes of measuring
+    data = _checked_data(data)
+    hf_model, tokenizer = _load(model, load)
+    adapter = adapter_for(hf_model)
+    check_context(adapter, seq_len)
+    windows = _windows(tokenizer, data, samples, seq_len, seed, "random")
+    fit = fit_window_shares(hf_model, windows, mean_share, tuple(shares or DEFAULT_SHARES), progress)
+    source = model_source(model)
+    fitted = fitted_recipe(base, fit, adapter.geometry.sliding_windows, name=name,
+                           note=f" on {source}, {samples} x {seq_len} tokens of {data.describe()}")
+    atomic_write(out, lambda tmp: Path(tmp).write_text(dump_recipe(fitted)))
+    return fitted, fit
+
+
 # --- calibrate --------------------------------------------------------------------------------
 
 

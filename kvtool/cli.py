@@ -568,6 +568,9 @@ if __name__ != "__main__":  # under `python -m kvtool.cli` the imported module r
     from kvtool.cli_scale import register as _register_scale_commands
 
     _register_scale_commands(app)  # plan, push, pull, card
+    from kvtool.cli_fit import register as _register_fit_commands
+
+    _register_fit_commands(app)  # fit-windows
 
 
 def main() -> None:  # console-script entry point

@@ -746,7 +746,7 @@ class Recipe:
             f"{part}.method {spec.method}"
             for part, spec in (("keys", self.keys), ("values", self.values))
             if spec.learns_from_data and not _fit_ignores_bits(spec)
-        ]
+        ] if any(o.changes_storage for o in self.layer_overrides) else []  # eviction-only entries store nothing else
         _require(not fitted, "layer_overrides",
                  f"per-layer overrides need methods that learn nothing from calibration (uniform, fp8 with granularity "
                  f"block, turboquant, none), but the recipe has {', '.join(fitted)}, fitted per layer for one spec; "
@@ -765,11 +765,15 @@ class Recipe:
                     _require(changed in ([], ["bits"]), f"layer_overrides[{n}].{part}",
                              f"{part} with {fitted} are fitted once for every layer, so an "
                              f"override may change only their bits, not {', '.join(c for c in changed if c != 'bits')}")
+            _require(not override.eviction or self.eviction.sliding_budget is not None, f"layer_overrides[{n}].eviction",
+                     "sets some sliding-window layers' share of their window, but the recipe has no "
+                     "eviction.sliding_budget (the share the other sliding-window layers keep); set it, with a policy that "
+                     "takes it (streamingllm, h2o, snapkv, ...)")
             try:
                 layer = self.for_override(override)
             except RecipeError as exc:
                 raise RecipeError(str(exc).replace("recipe field '", f"recipe field 'layer_overrides[{n}].", 1)) from None
-            for part in ("keys", "values"):
+            for part in ("keys", "values") if override.changes_storage else ():
                 spec = getattr(layer, part)
                 if _fit_ignores_bits(getattr(self, part)):  # its bits alone differ (checked above)
                     continue
@@ -781,7 +785,8 @@ class Recipe:
         """The recipe an override's layers store with (whichever layers it names), no overrides left."""
         keys = dataclasses.replace(self.keys, **override.fields("keys"))
         values = dataclasses.replace(self.values, **override.fields("values"))
-        return dataclasses.replace(self, keys=keys, values=values, layer_overrides=())
+        eviction = dataclasses.replace(self.eviction, **override.fields("eviction"))
+        return dataclasses.replace(self, keys=keys, values=values, eviction=eviction, layer_overrides=())
 
     def for_layer(self, index: int) -> "Recipe":
         """The recipe layer ``index`` stores with: its override applied, no overrides left (``self`` when none)."""

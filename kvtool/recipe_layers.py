@@ -1,11 +1,18 @@
-"""Per-layer overrides of a recipe: some layers store keys or values at another code width or method.
+"""Per-layer overrides of a recipe: some layers store keys or values at another code width or method,
+or keep another share of their window.
 
 A recipe's optional ``layer_overrides`` section lists entries; each names layers and the
-``keys`` / ``values`` fields that differ there (``method``, ``bits``, ``group_size``)::
+``keys`` / ``values`` fields that differ there (``method``, ``bits``, ``group_size``), and/or the
+``eviction.sliding_budget`` of sliding-window layers::
 
     layer_overrides:
       - {layers: "0-3", keys: {bits: 2}, values: {bits: 2}}   # layers 0, 1, 2 and 3
       - {layers: [10, 12], values: {method: none}}            # float values in layers 10 and 12
+      - {layers: [3, 9], eviction: {sliding_budget: 1.0}}     # these sliding layers keep their whole window
+
+An ``eviction`` entry needs a recipe whose ``eviction.sliding_budget`` is set (the share every other
+sliding-window layer keeps) and may name sliding-window layers only (checked against the model when
+a runtime is built): `kvtool fit-windows` writes such entries from each layer's measured cost.
 
 ``layers`` may also name a kind of attention layer, resolved against the model when a runtime
 is built (`resolve_layer_kinds`): ``sliding`` (the layers with a sliding window, e.g. 15 of
@@ -38,7 +45,8 @@ if TYPE_CHECKING:  # recipe.py imports this module
     from kvtool.recipe import Recipe
 
 OVERRIDABLE = ("method", "bits", "group_size")  # QuantSpec fields an override may change
-ENTRY_FIELDS = ("layers", "keys", "values")
+EVICTION_OVERRIDABLE = ("sliding_budget",)  # EvictionSpec fields an override may change
+ENTRY_FIELDS = ("layers", "keys", "values", "eviction")
 
 
 def _fail(path: str, message: str) -> None:
@@ -50,7 +58,7 @@ LAYER_KINDS = ("sliding", "full")  # layers: <kind> -> the sliding-window layers
 
 @dataclass(frozen=True)
 class LayerOverride:
-    """Layers (sorted indices) whose keys / values fields differ: ``(("bits", 2), ...)`` per part.
+    """Layers (sorted indices) whose keys / values / eviction fields differ: ``(("bits", 2), ...)`` per part.
 
     kind: ``sliding`` or ``full`` instead of indices (``layers`` is then empty until
     `resolve_layer_kinds` turns the entry into the model's indices)."""
@@ -59,13 +67,19 @@ class LayerOverride:
     keys: tuple[tuple[str, Any], ...] = ()
     values: tuple[tuple[str, Any], ...] = ()
     kind: str | None = None
+    eviction: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def changes_storage(self) -> bool:
+        """True when the entry changes how keys or values are stored (not only what its layers keep)."""
+        return bool(self.keys or self.values)
 
     def fields(self, part: str) -> dict[str, Any]:
         return dict(getattr(self, part))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layers": self.kind if self.kind is not None else list(self.layers)}
-        for part in ("keys", "values"):
+        for part in ("keys", "values", "eviction"):
             if getattr(self, part):
                 out[part] = self.fields(part)
         return out
@@ -100,7 +114,7 @@ def parse_layers(raw: Any, path: str) -> tuple[int, ...]:
 def parse_overrides(raw: Any) -> tuple[LayerOverride, ...]:
     """The ``layer_overrides`` section (a list of mappings) -> LayerOverrides; no layer in two entries."""
     if not isinstance(raw, list):
-        _fail("layer_overrides", f"expected a list of {{layers, keys, values}} entries, got {type(raw).__name__}")
+        _fail("layer_overrides", f"expected a list of {{layers, keys, values, eviction}} entries, got {type(raw).__name__}")
     out, seen = [], {}
     for n, entry in enumerate(raw):
         path = f"layer_overrides[{n}]"
@@ -119,22 +133,41 @@ def parse_overrides(raw: Any) -> tuple[LayerOverride, ...]:
                 _fail(f"{path}.layers", f"{what} already overridden by layer_overrides[{seen[key]}]")
             seen[key] = n
         parts = {part: _parse_fields(entry.get(part, {}), f"{path}.{part}") for part in ("keys", "values")}
-        if not parts["keys"] and not parts["values"]:
-            _fail(path, "changes nothing: give keys: {...} and/or values: {...}")
+        parts["eviction"] = _parse_fields(entry.get("eviction", {}), f"{path}.eviction", EVICTION_OVERRIDABLE)
+        if parts["eviction"] and kind == "full":
+            _fail(f"{path}.eviction", "sets a share of the window on the full-attention layers, which have none; name "
+                                      "sliding-window layers (or layers: sliding)")
+        if not any(parts.values()):
+            _fail(path, "changes nothing: give keys: {...}, values: {...} and/or eviction: {sliding_budget: ...}")
         out.append(LayerOverride(layers, **parts, kind=kind))
     return tuple(out)
 
 
-def _parse_fields(raw: Any, path: str) -> tuple[tuple[str, Any], ...]:
+def _parse_fields(raw: Any, path: str, allowed: tuple[str, ...] = OVERRIDABLE) -> tuple[tuple[str, Any], ...]:
     if not isinstance(raw, dict):
-        _fail(path, f"expected a mapping of {list(OVERRIDABLE)}, got {type(raw).__name__}")
+        _fail(path, f"expected a mapping of {list(allowed)}, got {type(raw).__name__}")
     for name in raw:
-        if name not in OVERRIDABLE:
-            _fail(f"{path}.{name}", f"cannot be set per layer; an override may set {list(OVERRIDABLE)}")
+        if name not in allowed:
+            _fail(f"{path}.{name}", f"cannot be set per layer; an override may set {list(allowed)}")
     fields = dict(raw)
     if fields.get("method") == "none":
         fields.setdefault("bits", 16)
-    return tuple((name, fields[name]) for name in OVERRIDABLE if name in fields)
+    return tuple((name, fields[name]) for name in allowed if name in fields)
+
+
+def check_sliding_overrides(recipe: "Recipe", sliding_windows: Sequence[int | None]) -> None:
+    """RecipeError when an ``eviction`` entry names a layer without a sliding window (resolved recipe)."""
+    for n, override in enumerate(recipe.layer_overrides):
+        if not override.eviction:
+            continue
+        full = [i for i in override.layers if i < len(sliding_windows) and not sliding_windows[i]]
+        if full:
+            sliding = [i for i, w in enumerate(sliding_windows) if w]
+            raise RecipeError(
+                f"recipe '{recipe.name}': layer_overrides[{n}] sets eviction.sliding_budget on layers {full}, which have "
+                f"no sliding window in this model (its sliding-window layers: {sliding or 'none'}); name sliding-window "
+                "layers only, or set eviction.budget for the others"
+            )
 
 
 def check_layer_count(recipe, num_layers: int) -> None:

@@ -70,7 +70,12 @@ def eviction_summary(recipe: Recipe) -> str:
     budget = f"{spec.budget_tokens} tokens" if spec.budget_tokens is not None else f"{spec.budget:.0%}"
     parts = [f"{spec.policy}: keep {budget}", f"{spec.sink_tokens} sink + {spec.window} recent"]
     if spec.sliding_budget is not None:
-        parts[0] += f" ({spec.sliding_budget:.1%} of the window on sliding-window layers)"
+        parts[0] += f" ({spec.sliding_budget:.1%} of the window on sliding-window layers"
+        for override in recipe.layer_overrides:
+            if override.eviction:
+                where = f"{override.kind} layers" if override.kind is not None else f"layers {list(override.layers)}"
+                parts[0] += f"; {where}: {recipe.for_override(override).eviction.sliding_budget:.1%}"
+        parts[0] += ")"
     from kvtool.methods.evict.base import policy_class
 
     if spec.window_share is not None and policy_class(spec.policy).observes_window:

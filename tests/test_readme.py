@@ -10,7 +10,9 @@
   lines (``cp``, ``python -m ...``) through bash. What is not run, and why: the install and
   the test command (CI runs them), ``kvtool plan`` and the calibration of its output (a plan
   over every bundled recipe takes minutes; tests/test_plan.py runs it on small settings), the
-  quick start's ``kvtool run`` (the README's first command ran the same job just before).
+  quick start's ``kvtool run`` (the README's first command ran the same job just before),
+  ``kvtool fit-windows`` (the stand-in model has no sliding-window layers; tests/test_window_fit.py
+  runs the command on a tiny Gemma 3).
   Stand-ins: ``M`` is the embedded kvref-5m; ``push`` writes to a local folder standing in
   for the hub, which the test then lays out as a download would have (tests/test_hub.py).
 * The Python API block runs verbatim (slow: it calibrates, profiles and generates on the
@@ -112,6 +114,7 @@ NOT_RUN = (  # (start of line, why): see the module docstring
     ("kvtool plan", "minutes over every bundled recipe: tests/test_plan.py"),
     ("kvtool run       --data text.txt --out-dir kvtool-run", "the README's first command ran the same job (the same text, the default out-dir kvtool-run)"),
     ("kvtool calibrate --data text.txt --model M --recipe plan/", "needs the plan's output"),
+    ("kvtool fit-windows", "needs a model with sliding-window layers (M has none): tests/test_window_fit.py runs it on a tiny Gemma 3"),
     ("python -m venv /tmp/vllm-venv", "vLLM's own environment (~1 GB, minutes): tests/test_export_vllm.py checks its comparison"),
     ("/tmp/vllm-venv/bin/", "runs in vLLM's environment (RESULTS.md: 'A real vLLM loads the fp8 export')"),
 )
@@ -154,7 +157,7 @@ def cache_ratios(output: str) -> list[float]:
 def test_bash_lines_cover_every_command_and_the_skips_are_few():
     lines = bash_command_lines()
     skipped = [line for line in lines if any(line.startswith(prefix) for prefix, _ in NOT_RUN)]
-    assert len(lines) >= 25 and len(skipped) <= 9  # pip (2), pytest, plan and its calibration, vLLM's env (3), run again
+    assert len(lines) >= 25 and len(skipped) <= 10  # pip (2), pytest, plan and its calibration, vLLM's env (3), run again, fit-windows
     assert all(any(line.startswith(prefix) for line in skipped) for prefix, _ in NOT_RUN)
     for prefix in [*SHOWS, *WRITES]:  # a check whose line left the README must not pass silently
         assert any(line.startswith(prefix) for line in lines), prefix

@@ -304,3 +304,47 @@ def test_pyramidinfer_over_a_sliding_layer_may_keep_what_that_layer_could_not_se
             _, _, previous, previous_valid = cache.layers[earlier[-1]].decoded()
             assert set(older.tolist()) <= set(previous[previous_valid].tolist())
     assert any(any(windows[i] is None for i in range(index)) for index in over_sliding)  # that case is exercised
+
+
+def test_per_layer_sliding_budgets_from_layer_overrides():
+    """``layer_overrides`` with ``eviction: {sliding_budget: f}``: each named sliding-window layer keeps its own share
+    of the window (the others the recipe's), one given its whole window runs without the policy (the window rule
+    alone, no per-slot metadata), the global layers keep everything; the plan predicts the bytes; the summary names
+    the shares; entries on full-attention layers, or without a recipe-wide ``sliding_budget``, are refused."""
+    from kvtool.errors import RecipeError
+    from kvtool.recipe import dump_recipe, recipe_from_dict
+    from kvtool.recipe_summary import eviction_summary
+
+    model = featured_model("gemma3_text", sliding_window=WINDOW, num_hidden_layers=4,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    raw = recipe("h2o", budget=1.0).to_dict()
+    raw["eviction"]["sliding_budget"] = 0.5
+    raw["layer_overrides"] = [{"layers": [0], "eviction": {"sliding_budget": 0.25}},
+                              {"layers": [2], "eviction": {"sliding_budget": 1.0}}]
+    r = recipe_from_dict(raw)
+    assert recipe_from_dict(__import__("yaml").safe_load(dump_recipe(r))) == r
+    assert "layers [0]: 25.0%; layers [2]: 100.0%" in eviction_summary(r)
+    runtime = CompressedRuntime.from_recipe(model, r)
+    assert runtime.adapter.geometry.sliding_windows[:3] == (WINDOW,) * 3 and not runtime.adapter.geometry.sliding_windows[3]
+    ids = torch.randint(3, 100, (1, 120), generator=torch.Generator().manual_seed(4))
+    cache = runtime.new_cache()
+    with torch.no_grad():
+        model(input_ids=ids, **with_cache(cache), use_cache=True)
+    held = [int(layer.store.tokens().max()) for layer in cache.layers]
+    assert held[0] == 12 and held[1] == 24 and WINDOW - 1 <= held[2] <= WINDOW + 15 and held[3] == 120, held
+    from kvtool.runtime.eviction import SlidingWindowRule
+    assert [type(layer.policy).__name__ for layer in cache.layers][2:] == [SlidingWindowRule.__name__, "NoneType"]
+    assert [layer.store.layout.meta for layer in cache.layers] == [("pos", "score")] * 2 + [("pos",), ()]  # no scores
+    assert predict_layer_bytes(runtime, 120, 1)[0] < predict_layer_bytes(runtime, 120, 1)[1]
+
+    for overrides, match in (
+        ([{"layers": [3], "eviction": {"sliding_budget": 0.25}}], r"layers \[3\], which have no sliding window"),
+        ([{"layers": "full", "eviction": {"sliding_budget": 0.25}}], r"full-attention layers, which have none"),
+        ([{"layers": [0], "eviction": {"sliding_budget": 0.0}}], r"sliding_budget.*fraction"),
+        ([{"layers": [0], "eviction": {"budget": 0.5}}], r"eviction.budget.*cannot be set per layer"),
+    ):
+        with pytest.raises(RecipeError, match=match):
+            CompressedRuntime.from_recipe(model, recipe_from_dict({**raw, "layer_overrides": overrides}))
+    raw["eviction"]["sliding_budget"] = None
+    with pytest.raises(RecipeError, match=r"layer_overrides\[0\]\.eviction.*no eviction.sliding_budget"):
+        recipe_from_dict(raw)

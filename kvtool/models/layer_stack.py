@@ -123,3 +123,20 @@ def head_loss_gradient(
         del logits
         (grad,) = torch.autograd.grad(loss, [leaf])
     return grad
+
+
+@torch.no_grad()
+def head_logits(model, layers: nn.ModuleList, input_ids: torch.Tensor, last_output: torch.Tensor, cache,
+                keep: int | None = None) -> torch.Tensor:
+    """The logits (B, keep or T, V) the model's own head computes from the last decoder layer's ``last_output``.
+
+    keep: the last ``keep`` positions only (``logits_to_keep``, where the model takes it: a large vocabulary's
+    logits over every position are most of a forward's memory); the decoder layers are swapped for a replay."""
+    from kvtool.models.logits_argument import last_logits_only
+
+    count = len(layers)
+    replays = [_Replay(last_output if i == count - 1 else None) for i in range(count)]
+    extra = {"logits_to_keep": keep} if keep is not None and last_logits_only(model) else {}
+    with _swapped(layers, replays):
+        logits = model(input_ids=input_ids, **with_cache(cache), use_cache=True, **extra).logits
+    return logits if keep is None else logits[:, -keep:]

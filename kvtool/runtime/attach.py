@@ -23,7 +23,7 @@ from kvtool.calibration import build_quantizers, needs_fit
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.adapter import ModelAdapter, adapter_for
 from kvtool.recipe import EvictionSpec, Recipe, recipe_from_dict
-from kvtool.recipe_layers import check_layer_count, resolve_layer_kinds
+from kvtool.recipe_layers import check_layer_count, check_sliding_overrides, resolve_layer_kinds
 from kvtool.methods.budget.pyramid import layer_budgets
 from kvtool.methods.evict.base import EvictionPolicy, policy_class
 from kvtool.methods.evict.fastgen import choose_policies
@@ -75,6 +75,7 @@ class CompressedRuntime:
         tensors = layer_tensors or [{} for _ in range(geometry.num_layers)]
         recipe = resolve_layer_kinds(recipe, geometry.sliding_windows)  # layers: sliding / full -> indices
         check_layer_count(recipe, geometry.num_layers)
+        check_sliding_overrides(recipe, geometry.sliding_windows)
         # one recipe per distinct per-layer override (layer_overrides), each checked as the whole recipe would be
         layer_recipes: dict[Recipe, int] = {}  # resolved recipe -> its first layer
         for index in range(geometry.num_layers):
@@ -157,7 +158,8 @@ class CompressedRuntime:
         weights = layer_budgets(spec, geometry.num_layers, profile.get("layers.budget_weight"))
         policy = policy_class(spec.policy)(spec, profile)
         sliding = frozenset(i for i, window in enumerate(geometry.sliding_windows) if window)  # `sliding_budget`'s layers
-        rule = BudgetRule(spec.budget, spec.budget_tokens, policy.layer_weights(weights), sliding, spec.sliding_budget)
+        per_layer = {i: self.recipe.for_layer(i).eviction.sliding_budget for i in sliding}  # layer_overrides' shares
+        rule = BudgetRule(spec.budget, spec.budget_tokens, policy.layer_weights(weights), sliding, spec.sliding_budget, per_layer)
         # (PyramidInfer: its own pyramid)
         # CAKE: budgets from the preferences it measures
         return policy, policy.budget_rule(rule, geometry.num_layers, tuple(geometry.sliding_windows))

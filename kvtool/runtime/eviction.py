@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -34,24 +35,31 @@ class BudgetRule:
 
     def __init__(
         self, ratio: float, tokens: int | None, layer_weights: torch.Tensor, sliding_layers: frozenset[int] = frozenset(),
-        sliding_fraction: float | None = None,
+        sliding_fraction: float | None = None, layer_sliding_fractions: Mapping[int, float] | None = None,
     ) -> None:
         self.ratio, self.tokens, self.weights = ratio, tokens, layer_weights.double()
         self.fractions = layer_fractions(ratio, self.weights)  # (L,) per-layer fraction kept, mean = ratio
         # `EvictionSpec.sliding_budget`: these layers keep this fraction of what they can see (the runtime asks them
-        # through `WindowedBudget`, at most their window), whatever ``ratio`` / ``tokens`` give the others
+        # through `WindowedBudget`, at most their window), whatever ``ratio`` / ``tokens`` give the others;
+        # ``layer_sliding_fractions``: some of them another fraction (``layer_overrides`` with eviction.sliding_budget)
         self.sliding = frozenset(sliding_layers) if sliding_fraction is not None else frozenset()
         self.sliding_fraction = sliding_fraction
+        self.sliding_fractions = {layer: float((layer_sliding_fractions or {}).get(layer, sliding_fraction))
+                                  for layer in self.sliding}
 
     def keeps_everything(self, layer: int) -> bool:
-        """``layer`` is one of the others of a ``sliding_budget`` recipe and its budget keeps every token it sees
-        (``budget: 1.0``): it runs without the policy (`layer_policy`)."""
-        return (self.sliding_fraction is not None and layer not in self.sliding and self.tokens is None
-                and float(self.fractions[layer]) >= 1.0)
+        """``layer`` runs without the policy (`layer_policy`): one of the others of a ``sliding_budget`` recipe whose
+        budget keeps every token it sees (``budget: 1.0``), or a sliding-window layer given its whole window (a
+        per-layer override or ``sliding_budget: 1.0`` (the window rule alone then keeps what the policy would)."""
+        if self.sliding_fraction is None:
+            return False
+        if layer in self.sliding:
+            return self.sliding_fractions[layer] >= 1.0
+        return self.tokens is None and float(self.fractions[layer]) >= 1.0
 
     def __call__(self, layer: int, length: torch.Tensor) -> torch.Tensor:
         if layer in self.sliding:
-            return ratio_budget(self.sliding_fraction, length)
+            return ratio_budget(self.sliding_fractions[layer], length)
         if self.tokens is not None:
             return torch.full_like(length, max(1, round(self.tokens * float(self.weights[layer]))))
         return ratio_budget(float(self.fractions[layer]), length)
@@ -60,7 +68,7 @@ class BudgetRule:
         """g such that k more tokens of a sequence raise ``layer``'s budget by at least floor(g k): the fraction
         kept (ceil(f (L + k)) >= ceil(f L) + floor(f k)), 0 for a fixed token budget."""
         if layer in self.sliding:
-            return float(self.sliding_fraction)
+            return self.sliding_fractions[layer]
         return 0.0 if self.tokens is not None else float(self.fractions[layer])
 
 
