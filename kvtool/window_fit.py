@@ -2,8 +2,9 @@
 
 Gemma 2/3, windowed Mistral and GPT-OSS layers with a sliding window attend to their newest W tokens only.
 Keeping fewer (``eviction.sliding_budget``: StreamingLLM keeps the newest share of the window) costs some layers
-more than others: on Gemma-3-270M one of the 15 local layers loses two to five times what the others do at a
-quarter of its window (benchmarks/RESULTS.md, "Per-layer shares of the sliding windows"). The fit:
+more than others: on Gemma-3-270M, cut alone to a quarter of its window, one of the 15 local layers moves the
+next-token distributions 1.5 to 7.6 times as far (KL) as each of the others (benchmarks/RESULTS.md, "Per-layer
+shares of the sliding windows"). The fit:
 
 1. **measure** (teacher forcing, float cache, on calibration windows; the mean KL divergence of the next-token
    distributions from the uncompressed model's over each window's second half): every sliding-window layer at
