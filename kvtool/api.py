@@ -200,8 +200,8 @@ def fit_windows(
     *,
     mean_share: float = 0.3,
     shares: tuple[float, ...] | None = None,
-    samples: int = 2,
-    seq_len: int = 2048,
+    samples: int = 3,
+    seq_len: int | None = None,
     seed: int = 0,
     name: str | None = None,
     load: LoadOptions = LoadOptions(),
@@ -209,8 +209,9 @@ def fit_windows(
 ) -> tuple[Recipe, "WindowFit"]:
     """Fit each sliding-window layer's share of its window on calibration text; write the recipe to ``out`` (YAML).
 
-    ``recipe``: the codes to keep (default: none, a 16-bit cache); StreamingLLM on the sliding-window layers is
-    added at the fitted shares (`kvtool.window_fit`). Returns (recipe written, what was measured)."""
+    ``recipe``: the codes to keep (default: uncompressed); StreamingLLM on the sliding-window layers is added at the
+    fitted shares (`kvtool.window_fit`). seq_len: tokens per window (default: twice the model's largest sliding
+    window, so every scored token has a full window behind it). Returns (recipe written, what was measured)."""
     from kvtool.fileio import atomic_write
     from kvtool.recipe import dump_recipe
     from kvtool.window_fit import DEFAULT_SHARES, WindowFit, check_fit_base, fit_window_shares, fitted_recipe  # noqa: F401
@@ -222,12 +223,13 @@ def fit_windows(
     data = _checked_data(data)
     hf_model, tokenizer = _load(model, load)
     adapter = adapter_for(hf_model)
+    if seq_len is None:
+        seq_len = 2 * max((w for w in adapter.geometry.sliding_windows if w), default=1)
     check_context(adapter, seq_len)
     windows = _windows(tokenizer, data, samples, seq_len, seed, "random")
     fit = fit_window_shares(hf_model, windows, mean_share, tuple(shares or DEFAULT_SHARES), progress)
-    source = model_source(model)
     fitted = fitted_recipe(base, fit, adapter.geometry.sliding_windows, name=name,
-                           note=f" on {source}, {samples} x {seq_len} tokens of {data.describe()}")
+                           note=f" on {model_source(model)}, {samples} x {seq_len} tokens of {data.label()}")
     atomic_write(out, lambda tmp: Path(tmp).write_text(dump_recipe(fitted)))
     return fitted, fit
 

@@ -235,11 +235,11 @@ def fit_window_shares(
             "the model has no sliding-window layers: there is no window to share out (use eviction.budget to evict on "
             "every layer)"
         )
-    seq_len = windows_ids.shape[1]
-    if seq_len // 2 <= min(w for _, w in sliding) * options[0]:
+    seq_len, widest = windows_ids.shape[1], max(w for _, w in sliding)
+    if seq_len < 2 * widest:
         raise RuntimeConfigError(
-            f"windows of {seq_len} tokens score positions {seq_len // 2}.. only, which never reach past the smallest cut "
-            f"({options[0]:g} x a {min(w for _, w in sliding)}-token window): use --seq-len of at least twice the window"
+            f"windows of {seq_len} tokens score positions {seq_len // 2}.. only, before a {widest}-token window is full: "
+            f"use --seq-len of at least {2 * widest} (twice the largest sliding window)"
         )
     install(model)  # kvtool attention: the handler sees every attention call
     layers = adapter.layers
