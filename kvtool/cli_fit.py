@@ -68,7 +68,9 @@ def fit_windows(
         f"{report['baseline_ppl']:.3f}): fitted shares {report['fitted_ppl_delta_pct']:+.2f}% perplexity, KL "
         f"{1e3 * report['fitted_kl']:.1f}e-3; {fit.mean_share:g} on every layer {report['uniform_ppl_delta_pct']:+.2f}%, KL "
         f"{1e3 * report['uniform_kl']:.1f}e-3 -> the recipe keeps the "
-        + ("fitted shares" if fit.fitted_wins else f"one share {fit.mean_share:g} (the fitted ones did not measure better)")
+        + ("fitted shares" if fit.fitted_wins else f"one share {fit.mean_share:g} ("
+           + ("no other allocation of the candidate shares costs less" if set(fit.fitted) == {fit.mean_share}
+              else "the fitted ones did not measure better") + ")")
         + f" ({report['held_share']:.1%} of the windows' tokens)"
     )
     _write_json(json_out, {**report, "recipe": written.to_dict()})
