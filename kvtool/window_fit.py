@@ -185,7 +185,7 @@ def allocate(costs: torch.Tensor, windows: list[int], options: list[float], budg
     KL by 0.03-0.04), and forcing costs to fall with the share hid that. Exact: a knapsack over kept tokens, one
     table row per layer.
     """
-    monotone = costs.double()  # (L, O)
+    table = costs.double()  # (L, O)
     smallest = sum(_kept(options[0], w) for w in windows)
     if smallest > budget:
         raise RuntimeConfigError(
@@ -203,7 +203,7 @@ def allocate(costs: torch.Tensor, windows: list[int], options: list[float], budg
             if kept > budget:
                 continue
             cand = torch.full_like(best, inf)
-            cand[kept:] = best[: budget + 1 - kept] + float(monotone[l, o])
+            cand[kept:] = best[: budget + 1 - kept] + float(table[l, o])
             better = cand < nxt
             nxt = torch.where(better, cand, nxt)
             choice[l] = torch.where(better, torch.full_like(choice[l], o), choice[l])
