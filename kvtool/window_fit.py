@@ -44,6 +44,7 @@ from kvtool.capture import Progress, no_progress
 from kvtool.errors import RecipeError, RuntimeConfigError
 from kvtool.models.adapter import adapter_for
 from kvtool.models.attention_hook import attention_handler, eager_attention, install, sdpa_reference
+from kvtool.methods.evict.base import ratio_budget
 from kvtool.models.layer_stack import head_logits, record_layer_calls, run_layer
 from kvtool.recipe import EvictionSpec, Recipe
 from kvtool.recipe_layers import LayerOverride, resolve_layer_kinds
@@ -103,8 +104,8 @@ class WindowFit:
 
 
 def _kept(share: float, window: int) -> int:
-    """Tokens a share of a window keeps (the runtime's ratio budget: ceil, at least 1)."""
-    return max(1, math.ceil(share * window - 1e-9))
+    """Tokens a share of a window keeps: the runtime's own budget rule (`ratio_budget`)."""
+    return int(ratio_budget(share, torch.tensor([window]))[0])
 
 
 def band_handler(widths: dict[int, int]) -> Callable:
@@ -149,9 +150,8 @@ class _Stack:
             for layer, kwargs in zip(layers, self.kwargs):
                 self.inputs.append(hidden)
                 hidden = run_layer(layer, hidden, kwargs, None)
-        self.reference = None
-        self.baseline, _ = self.run_from(len(layers), hidden)
-        self.reference = self._log_probs(hidden)  # (T - first, V)
+            self.reference = self._log_probs(hidden)  # (T - first, V), the model's head run once
+            self.baseline = float(F.nll_loss(self.reference, ids[0, self.first:], reduction="mean"))
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = head_logits(self.model, self.layers, self.ids, hidden, None, keep=self.ids.shape[1] - self.first + 1)
@@ -165,8 +165,6 @@ class _Stack:
                 hidden = run_layer(self.layers[index], hidden, self.kwargs[index], None)
             log_probs = self._log_probs(hidden)
             nll = float(F.nll_loss(log_probs, self.ids[0, self.first:], reduction="mean"))
-            if self.reference is None:
-                return nll, 0.0
             kl = F.kl_div(log_probs, self.reference, log_target=True, reduction="sum") / log_probs.shape[0]
             return nll, float(kl)
 
