@@ -338,6 +338,42 @@ def test_kronecker_split_rotations_run_as_fast_transforms_and_a_small_matrix(dim
     assert _fast_rotation(bent)[1].shape == (0,)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_dense_rotation_reads_four_query_rows_per_pass_and_equals_the_matrix(rows):
+    """A Haar-random instance rotation (no fast form) runs four query rows per pass over P (and P^T for the value
+    sums), with the rows past a multiple of four on their own: both equal the matrix product for 1, 3, 4 and 6 rows."""
+    from kvtool.runtime.kernels.cpu_decode_rotated import rotate_rows, unrotate_into
+
+    dim, offset = 192, 64
+    rng = np.random.default_rng(rows)
+    p = np.linalg.qr(rng.standard_normal((dim, dim)))[0].astype(np.float32)
+    queries = rng.standard_normal((rows, dim + offset)).astype(np.float32)
+    order = rng.permutation(dim + offset).astype(np.int64)
+    no_signs = np.empty(0, np.float32)
+    rotated = np.empty((rows, dim), np.float32)
+    rotate_rows(queries, order, offset, p, no_signs, np.empty(rows * (dim + offset), np.float32), rotated)
+    np.testing.assert_allclose(rotated, queries[:, order[offset:]] @ p.T, rtol=1e-4, atol=1e-4)
+    sums = rng.standard_normal((rows, dim)).astype(np.float32)
+    acc = np.ones((rows, dim + offset), np.float32)
+    unrotate_into(sums, p, no_signs, order, offset, np.empty(rows * (dim + offset), np.float32), acc)
+    expected = np.ones_like(acc)
+    expected[:, order[offset:]] += sums @ p
+    np.testing.assert_allclose(acc, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("levels", [2, 4, 8, 16, 32])
+def test_codebook_lookup_by_selects_equals_indexing(levels):
+    """`lookup_row` (select chains up to 16 levels, indexing above) gives exactly ``codebook[code]`` for every code."""
+    from kvtool.runtime.kernels.cpu_decode_rotated import lookup_row
+
+    rng = np.random.default_rng(levels)
+    codebook = np.sort(rng.standard_normal(levels)).astype(np.float32)
+    codes = rng.integers(0, levels, size=203)  # not a multiple of a vector's width
+    row = codes.astype(np.float32)
+    lookup_row(row, codebook)
+    np.testing.assert_array_equal(row, codebook[codes])
+
+
 def test_kronecker_split_rotation_needs_a_wide_power_of_two_factor():
     from kvtool.errors import RecipeError
     from kvtool.methods.quant.turboquant import TurboQuantizer

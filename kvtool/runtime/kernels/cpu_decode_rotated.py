@@ -39,6 +39,7 @@ from kvtool.runtime.kernels.cpu_decode_kernel import (
     open_part,
     part_scratch,
     part_softmax,
+    unpack_block,
 )
 from kvtool.runtime.kernels.team_launch import team_runner
 
@@ -61,43 +62,71 @@ def block_order(mask, block, order):
             n += 1
 
 
+@njit(cache=True, inline="always", fastmath=FAST)
+def lookup_row(row, codebook):
+    """row (d,) float codes 0 .. L - 1 -> their codebook values in place. Up to 16 levels as a chain of selects on
+    the code (comparisons against c + 1/2), which vectorizes; Numba does not vectorize ``codebook[code]`` (a gather),
+    about twice as slow here. Larger codebooks (5-bit outlier codes) by the lookup."""
+    levels = codebook.shape[0]
+    if levels > 16:
+        for c in range(row.shape[0]):
+            row[c] = codebook[np.int32(row[c])]
+        return
+    b = np.empty(16, dtype=np.float32)
+    for i in range(16):
+        b[i] = codebook[min(i, levels - 1)]
+    b0, b1, b2, b3, b4, b5, b6, b7 = b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]
+    if levels <= 4:
+        for c in range(row.shape[0]):
+            f = row[c]
+            v = b0
+            v = b1 if f >= 0.5 else v
+            v = b2 if f >= 1.5 else v
+            v = b3 if f >= 2.5 else v
+            row[c] = v
+    elif levels <= 8:
+        for c in range(row.shape[0]):
+            f = row[c]
+            v = b0
+            v = b1 if f >= 0.5 else v
+            v = b2 if f >= 1.5 else v
+            v = b3 if f >= 2.5 else v
+            v = b4 if f >= 3.5 else v
+            v = b5 if f >= 4.5 else v
+            v = b6 if f >= 5.5 else v
+            v = b7 if f >= 6.5 else v
+            row[c] = v
+    else:
+        b8, b9, b10, b11, b12, b13, b14, b15 = b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]
+        for c in range(row.shape[0]):
+            f = row[c]
+            v = b0
+            v = b1 if f >= 0.5 else v
+            v = b2 if f >= 1.5 else v
+            v = b3 if f >= 2.5 else v
+            v = b4 if f >= 3.5 else v
+            v = b5 if f >= 4.5 else v
+            v = b6 if f >= 5.5 else v
+            v = b7 if f >= 6.5 else v
+            v = b8 if f >= 7.5 else v
+            v = b9 if f >= 8.5 else v
+            v = b10 if f >= 9.5 else v
+            v = b11 if f >= 10.5 else v
+            v = b12 if f >= 11.5 else v
+            v = b13 if f >= 12.5 else v
+            v = b14 if f >= 13.5 else v
+            v = b15 if f >= 14.5 else v
+            row[c] = v
+
+
 @njit(cache=True, fastmath=FAST)
-def codebook_tile(codes, block, widths, codebook, index, tile):
+def codebook_tile(codes, block, widths, codebook, tile):
     """tile (BS, d) float32 <- the codebook values of block ``block``'s codes (cap, BS * b / 8, d), bit-sliced and
-    token-split as `cpu_decode_kernel.unpack_block` reads them; the lower slices' bits gather in ``index`` (BS, d)
-    int32, and the last slice's pass looks the whole code up."""
-    bs = tile.shape[0]
-    rows = codes[block]
-    slices = 0
-    while slices < widths.shape[0] and widths[slices] > 0:
-        slices += 1
-    row, low = 0, 0
-    for i in range(slices):
-        w = widths[i]
-        k = 8 // w
-        sub = bs // k
-        mask = np.int32((1 << w) - 1)
-        last = i == slices - 1
-        for j in range(sub):
-            src = rows[row + j]
-            for part in range(k):
-                t = j + part * sub
-                shift = np.int32(part * w)
-                dst, idx = tile[t], index[t]
-                if low == 0 and last:
-                    for c in range(dst.shape[0]):
-                        dst[c] = codebook[(np.int32(src[c]) >> shift) & mask]
-                elif low == 0:
-                    for c in range(dst.shape[0]):
-                        idx[c] = (np.int32(src[c]) >> shift) & mask
-                else:
-                    for c in range(dst.shape[0]):
-                        idx[c] += ((np.int32(src[c]) >> shift) & mask) << low
-                    if last:
-                        for c in range(dst.shape[0]):
-                            dst[c] = codebook[idx[c]]
-        row += sub
-        low += w
+    token-split as `cpu_decode_kernel.unpack_block` reads them (which writes the integer codes as floats), then
+    looked up row by row (`lookup_row`)."""
+    unpack_block(codes, block, widths, tile)
+    for t in range(tile.shape[0]):
+        lookup_row(tile[t], codebook)
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
@@ -137,12 +166,36 @@ def mix_groups(src, mix, transpose, dst):
                 dst[i * n + j] += a * src[k * n + j]
 
 
+@njit(cache=True, inline="always", fastmath=FAST)
+def matrix_rows(rows, matrix, out):
+    """out (R, d) <- rows (R, d) @ matrix.T (matrix (d, d)): four rows per pass over each matrix row, so a Haar rotation
+    (192 x 192 floats, larger than L1) is read once per four query rows, not once per row."""
+    n, d = rows.shape
+    r = 0
+    while r + 4 <= n:
+        g0, g1, g2, g3 = rows[r], rows[r + 1], rows[r + 2], rows[r + 3]
+        for j in range(d):
+            mj = matrix[j]
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for c in range(d):
+                m = mj[c]
+                a0 += m * g0[c]
+                a1 += m * g1[c]
+                a2 += m * g2[c]
+                a3 += m * g3[c]
+            out[r, j], out[r + 1, j], out[r + 2, j], out[r + 3, j] = a0, a1, a2, a3
+        r += 4
+    for rest in range(r, n):
+        for j in range(d):
+            out[rest, j] = dot(matrix[j], rows[rest])
+
+
 @njit(cache=True, fastmath=FAST)
 def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
     """rotated (R, d) <- P q of every query row qs (R, D) taken at channels ``order[offset : offset + d]``: with
     ``signs`` (d,) (P = H diag(s), d a power of two) by the fast transform; with ``signs`` (d,) and ``rotation`` the
     m x m factor M of P = (M kron H_n) diag(s) (``split_rotation: kronecker``) by m fast transforms and M; else by the
-    matrix P (d, d)."""
+    matrix P (d, d) (``gathered``: scratch of at least d floats, R d for the matrix)."""
     d = rotated.shape[1]
     fast = signs.shape[0] == d
     m = rotation.shape[0]
@@ -157,29 +210,57 @@ def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
                 walsh_hadamard(gathered[k * n : (k + 1) * n])
             mix_groups(gathered, rotation, False, out)
         return
+    if not fast:  # the matrix: every row gathered, then four rows per pass over P
+        rows = gathered[: qs.shape[0] * d].reshape((qs.shape[0], d))
+        for r in range(qs.shape[0]):
+            qr, gr = qs[r], rows[r]
+            for c in range(d):
+                gr[c] = qr[order[offset + c]]
+        matrix_rows(rows, rotation, rotated)
+        return
     for r in range(qs.shape[0]):
         qr = qs[r]
         out = rotated[r]
-        if fast:  # signs already carry H's 1 / sqrt(d)
-            for c in range(d):
-                out[c] = qr[order[offset + c]] * signs[c]
-            walsh_hadamard(out)
-        else:
-            for c in range(d):
-                gathered[c] = qr[order[offset + c]]
-            for j in range(d):
-                out[j] = dot(rotation[j], gathered[:d])
+        for c in range(d):  # signs already carry H's 1 / sqrt(d)
+            out[c] = qr[order[offset + c]] * signs[c]
+        walsh_hadamard(out)
 
 
 @njit(cache=True, fastmath=FAST)
 def unrotate_into(summed, rotation, signs, order, offset, row, acc):
     """acc (R, D) += P^T summed[r] (an instance's rotated-domain sums (R, d)) at channels ``order[offset : offset + d]``
-    (``row``: (d,) scratch): with ``signs`` diag(s) H y by the fast transform (with ``rotation`` an m x m factor M,
-    ``split_rotation: kronecker``: diag(s) (M^T kron H_n) y), else by the matrix."""
-    d = summed.shape[1]
+    (``row``: scratch of at least d floats, R d for the matrix): with ``signs`` diag(s) H y by the fast transform (with
+    ``rotation`` an m x m factor M, ``split_rotation: kronecker``: diag(s) (M^T kron H_n) y), else by the matrix."""
+    n_rows, d = summed.shape
     fast = signs.shape[0] == d
     m = rotation.shape[0]
-    for r in range(summed.shape[0]):
+    if not fast:  # the matrix: P^T y_r = sum_j y_r[j] P[j], four rows per pass over P
+        rows = row[: n_rows * d].reshape((n_rows, d))
+        rows[:] = 0.0
+        r = 0
+        while r + 4 <= n_rows:
+            s0, s1, s2, s3 = summed[r], summed[r + 1], summed[r + 2], summed[r + 3]
+            o0, o1, o2, o3 = rows[r], rows[r + 1], rows[r + 2], rows[r + 3]
+            for j in range(d):
+                pj = rotation[j]
+                y0, y1, y2, y3 = s0[j], s1[j], s2[j], s3[j]
+                for c in range(d):
+                    p = pj[c]
+                    o0[c] += y0 * p
+                    o1[c] += y1 * p
+                    o2[c] += y2 * p
+                    o3[c] += y3 * p
+            r += 4
+        for rest in range(r, n_rows):
+            for j in range(d):
+                axpy(rows[rest], summed[rest, j], rotation[j])
+        for r in range(n_rows):
+            acc_r, row_r = acc[r], rows[r]
+            for c in range(d):
+                acc_r[order[offset + c]] += row_r[c]
+        return
+    row = row[:d]
+    for r in range(n_rows):
         sr = summed[r]
         if fast and m != d:  # diag(s) (M^T kron H_n): M^T across the n-channel groups, then m fast transforms
             n = d // m
@@ -188,15 +269,11 @@ def unrotate_into(summed, rotation, signs, order, offset, row, acc):
                 walsh_hadamard(row[k * n : (k + 1) * n])
             for c in range(d):
                 row[c] *= signs[c]
-        elif fast:
+        else:
             row[:] = sr
             walsh_hadamard(row)
             for c in range(d):
                 row[c] *= signs[c]
-        else:
-            row[:] = 0.0
-            for j in range(d):
-                axpy(row, sr[j], rotation[j])
         acc_r = acc[r]
         for c in range(d):
             acc_r[order[offset + c]] += row[c]
@@ -263,7 +340,6 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, he
     static = side[15]
     d_r = d - d_o
     tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
-    index = np.empty((bs, d), dtype=np.int32)  # the codes' lower bits
     rotated_o, rotated_r = np.empty((rows, max(d_o, 1)), dtype=np.float32), np.empty((rows, d_r), dtype=np.float32)
     if d_o == 0 and j1 > j0:  # one channel order: the queries rotated once
         rotate_rows(qs, order, 0, rot_r, signs_r, gathered, rotated_r)
@@ -280,9 +356,9 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, he
                 block_order(mask, block, order)
                 rotate_rows(qs, order, 0, rot_o, signs_o, gathered, rotated_o)
                 rotate_rows(qs, order, d_o, rot_r, signs_r, gathered, rotated_r)
-            codebook_tile(codes_o, block, widths_o, book_o, index, tile_o)
+            codebook_tile(codes_o, block, widths_o, book_o, tile_o)
             instance_scores(scores, base, rotated_o, tile_o, norm_o, block)
-        codebook_tile(codes_r, block, widths_r, book_r, index, tile_r)
+        codebook_tile(codes_r, block, widths_r, book_r, tile_r)
         instance_scores(scores, base, rotated_r, tile_r, norm_r, block)
 
 
@@ -295,9 +371,8 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
     static = side[15]
     d_r = d - d_o
     tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
-    index = np.empty((bs, d), dtype=np.int32)  # the codes' lower bits
     summed_o, summed_r = np.zeros((rows, max(d_o, 1)), dtype=np.float32), np.zeros((rows, d_r), dtype=np.float32)
-    row = np.empty(d, dtype=np.float32)
+    row = np.empty(rows * d, dtype=np.float32)  # P^T's rows (the matrix: all R at once)
     for j in range(j0, j1):
         block = body_table[s, j]
         base = j * bs
@@ -306,19 +381,19 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
                 block_order(mask, block, order)
                 summed_o[:] = 0.0
                 summed_r[:] = 0.0
-            codebook_tile(codes_o, block, widths_o, book_o, index, tile_o)
+            codebook_tile(codes_o, block, widths_o, book_o, tile_o)
             instance_values(weights, base, tile_o, norm_o, block, summed_o)
-        codebook_tile(codes_r, block, widths_r, book_r, index, tile_r)
+        codebook_tile(codes_r, block, widths_r, book_r, tile_r)
         instance_values(weights, base, tile_r, norm_r, block, summed_r)
         if d_o > 0 and not static:  # each block its own channel order: back to head channels block by block
-            unrotate_into(summed_o, rot_o, signs_o, order, 0, row[:d_o], acc)
-            unrotate_into(summed_r, rot_r, signs_r, order, d_o, row[:d_r], acc)
+            unrotate_into(summed_o, rot_o, signs_o, order, 0, row, acc)
+            unrotate_into(summed_r, rot_r, signs_r, order, d_o, row, acc)
     if d_o == 0 and j1 > j0:  # one channel order: the blocks' sums rotated back once
-        unrotate_into(summed_r, rot_r, signs_r, order, 0, row[:d_r], acc)
+        unrotate_into(summed_r, rot_r, signs_r, order, 0, row, acc)
     elif static and j1 > j0:  # the head's calibrated channels: one order, the sums rotated back once
         block_order(mask, head, order)
-        unrotate_into(summed_o, rot_o, signs_o, order, 0, row[:d_o], acc)
-        unrotate_into(summed_r, rot_r, signs_r, order, d_o, row[:d_r], acc)
+        unrotate_into(summed_o, rot_o, signs_o, order, 0, row, acc)
+        unrotate_into(summed_r, rot_r, signs_r, order, d_o, row, acc)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -340,7 +415,7 @@ def attend_part_rotated(
     if u0 >= u1:
         return
     qs, scores, acc = q[s], weights[s], part_acc[s, part]
-    gathered = np.empty(d, dtype=np.float32)
+    gathered = np.empty(qs.shape[0] * d, dtype=np.float32)  # the query rows in a block's order
     order = np.arange(d)  # a block's channel order (the identity without a split)
     j1 = min(u1, n_blocks)
     query_scale = k_side[14]
