@@ -361,9 +361,10 @@ def test_dense_rotation_reads_four_query_rows_per_pass_and_equals_the_matrix(row
     np.testing.assert_allclose(acc, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("levels", [2, 4, 8, 16, 32])
+@pytest.mark.parametrize("levels", [2, 3, 4, 8, 12, 16, 32])
 def test_codebook_lookup_by_selects_equals_indexing(levels):
-    """`lookup_row` (select chains up to 16 levels, indexing above) gives exactly ``codebook[code]`` for every code."""
+    """`lookup_row` (select chains up to 16 levels, indexing above) gives exactly ``codebook[code]`` for every code,
+    also for a codebook whose size is not a power of two (the chain's unused levels are never selected)."""
     from kvtool.runtime.kernels.cpu_decode_rotated import lookup_row
 
     rng = np.random.default_rng(levels)

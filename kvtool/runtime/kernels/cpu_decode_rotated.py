@@ -66,16 +66,15 @@ def block_order(mask, block, order):
 def lookup_row(row, codebook):
     """row (d,) float codes 0 .. L - 1 -> their codebook values in place. Up to 16 levels as a chain of selects on
     the code (comparisons against c + 1/2), which vectorizes; Numba does not vectorize ``codebook[code]`` (a gather),
-    about twice as slow here. Larger codebooks (5-bit outlier codes) by the lookup."""
+    slower here (`benchmarks/RESULTS.md`). Larger codebooks (5-bit outlier codes) by the lookup."""
     levels = codebook.shape[0]
     if levels > 16:
         for c in range(row.shape[0]):
             row[c] = codebook[np.int32(row[c])]
         return
-    b = np.empty(16, dtype=np.float32)
-    for i in range(16):
-        b[i] = codebook[min(i, levels - 1)]
-    b0, b1, b2, b3, b4, b5, b6, b7 = b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]
+    top = levels - 1  # levels past the codebook's last repeat it (never selected: no code reaches them)
+    b0, b1, b2, b3 = codebook[0], codebook[min(1, top)], codebook[min(2, top)], codebook[min(3, top)]
+    b4, b5, b6, b7 = codebook[min(4, top)], codebook[min(5, top)], codebook[min(6, top)], codebook[min(7, top)]
     if levels <= 4:
         for c in range(row.shape[0]):
             f = row[c]
@@ -97,7 +96,8 @@ def lookup_row(row, codebook):
             v = b7 if f >= 6.5 else v
             row[c] = v
     else:
-        b8, b9, b10, b11, b12, b13, b14, b15 = b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]
+        b8, b9, b10, b11 = codebook[8], codebook[min(9, top)], codebook[min(10, top)], codebook[min(11, top)]
+        b12, b13, b14, b15 = codebook[min(12, top)], codebook[min(13, top)], codebook[min(14, top)], codebook[top]
         for c in range(row.shape[0]):
             f = row[c]
             v = b0
