@@ -361,19 +361,51 @@ def test_dense_rotation_reads_four_query_rows_per_pass_and_equals_the_matrix(row
     np.testing.assert_allclose(acc, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("levels", [2, 3, 4, 8, 12, 16, 32])
-def test_codebook_lookup_by_selects_equals_indexing(levels):
-    """`lookup_row` (select chains up to 16 levels, indexing above) gives exactly ``codebook[code]`` for every code,
-    also for a codebook whose size is not a power of two (the chain's unused levels are never selected)."""
-    from kvtool.runtime.kernels.cpu_decode_rotated import lookup_row
+@pytest.mark.parametrize("levels", [2, 3, 4, 8, 12, 16, 32, 64])
+@pytest.mark.parametrize("width", [16, 64, 200])
+def test_codebook_lookup_in_lanes_equals_indexing(levels, width):
+    """`lookup_row` (16 codes at a time by a permute of the padded codebook up to 32 levels, then the rest one by one;
+    larger codebooks one by one) gives exactly ``codebook[code]`` for every code, also past the last full vector and
+    for a codebook whose size is not a power of two."""
+    from kvtool.runtime.kernels.cpu_decode_rotated import lookup_row, padded_codebook
 
-    rng = np.random.default_rng(levels)
+    rng = np.random.default_rng(levels * width)
     codebook = np.sort(rng.standard_normal(levels)).astype(np.float32)
-    codes = rng.integers(0, levels, size=203)  # not a multiple of a vector's width
+    codes = rng.integers(0, levels, size=width)
+    codes[:2] = [0, levels - 1]  # both ends of the table
+    table = np.empty(32, np.float32)
+    padded_codebook(codebook, table)
     row = codes.astype(np.float32)
-    lookup_row(row, codebook)
+    lookup_row(row, codebook, table)
     np.testing.assert_array_equal(row, codebook[codes])
 
+
+@pytest.mark.parametrize("dim", [8, 16, 32, 64, 128, 256, 2048])
+def test_walsh_hadamard_in_lanes_equals_the_matrix(dim):
+    """The kernel's transform (16-lane vectors from d = 16, `simd.walsh_hadamard_lanes`; scalar at 8) equals
+    sqrt(d) H x with H Sylvester's Hadamard matrix, on a row and on a slice inside a longer row (nothing outside it
+    changes)."""
+    from kvtool.runtime.kernels.cpu_decode_rotated import walsh_hadamard
+
+    hadamard = np.ones((1, 1))
+    while hadamard.shape[0] < dim:  # Sylvester: H_2n = [[H, H], [H, -H]]
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    rng = np.random.default_rng(dim)
+    x = rng.standard_normal(dim + 24).astype(np.float32)
+    expected = x.copy()
+    expected[8 : 8 + dim] = hadamard @ x[8 : 8 + dim].astype(np.float64)
+    _transform_slice(x, 8, dim, walsh_hadamard)
+    np.testing.assert_allclose(x, expected, rtol=1e-5, atol=1e-4 * math.sqrt(dim))
+
+
+def _transform_slice(x, start, dim, transform):
+    from numba import njit
+
+    @njit
+    def run(x, start, dim):
+        transform(x[start : start + dim])
+
+    run(x, start, dim)
 
 def test_kronecker_split_rotation_needs_a_wide_power_of_two_factor():
     from kvtool.errors import RecipeError

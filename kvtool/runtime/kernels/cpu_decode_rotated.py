@@ -41,6 +41,7 @@ from kvtool.runtime.kernels.cpu_decode_kernel import (
     part_softmax,
     unpack_block,
 )
+from kvtool.runtime.kernels.simd import LANES, codebook_lanes, walsh_hadamard_lanes
 from kvtool.runtime.kernels.team_launch import team_runner
 
 LN2 = 0.6931471805599453  # 8-bit norms: 2**x = exp(x ln 2)
@@ -62,79 +63,49 @@ def block_order(mask, block, order):
             n += 1
 
 
+@njit(cache=True, inline="always")
+def padded_codebook(codebook, table):
+    """table (32,) float32 <- the codebook (up to 32 levels), padded by its last level (read by `lookup_row`); zeros
+    for the empty placeholder of a side without an outlier instance."""
+    top = codebook.shape[0] - 1
+    for i in range(table.shape[0]):
+        table[i] = codebook[min(i, top)] if top >= 0 else np.float32(0.0)
+
+
 @njit(cache=True, inline="always", fastmath=FAST)
-def lookup_row(row, codebook):
-    """row (d,) float codes 0 .. L - 1 -> their codebook values in place. Up to 16 levels as a chain of selects on
-    the code (comparisons against c + 1/2), which vectorizes; Numba does not vectorize ``codebook[code]`` (a gather),
-    slower here (`benchmarks/RESULTS.md`). Larger codebooks (5-bit outlier codes) by the lookup."""
-    levels = codebook.shape[0]
-    if levels > 16:
-        for c in range(row.shape[0]):
-            row[c] = codebook[np.int32(row[c])]
-        return
-    top = levels - 1  # levels past the codebook's last repeat it (never selected: no code reaches them)
-    b0, b1, b2, b3 = codebook[0], codebook[min(1, top)], codebook[min(2, top)], codebook[min(3, top)]
-    b4, b5, b6, b7 = codebook[min(4, top)], codebook[min(5, top)], codebook[min(6, top)], codebook[min(7, top)]
-    if levels <= 4:
-        for c in range(row.shape[0]):
-            f = row[c]
-            v = b0
-            v = b1 if f >= 0.5 else v
-            v = b2 if f >= 1.5 else v
-            v = b3 if f >= 2.5 else v
-            row[c] = v
-    elif levels <= 8:
-        for c in range(row.shape[0]):
-            f = row[c]
-            v = b0
-            v = b1 if f >= 0.5 else v
-            v = b2 if f >= 1.5 else v
-            v = b3 if f >= 2.5 else v
-            v = b4 if f >= 3.5 else v
-            v = b5 if f >= 4.5 else v
-            v = b6 if f >= 5.5 else v
-            v = b7 if f >= 6.5 else v
-            row[c] = v
-    else:
-        b8, b9, b10, b11 = codebook[8], codebook[min(9, top)], codebook[min(10, top)], codebook[min(11, top)]
-        b12, b13, b14, b15 = codebook[min(12, top)], codebook[min(13, top)], codebook[min(14, top)], codebook[top]
-        for c in range(row.shape[0]):
-            f = row[c]
-            v = b0
-            v = b1 if f >= 0.5 else v
-            v = b2 if f >= 1.5 else v
-            v = b3 if f >= 2.5 else v
-            v = b4 if f >= 3.5 else v
-            v = b5 if f >= 4.5 else v
-            v = b6 if f >= 5.5 else v
-            v = b7 if f >= 6.5 else v
-            v = b8 if f >= 7.5 else v
-            v = b9 if f >= 8.5 else v
-            v = b10 if f >= 9.5 else v
-            v = b11 if f >= 10.5 else v
-            v = b12 if f >= 11.5 else v
-            v = b13 if f >= 12.5 else v
-            v = b14 if f >= 13.5 else v
-            v = b15 if f >= 14.5 else v
-            row[c] = v
+def lookup_row(row, codebook, table):
+    """row (d,) float codes 0 .. L - 1 -> their codebook values in place: up to 32 levels 16 codes at a time by a
+    variable permute of the padded ``table`` (`simd.codebook_lanes`; Numba leaves ``codebook[code]`` scalar), the
+    rest and larger codebooks (6-bit outlier codes) one by one."""
+    n = row.shape[0]
+    done = 0
+    if codebook.shape[0] <= 32:
+        codebook_lanes(row, table)
+        done = n - n % LANES
+    for c in range(done, n):
+        row[c] = codebook[np.int32(row[c])]
 
 
 @njit(cache=True, fastmath=FAST)
-def codebook_tile(codes, block, widths, codebook, tile):
+def codebook_tile(codes, block, widths, codebook, table, tile):
     """tile (BS, d) float32 <- the codebook values of block ``block``'s codes (cap, BS * b / 8, d), bit-sliced and
     token-split as `cpu_decode_kernel.unpack_block` reads them (which writes the integer codes as floats), then
-    looked up row by row (`lookup_row`)."""
+    looked up row by row (`lookup_row`; ``table`` the codebook padded to 32 levels, `padded_codebook`)."""
     unpack_block(codes, block, widths, tile)
     for t in range(tile.shape[0]):
-        lookup_row(tile[t], codebook)
+        lookup_row(tile[t], codebook, table)
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
 def walsh_hadamard(x):
     """x (d,) <- sqrt(d) H x in place, H the orthonormal Walsh-Hadamard matrix (Sylvester order; d a power of two >= 8;
-    the caller scales by 1 / sqrt(d)): log2(d) passes of butterflies, as `kvtool.methods.lowrank.hadamard.fwht`. The
-    three passes of pairs 1, 2 and 4 apart run as one pass over groups of 8 (short inner loops do not vectorize)."""
+    the caller scales by 1 / sqrt(d)): log2(d) passes of butterflies, as `kvtool.methods.lowrank.hadamard.fwht`. From
+    d = 16 in 16-lane vectors (`simd.walsh_hadamard_lanes`: Numba leaves the passes under 16 apart scalar); d = 8 runs
+    the three passes of pairs 1, 2 and 4 apart as one pass over its 8 values."""
     d = x.shape[0]
+    if d >= LANES:
+        walsh_hadamard_lanes(x)
+        return
     for i in range(0, d, 8):
         a0, a1, a2, a3, a4, a5, a6, a7 = x[i], x[i + 1], x[i + 2], x[i + 3], x[i + 4], x[i + 5], x[i + 6], x[i + 7]
         b0, b1, b2, b3, b4, b5, b6, b7 = a0 + a1, a0 - a1, a2 + a3, a2 - a3, a4 + a5, a4 - a5, a6 + a7, a6 - a7
@@ -340,6 +311,9 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, he
     static = side[15]
     d_r = d - d_o
     tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
+    table_o, table_r = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)  # the codebooks, padded
+    padded_codebook(book_o, table_o)
+    padded_codebook(book_r, table_r)
     rotated_o, rotated_r = np.empty((rows, max(d_o, 1)), dtype=np.float32), np.empty((rows, d_r), dtype=np.float32)
     if d_o == 0 and j1 > j0:  # one channel order: the queries rotated once
         rotate_rows(qs, order, 0, rot_r, signs_r, gathered, rotated_r)
@@ -356,9 +330,9 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, he
                 block_order(mask, block, order)
                 rotate_rows(qs, order, 0, rot_o, signs_o, gathered, rotated_o)
                 rotate_rows(qs, order, d_o, rot_r, signs_r, gathered, rotated_r)
-            codebook_tile(codes_o, block, widths_o, book_o, tile_o)
+            codebook_tile(codes_o, block, widths_o, book_o, table_o, tile_o)
             instance_scores(scores, base, rotated_o, tile_o, norm_o, block)
-        codebook_tile(codes_r, block, widths_r, book_r, tile_r)
+        codebook_tile(codes_r, block, widths_r, book_r, table_r, tile_r)
         instance_scores(scores, base, rotated_r, tile_r, norm_r, block)
 
 
@@ -371,6 +345,9 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
     static = side[15]
     d_r = d - d_o
     tile_o, tile_r = np.empty((bs, max(d_o, 1)), dtype=np.float32), np.empty((bs, d_r), dtype=np.float32)
+    table_o, table_r = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)  # the codebooks, padded
+    padded_codebook(book_o, table_o)
+    padded_codebook(book_r, table_r)
     summed_o, summed_r = np.zeros((rows, max(d_o, 1)), dtype=np.float32), np.zeros((rows, d_r), dtype=np.float32)
     row = np.empty(rows * d, dtype=np.float32)  # P^T's rows (the matrix: all R at once)
     for j in range(j0, j1):
@@ -381,9 +358,9 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
                 block_order(mask, block, order)
                 summed_o[:] = 0.0
                 summed_r[:] = 0.0
-            codebook_tile(codes_o, block, widths_o, book_o, tile_o)
+            codebook_tile(codes_o, block, widths_o, book_o, table_o, tile_o)
             instance_values(weights, base, tile_o, norm_o, block, summed_o)
-        codebook_tile(codes_r, block, widths_r, book_r, tile_r)
+        codebook_tile(codes_r, block, widths_r, book_r, table_r, tile_r)
         instance_values(weights, base, tile_r, norm_r, block, summed_r)
         if d_o > 0 and not static:  # each block its own channel order: back to head channels block by block
             unrotate_into(summed_o, rot_o, signs_o, order, 0, row, acc)
