@@ -13,8 +13,9 @@ D channels in their order. Attention never rebuilds a key or value in head space
   rotated domain and rotated back once per block with the split (then scattered to the block's channels), once per
   work item without.
 
-A power-of-two instance's rotation, P = H diag(s), runs as the fast Walsh-Hadamard transform (d log2 d per row); the
-Haar-random rotation of any other size (the split's rest, e.g. 192 of 256 channels) as the matrix (d^2 per row).
+A power-of-two instance's rotation, P = H diag(s), runs as the fast Walsh-Hadamard transform (d log2 d per row, in
+16-lane vectors: `simd.py`); the Haar-random rotation of any other size (the split's rest, e.g. 192 of 256 channels)
+as the matrix (d^2 per row, four query rows per pass over it). Codebook reads go 16 codes at a time (`simd.py`).
 Everything else (float blocks, soft-capping, a sliding window's hidden tokens, the merge of the parts with this
 step's token, the write of the token, scores) is the kernel of `cpu_decode_kernel.py`. The pure-torch reference is
 `TurboQuantizer.chunk_scores` / ``chunk_values``; `tests/test_cpu_decode.py` compares the two. QJL residuals are not
@@ -41,7 +42,7 @@ from kvtool.runtime.kernels.cpu_decode_kernel import (
     part_softmax,
     unpack_block,
 )
-from kvtool.runtime.kernels.simd import LANES, codebook_lanes, walsh_hadamard_lanes
+from kvtool.runtime.kernels.simd import LANES, MAX_LANES_DIM, codebook_lanes, walsh_hadamard_lanes
 from kvtool.runtime.kernels.team_launch import team_runner
 
 LN2 = 0.6931471805599453  # 8-bit norms: 2**x = exp(x ln 2)
@@ -103,7 +104,7 @@ def walsh_hadamard(x):
     d = 16 in 16-lane vectors (`simd.walsh_hadamard_lanes`: Numba leaves the passes under 16 apart scalar); d = 8 runs
     the three passes of pairs 1, 2 and 4 apart as one pass over its 8 values."""
     d = x.shape[0]
-    if d >= LANES:
+    if LANES <= d <= MAX_LANES_DIM:
         walsh_hadamard_lanes(x)
         return
     for i in range(0, d, 8):

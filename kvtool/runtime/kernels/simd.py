@@ -19,7 +19,8 @@ from numba.extending import intrinsic
 LANES = 16
 _FLOATS = ir.VectorType(ir.FloatType(), LANES)
 _INTS = ir.VectorType(ir.IntType(32), LANES)
-_MAX_LOG2 = 16  # the transform's passes are unrolled up to d = 2**16
+_MAX_LOG2 = 16
+MAX_LANES_DIM = 1 << _MAX_LOG2  # the transform's passes are unrolled up to this d (callers check)
 
 
 def _row(a) -> bool:
@@ -33,8 +34,8 @@ def _vector_at(builder, data, offset):
 @intrinsic
 def walsh_hadamard_lanes(typingctx, x):
     """x (d,) float32 C-contiguous <- sqrt(d) H x in place (H the orthonormal Walsh-Hadamard matrix in Sylvester order;
-    d a power of two >= 16): the butterflies 1, 2, 4 and 8 apart inside each 16-lane vector (a shuffle to the partner
-    lane, then the sum or the difference by lane), the wider ones between vectors."""
+    d a power of two, 16 <= d <= MAX_LANES_DIM): the butterflies 1, 2, 4 and 8 apart inside each 16-lane vector (a
+    shuffle to the partner lane, then the sum or the difference by lane), the wider ones between vectors."""
     if not _row(x):
         return None
 
