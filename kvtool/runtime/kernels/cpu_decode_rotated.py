@@ -101,8 +101,8 @@ def codebook_tile(codes, block, widths, codebook, table, tile):
 def walsh_hadamard(x):
     """x (d,) <- sqrt(d) H x in place, H the orthonormal Walsh-Hadamard matrix (Sylvester order; d a power of two >= 8;
     the caller scales by 1 / sqrt(d)): log2(d) passes of butterflies, as `kvtool.methods.lowrank.hadamard.fwht`. From
-    d = 16 in 16-lane vectors (`simd.walsh_hadamard_lanes`: Numba leaves the passes under 16 apart scalar); d = 8 runs
-    the three passes of pairs 1, 2 and 4 apart as one pass over its 8 values."""
+    d = 16 in 16-lane vectors (`simd.walsh_hadamard_lanes`: Numba leaves the passes under 16 apart scalar); here
+    (d = 8, or beyond ``MAX_LANES_DIM``) the three passes of pairs 1, 2 and 4 apart run as one pass over groups of 8."""
     d = x.shape[0]
     if LANES <= d <= MAX_LANES_DIM:
         walsh_hadamard_lanes(x)
