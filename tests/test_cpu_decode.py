@@ -383,8 +383,7 @@ def test_codebook_lookup_in_lanes_equals_indexing(levels, width):
 @pytest.mark.parametrize("dim", [8, 16, 32, 64, 128, 256, 2048])
 def test_walsh_hadamard_in_lanes_equals_the_matrix(dim):
     """The kernel's transform (16-lane vectors from d = 16, `simd.walsh_hadamard_lanes`; scalar at 8) equals
-    sqrt(d) H x with H Sylvester's Hadamard matrix, on a row and on a slice inside a longer row (nothing outside it
-    changes)."""
+    sqrt(d) H x with H Sylvester's Hadamard matrix, on a slice inside a longer row (nothing outside it changes)."""
     from kvtool.runtime.kernels.cpu_decode_rotated import walsh_hadamard
 
     hadamard = np.ones((1, 1))
@@ -406,6 +405,7 @@ def _transform_slice(x, start, dim, transform):
         transform(x[start : start + dim])
 
     run(x, start, dim)
+
 
 def test_kronecker_split_rotation_needs_a_wide_power_of_two_factor():
     from kvtool.errors import RecipeError
