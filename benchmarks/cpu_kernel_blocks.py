@@ -6,8 +6,8 @@
 
 For each recipe and head_dim: random keys and values (keys with a spread of channel scales, so TurboQuant's outlier
 split has outliers to find) are encoded by the recipe's own quantizers into ``streams`` x ``blocks`` body blocks of 32
-tokens (``--block-size``; the TurboQuant recipes store 16), and one decode step's attention over them (`cpu_decode_attention`, serial, no float tokens) is timed ``calls``
-times after a warm-up call (compilation). Reported: the median microseconds per call and per block. This is the
+tokens (``--block-size``; the TurboQuant recipes store 16), and one decode step's attention over them
+(`cpu_decode_attention`, serial, no float tokens) is timed ``calls`` times after a warm-up call (compilation). Reported: the median microseconds per call and per block. This is the
 kernel's share of a decode step (the model, the store's writes and flushes are not in it); `benchmarks.decode_speed`
 measures whole steps. Set OMP_NUM_THREADS=1 for the serial kernel's figure on a shared machine. Table +
 benchmarks/results/cpu_kernel_blocks.json.
@@ -84,6 +84,8 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu_kernel_blocks.json")
     opts = parser.parse_args(argv)
+    if opts.block_size < 8 or opts.block_size % 8:
+        parser.error(f"--block-size {opts.block_size}: a body block holds a multiple of 8 tokens (8, 16, 32, ...)")
     rows_out = []
     for head_dim in opts.head_dims:
         rows = opts.rows or (3 if head_dim == 64 else 4)  # SmolLM2-135M's GQA group, Gemma-3-270M's
