@@ -303,10 +303,12 @@ def test_power_of_two_turboquant_rotations_run_as_the_fast_transform():
     assert _signs(fake).shape == (0,)
 
 
+@pytest.mark.parametrize("rows", [3, 5])
 @pytest.mark.parametrize("dim", [48, 56, 96, 160, 192])
-def test_kronecker_split_rotations_run_as_fast_transforms_and_a_small_matrix(dim, monkeypatch):
+def test_kronecker_split_rotations_run_as_fast_transforms_and_a_small_matrix(dim, rows, monkeypatch):
     """``split_rotation: kronecker``: P = (M kron H_n) diag(s) is orthogonal, the kernel finds (M, s / sqrt(n)) from P
-    (not the dense product), and its transform equals P on the queries and P^T on the value sums; a Haar-random matrix
+    (not the dense product), and its transform equals P on the queries and P^T on the value sums (3 query rows, and 5:
+    four gathered and scattered together, one alone); a Haar-random matrix
     or a perturbed Kronecker one stays dense."""
     from kvtool.methods.quant.turboquant import Instance, _rotation_matrix, kronecker_factors
     from kvtool.runtime.kernels.cpu_decode import _fast_rotation
@@ -319,14 +321,14 @@ def test_kronecker_split_rotations_run_as_fast_transforms_and_a_small_matrix(dim
     mix, signs = _fast_rotation(p)
     assert mix.shape == (m, m) and signs.shape == (dim,)
     rng = np.random.default_rng(dim)
-    queries = rng.standard_normal((3, dim + 8)).astype(np.float32)  # rows of a wider head, read at an offset
+    queries = rng.standard_normal((rows, dim + 8)).astype(np.float32)  # rows of a wider head, read at an offset
     order = rng.permutation(dim + 8).astype(np.int64)
-    rotated = np.empty((3, dim), np.float32)
-    rotate_rows(queries, order, 8, mix, signs, np.empty(dim + 8, np.float32), rotated)
+    rotated = np.empty((rows, dim), np.float32)
+    rotate_rows(queries, order, 8, mix, signs, np.empty((rows, dim), np.float32), rotated)
     np.testing.assert_allclose(rotated, queries[:, order[8:]] @ p.T, rtol=1e-4, atol=1e-4)
-    sums = rng.standard_normal((3, dim)).astype(np.float32)
-    acc = np.zeros((3, dim + 8), np.float32)
-    unrotate_into(sums, mix, signs, order, 8, np.empty(dim, np.float32), acc)
+    sums = rng.standard_normal((rows, dim)).astype(np.float32)
+    acc = np.zeros((rows, dim + 8), np.float32)
+    unrotate_into(sums, mix, signs, order, 8, np.empty((rows, dim), np.float32), acc)
     expected = np.zeros_like(acc)
     expected[:, order[8:]] = sums @ p
     np.testing.assert_allclose(acc, expected, rtol=1e-4, atol=1e-4)
@@ -351,11 +353,11 @@ def test_dense_rotation_reads_four_query_rows_per_pass_and_equals_the_matrix(row
     order = rng.permutation(dim + offset).astype(np.int64)
     no_signs = np.empty(0, np.float32)
     rotated = np.empty((rows, dim), np.float32)
-    rotate_rows(queries, order, offset, p, no_signs, np.empty(rows * (dim + offset), np.float32), rotated)
+    rotate_rows(queries, order, offset, p, no_signs, np.empty((rows, dim), np.float32), rotated)
     np.testing.assert_allclose(rotated, queries[:, order[offset:]] @ p.T, rtol=1e-4, atol=1e-4)
     sums = rng.standard_normal((rows, dim)).astype(np.float32)
     acc = np.ones((rows, dim + offset), np.float32)
-    unrotate_into(sums, p, no_signs, order, offset, np.empty(rows * (dim + offset), np.float32), acc)
+    unrotate_into(sums, p, no_signs, order, offset, np.empty((rows, dim), np.float32), acc)
     expected = np.ones_like(acc)
     expected[:, order[offset:]] += sums @ p
     np.testing.assert_allclose(acc, expected, rtol=1e-4, atol=1e-4)
@@ -378,6 +380,72 @@ def test_codebook_lookup_in_lanes_equals_indexing(levels, width):
     row = codes.astype(np.float32)
     lookup_row(row, codebook, table)
     np.testing.assert_array_equal(row, codebook[codes])
+
+
+@pytest.mark.parametrize("widths", [[1], [2], [4], [2, 1], [4, 1], [2, 2], [1, 1, 1], [2, 1, 1]])
+@pytest.mark.parametrize("bs, dim", [(8, 48), (16, 16), (16, 192), (32, 64)])
+def test_block_codes_read_in_one_pass_equal_the_unpacked_codes_looked_up(widths, bs, dim):
+    """`codebook_tile`'s one pass from a block's bit-sliced bytes to codebook values (`simd.codebook_block_lanes`: one
+    to three slices, codes of up to 4 bits from one half of the padded codebook, 5 bits from both) gives exactly
+    ``codebook[code]`` of the codes `unpack_block` reads from the same bytes, for every slice layout, block size and
+    row length; the fallback (no slice table) gives the same."""
+    from kvtool.runtime.kernels.cpu_decode_kernel import unpack_block
+    from kvtool.runtime.kernels.cpu_decode_rotated import codebook_tile, padded_codebook, slice_table
+
+    bits = sum(widths)
+    rng = np.random.default_rng(bits * bs + dim)
+    codes = rng.integers(0, 256, size=(3, bs * bits // 8, dim), dtype=np.uint8)  # any bytes are valid codes
+    codebook = np.sort(rng.standard_normal(2**bits)).astype(np.float32)
+    table, slices = np.empty(32, np.float32), np.zeros(12, np.int32)
+    padded_codebook(codebook, table)
+    width_array = np.zeros(4, np.int64)
+    width_array[: len(widths)] = widths
+    assert slice_table(width_array, bs, slices)
+    for block in range(3):
+        unpacked = np.empty((bs, dim), np.float32)
+        unpack_block(codes, block, width_array, unpacked)
+        expected = codebook[unpacked.astype(np.int64)]
+        fast, fallback = np.full((bs, dim), np.nan, np.float32), np.full((bs, dim), np.nan, np.float32)
+        codebook_tile(codes, block, width_array, codebook, table, slices, fast)
+        codebook_tile(codes, block, width_array, codebook, table, np.zeros(12, np.int32), fallback)
+        np.testing.assert_array_equal(fast, expected)
+        np.testing.assert_array_equal(fallback, expected)
+
+
+def _tile_products():
+    """njit wrappers of `simd.tile_dots_lanes` and `simd.weighted_rows_lanes` over 2-D arrays."""
+    from numba import njit
+
+    from kvtool.runtime.kernels.simd import tile_dots_lanes, weighted_rows_lanes
+
+    @njit
+    def dots(rows, tile, out):
+        tile_dots_lanes(rows, tile, out, rows.shape[1])
+
+    @njit
+    def weighted(coef, tile, summed):
+        weighted_rows_lanes(coef, tile, summed, tile.shape[1])  # (any rank, read flat)
+
+    return dots, weighted
+
+
+@pytest.mark.parametrize("rows, tokens, dim", [(1, 16, 16), (3, 16, 48), (4, 16, 256), (5, 32, 64), (3, 32, 192)])
+def test_tile_products_in_lanes_equal_the_matrix_products(rows, tokens, dim):
+    """The kernel's block products: `simd.tile_dots_lanes` (the logits of R query rows against T tokens, sixteen
+    tokens' sums reduced together) equals rows @ tile.T, and `simd.weighted_rows_lanes` (four chunks per pass, then one
+    at a time: 1, 3, 4, 12 and 16 chunks here) adds coef @ tile to what the sums held."""
+    dots, weighted = _tile_products()
+    rng = np.random.default_rng(rows * tokens + dim)
+    queries = rng.standard_normal((rows, dim)).astype(np.float32)
+    tile = rng.standard_normal((tokens, dim)).astype(np.float32)
+    out = np.full((rows, tokens), np.nan, np.float32)
+    dots(queries, tile, out)
+    np.testing.assert_allclose(out, queries.astype(np.float64) @ tile.T, rtol=1e-5, atol=1e-4)
+    coef = rng.standard_normal((rows, tokens)).astype(np.float32)
+    summed = rng.standard_normal((rows, dim)).astype(np.float32)
+    expected = summed + coef.astype(np.float64) @ tile
+    weighted(coef, tile, summed)
+    np.testing.assert_allclose(summed, expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dim", [8, 16, 32, 64, 128, 256, 2048])

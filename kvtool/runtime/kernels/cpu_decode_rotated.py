@@ -15,7 +15,9 @@ D channels in their order. Attention never rebuilds a key or value in head space
 
 A power-of-two instance's rotation, P = H diag(s), runs as the fast Walsh-Hadamard transform (d log2 d per row, in
 16-lane vectors: `simd.py`); the Haar-random rotation of any other size (the split's rest, e.g. 192 of 256 channels)
-as the matrix (d^2 per row, four query rows per pass over it). Codebook reads go 16 codes at a time (`simd.py`).
+as the matrix (d^2 per row, four query rows per pass over it). A block's codes go from their bytes to codebook
+values in one pass, 16 at a time, and its logits and weighted value rows are products over whole tiles
+(`simd.py`); a block's channel order is built without a branch per channel (its mask bits are data).
 Everything else (float blocks, soft-capping, a sliding window's hidden tokens, the merge of the parts with this
 step's token, the write of the token, scores) is the kernel of `cpu_decode_kernel.py`. The pure-torch reference is
 `TurboQuantizer.chunk_scores` / ``chunk_values``; `tests/test_cpu_decode.py` compares the two. QJL residuals are not
@@ -34,6 +36,7 @@ from kvtool.runtime.kernels.cpu_decode_kernel import (
     axpy,
     combine_streams,
     dot,
+    exp_shifted,
     float_block_scores,
     float_block_values,
     half_to_float,
@@ -42,7 +45,15 @@ from kvtool.runtime.kernels.cpu_decode_kernel import (
     part_softmax,
     unpack_block,
 )
-from kvtool.runtime.kernels.simd import LANES, MAX_LANES_DIM, codebook_lanes, walsh_hadamard_lanes
+from kvtool.runtime.kernels.simd import (
+    LANES,
+    MAX_LANES_DIM,
+    codebook_block_lanes,
+    codebook_lanes,
+    tile_dots_lanes,
+    walsh_hadamard_lanes,
+    weighted_rows_lanes,
+)
 from kvtool.runtime.kernels.team_launch import team_runner
 
 LN2 = 0.6931471805599453  # 8-bit norms: 2**x = exp(x ln 2)
@@ -53,15 +64,16 @@ def block_order(mask, block, order):
     """order (D,) <- the channels of body block ``block`` in its stored order: those whose bit is set in its packed
     ``mask`` (cap, D / 8) (channel 8j + i at bit i of byte j) ascending, then the others ascending."""
     d = order.shape[0]
-    n = 0
+    row = mask[block]
+    d_o = 0
     for c in range(d):
-        if (mask[block, c >> 3] >> (c & 7)) & 1:
-            order[n] = c
-            n += 1
+        d_o += (np.int64(row[c >> 3]) >> (c & 7)) & 1
+    seen_o, seen_r = 0, d_o  # no branch per channel: the mask bits are data, a branch on each mispredicts often
     for c in range(d):
-        if not (mask[block, c >> 3] >> (c & 7)) & 1:
-            order[n] = c
-            n += 1
+        bit = (np.int64(row[c >> 3]) >> (c & 7)) & 1
+        order[seen_o if bit else seen_r] = c
+        seen_o += bit
+        seen_r += 1 - bit
 
 
 @njit(cache=True, inline="always")
@@ -87,14 +99,41 @@ def lookup_row(row, codebook, table):
         row[c] = codebook[np.int32(row[c])]
 
 
+@njit(cache=True, inline="always")
+def slice_table(widths, bs, slices):
+    """slices (12,) int32 <- (first row, rows, width, low bit) of each of up to three bit slices of a body block of
+    ``bs`` tokens with slice ``widths`` (`unpack_block`'s layout: a w-bit slice spans bs w / 8 byte rows), (0, 1, 0, 0)
+    for a slice the codes do not have; read by `simd.codebook_block_lanes`. Returns False when the codes need more
+    than three slices (then the block is read by `unpack_block`)."""
+    first, low = 0, 0
+    for i in range(widths.shape[0]):
+        if widths[i] > 0 and i >= 3:
+            return False
+    for i in range(3):
+        w = widths[i] if i < widths.shape[0] else 0
+        if w == 0:
+            slices[4 * i], slices[4 * i + 1], slices[4 * i + 2], slices[4 * i + 3] = 0, 1, 0, 0
+            continue
+        sub = bs * w // 8
+        slices[4 * i], slices[4 * i + 1], slices[4 * i + 2], slices[4 * i + 3] = first, sub, w, low
+        first += sub
+        low += w
+    return True
+
+
 @njit(cache=True, fastmath=FAST)
-def codebook_tile(codes, block, widths, codebook, table, tile):
+def codebook_tile(codes, block, widths, codebook, table, slices, tile):
     """tile (BS, d) float32 <- the codebook values of block ``block``'s codes (cap, BS * b / 8, d), bit-sliced and
-    token-split as `cpu_decode_kernel.unpack_block` reads them (which writes the integer codes as floats), then
-    looked up row by row (`lookup_row`; ``table`` the codebook padded to 32 levels, `padded_codebook`)."""
+    token-split as `cpu_decode_kernel.unpack_block` reads them. Codes of up to 5 bits in at most three slices over d a
+    multiple of 16 (every TurboQuant recipe's instances at head_dim 64 and 256): in one pass from the bytes to the
+    codebook values (`simd.codebook_block_lanes`; ``slices`` from `slice_table`, its first entry's rows count 0 when
+    it does not apply; ``table`` the codebook padded to 32 levels, `padded_codebook`); else `unpack_block` (which
+    writes the integer codes as floats), then `lookup_row` over the tile as one row."""
+    if slices[1] > 0 and codebook.shape[0] <= 32 and tile.shape[1] % LANES == 0:
+        codebook_block_lanes(codes[block], slices, table, tile)
+        return
     unpack_block(codes, block, widths, tile)
-    for t in range(tile.shape[0]):
-        lookup_row(tile[t], codebook, table)
+    lookup_row(tile.reshape(tile.size), codebook, table)  # the tile is one contiguous row
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
@@ -162,52 +201,88 @@ def matrix_rows(rows, matrix, out):
             out[rest, j] = dot(matrix[j], rows[rest])
 
 
+@njit(cache=True, inline="always", fastmath=FAST)
+def gather_rows(qs, order, offset, signs, out):
+    """out (R, d) <- every query row of qs (R, D) at channels ``order[offset : offset + d]``, times ``signs`` (d,)
+    (none when empty): a channel's index read once for four rows."""
+    rows, d = out.shape
+    signed = signs.shape[0] == d
+    r = 0
+    while r + 4 <= rows:
+        q0, q1, q2, q3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
+        o0, o1, o2, o3 = out[r], out[r + 1], out[r + 2], out[r + 3]
+        for c in range(d):
+            i = order[offset + c]
+            s = signs[c] if signed else np.float32(1.0)
+            o0[c], o1[c], o2[c], o3[c] = q0[i] * s, q1[i] * s, q2[i] * s, q3[i] * s
+        r += 4
+    for rest in range(r, rows):
+        qr, orow = qs[rest], out[rest]
+        for c in range(d):
+            orow[c] = qr[order[offset + c]] * (signs[c] if signed else np.float32(1.0))
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def scatter_rows(rows, signs, order, offset, acc):
+    """acc[r, order[offset + c]] += rows[r, c] * signs[c] (``signs`` (d,), none when empty) for every row of
+    rows (R, d): a channel's index read once for four rows."""
+    n, d = rows.shape
+    signed = signs.shape[0] == d
+    r = 0
+    while r + 4 <= n:
+        y0, y1, y2, y3 = rows[r], rows[r + 1], rows[r + 2], rows[r + 3]
+        a0, a1, a2, a3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
+        for c in range(d):
+            i = order[offset + c]
+            s = signs[c] if signed else np.float32(1.0)
+            a0[i] += y0[c] * s
+            a1[i] += y1[c] * s
+            a2[i] += y2[c] * s
+            a3[i] += y3[c] * s
+        r += 4
+    for rest in range(r, n):
+        yr, ar = rows[rest], acc[rest]
+        for c in range(d):
+            ar[order[offset + c]] += yr[c] * (signs[c] if signed else np.float32(1.0))
+
+
 @njit(cache=True, fastmath=FAST)
 def rotate_rows(qs, order, offset, rotation, signs, gathered, rotated):
     """rotated (R, d) <- P q of every query row qs (R, D) taken at channels ``order[offset : offset + d]``: with
     ``signs`` (d,) (P = H diag(s), d a power of two) by the fast transform; with ``signs`` (d,) and ``rotation`` the
     m x m factor M of P = (M kron H_n) diag(s) (``split_rotation: kronecker``) by m fast transforms and M; else by the
-    matrix P (d, d) (``gathered``: scratch of at least d floats, R d for the matrix)."""
+    matrix P (d, d) (``gathered``: (R, d) scratch)."""
     d = rotated.shape[1]
     fast = signs.shape[0] == d
     m = rotation.shape[0]
+    rows = gathered
     if fast and m != d:  # (M kron H_n) diag(s): m fast transforms of n channels, then M across them
         n = d // m
+        gather_rows(qs, order, offset, signs, rows)
         for r in range(qs.shape[0]):
-            qr = qs[r]
-            out = rotated[r]
-            for c in range(d):
-                gathered[c] = qr[order[offset + c]] * signs[c]
             for k in range(m):
-                walsh_hadamard(gathered[k * n : (k + 1) * n])
-            mix_groups(gathered, rotation, False, out)
+                walsh_hadamard(rows[r, k * n : (k + 1) * n])
+            mix_groups(rows[r], rotation, False, rotated[r])
         return
     if not fast:  # the matrix: every row gathered, then four rows per pass over P
-        rows = gathered[: qs.shape[0] * d].reshape((qs.shape[0], d))
-        for r in range(qs.shape[0]):
-            qr, gr = qs[r], rows[r]
-            for c in range(d):
-                gr[c] = qr[order[offset + c]]
+        gather_rows(qs, order, offset, signs, rows)  # (signs empty: unsigned)
         matrix_rows(rows, rotation, rotated)
         return
+    gather_rows(qs, order, offset, signs, rotated)  # signs already carry H's 1 / sqrt(d)
     for r in range(qs.shape[0]):
-        qr = qs[r]
-        out = rotated[r]
-        for c in range(d):  # signs already carry H's 1 / sqrt(d)
-            out[c] = qr[order[offset + c]] * signs[c]
-        walsh_hadamard(out)
+        walsh_hadamard(rotated[r])
 
 
 @njit(cache=True, fastmath=FAST)
 def unrotate_into(summed, rotation, signs, order, offset, row, acc):
     """acc (R, D) += P^T summed[r] (an instance's rotated-domain sums (R, d)) at channels ``order[offset : offset + d]``
-    (``row``: scratch of at least d floats, R d for the matrix): with ``signs`` diag(s) H y by the fast transform (with
+    (``row``: (R, d) scratch): with ``signs`` diag(s) H y by the fast transform (with
     ``rotation`` an m x m factor M, ``split_rotation: kronecker``: diag(s) (M^T kron H_n) y), else by the matrix."""
     n_rows, d = summed.shape
     fast = signs.shape[0] == d
     m = rotation.shape[0]
+    rows = row
     if not fast:  # the matrix: P^T y_r = sum_j y_r[j] P[j], four rows per pass over P
-        rows = row[: n_rows * d].reshape((n_rows, d))
         rows[:] = 0.0
         r = 0
         while r + 4 <= n_rows:
@@ -226,29 +301,18 @@ def unrotate_into(summed, rotation, signs, order, offset, row, acc):
         for rest in range(r, n_rows):
             for j in range(d):
                 axpy(rows[rest], summed[rest, j], rotation[j])
-        for r in range(n_rows):
-            acc_r, row_r = acc[r], rows[r]
-            for c in range(d):
-                acc_r[order[offset + c]] += row_r[c]
+        scatter_rows(rows, signs, order, offset, acc)  # (signs empty: unsigned)
         return
-    row = row[:d]
     for r in range(n_rows):
-        sr = summed[r]
         if fast and m != d:  # diag(s) (M^T kron H_n): M^T across the n-channel groups, then m fast transforms
             n = d // m
-            mix_groups(sr, rotation, True, row)
+            mix_groups(summed[r], rotation, True, rows[r])
             for k in range(m):
-                walsh_hadamard(row[k * n : (k + 1) * n])
-            for c in range(d):
-                row[c] *= signs[c]
+                walsh_hadamard(rows[r, k * n : (k + 1) * n])
         else:
-            row[:] = sr
-            walsh_hadamard(row)
-            for c in range(d):
-                row[c] *= signs[c]
-        acc_r = acc[r]
-        for c in range(d):
-            acc_r[order[offset + c]] += row[c]
+            rows[r] = summed[r]
+            walsh_hadamard(rows[r])
+    scatter_rows(rows, signs, order, offset, acc)  # diag(s), then to the block's channels
 
 
 @njit(cache=True, inline="always")
@@ -279,32 +343,68 @@ def token_norm(norm, block, t, hi, step, bs):
     return half_to_float(np.uint16(np.uint16(norm[block, 2 * t]) | (np.uint16(norm[block, 2 * t + 1]) << np.uint16(8))))
 
 
-@njit(cache=True, fastmath=FAST)
-def instance_scores(scores, base, rotated, tile, norm, block):
-    """scores[r, base + t] += ||x_t|| (P q_r) . y_t over the block's tokens: one instance's share of the logits."""
-    bs = tile.shape[0]
+@njit(cache=True, inline="always", fastmath=FAST)
+def block_norms(norm, block, norms, exponents):
+    """norms (BS,) float32 <- ||x_t|| of every token of the block (`token_norm`; ``exponents`` (BS,) int32 scratch).
+    8-bit codes read 2**(hi - c step) = e**(hi ln 2) e**(-c step ln 2), the second factor by the kernel's vectorized
+    exponential (`exp_shifted`; np.exp is a scalar call per token without SVML), the first once per block."""
+    bs = norms.shape[0]
     hi, step = block_norm_range(norm, block, bs)
+    if norm.shape[1] == 2 * bs:  # fp16 norms
+        for t in range(bs):
+            norms[t] = token_norm(norm, block, t, hi, step, bs)
+        return
     for t in range(bs):
-        nt = token_norm(norm, block, t, hi, step, bs)
-        for r in range(rotated.shape[0]):
-            scores[r, base + t] += nt * dot(rotated[r], tile[t])
+        norms[t] = -np.float32(norm[block, t]) * step * np.float32(LN2)
+    exp_shifted(norms, np.float32(0.0), exponents)
+    top = np.float32(np.exp(hi * np.float32(LN2)))
+    for t in range(bs):
+        norms[t] *= top
 
 
 @njit(cache=True, fastmath=FAST)
-def instance_values(weights, base, tile, norm, block, summed):
-    """summed (R, d) += sum_t p_t ||x_t|| y_t over the block's tokens: one instance's weighted rows, rotated domain."""
+def instance_scores(scores, base, rotated, tile, norm, block, dots, norms, exponents):
+    """scores[r, base + t] += ||x_t|| (P q_r) . y_t over the block's tokens: one instance's share of the logits
+    (``dots`` (R, BS), ``norms`` (BS,), ``exponents`` (BS,) int32: scratch). With d and BS multiples of 16 the
+    products run as `simd.tile_dots_lanes` (sixteen tokens' sums reduced together), else one dot product per row and
+    token."""
     bs = tile.shape[0]
-    hi, step = block_norm_range(norm, block, bs)
+    rows, d = rotated.shape
+    block_norms(norm, block, norms, exponents)
+    if d % LANES == 0 and bs % LANES == 0:
+        tile_dots_lanes(rotated, tile, dots, d)
+        for r in range(rows):
+            for t in range(bs):
+                scores[r, base + t] += norms[t] * dots[r, t]
+        return
     for t in range(bs):
-        nt = token_norm(norm, block, t, hi, step, bs)
-        for r in range(summed.shape[0]):
+        for r in range(rows):
+            scores[r, base + t] += norms[t] * dot(rotated[r], tile[t])
+
+
+@njit(cache=True, fastmath=FAST)
+def instance_values(weights, base, tile, norm, block, summed, coef, norms, exponents):
+    """summed (R, d) += sum_t p_t ||x_t|| y_t over the block's tokens: one instance's weighted rows, rotated domain
+    (``coef`` (R, BS), ``norms`` (BS,), ``exponents`` (BS,) int32: scratch). With d a multiple of 16 as
+    `simd.weighted_rows_lanes` (the coefficients p_t ||x_t|| first), else one row update per row and token."""
+    bs = tile.shape[0]
+    rows, d = summed.shape
+    block_norms(norm, block, norms, exponents)
+    if d % LANES == 0:
+        for r in range(rows):
+            for t in range(bs):
+                coef[r, t] = weights[r, base + t] * norms[t]
+        weighted_rows_lanes(coef, tile, summed, d)
+        return
+    for t in range(bs):
+        for r in range(rows):
             p = weights[r, base + t]
             if p != 0.0:
-                axpy(summed[r], p * nt, tile[t])
+                axpy(summed[r], p * norms[t], tile[t])
 
 
 @njit(cache=True, fastmath=FAST)
-def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, head):
+def body_scores(s, j0, j1, qs, body_table, side, bs, order, scores, head):
     """scores[r, j * bs + t] <- the logits of the tokens of body columns [j0, j1) of stream s (TurboQuant keys; ``head``
     the stream's KV head, whose row of a calibrated mask gives every block's channel order)."""
     rows, d = qs.shape
@@ -315,13 +415,21 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, he
     table_o, table_r = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)  # the codebooks, padded
     padded_codebook(book_o, table_o)
     padded_codebook(book_r, table_r)
+    slices_o, slices_r = np.zeros(12, dtype=np.int32), np.zeros(12, dtype=np.int32)  # zeros: `unpack_block`
+    if not slice_table(widths_o, bs, slices_o):
+        slices_o[1] = 0
+    if not slice_table(widths_r, bs, slices_r):
+        slices_r[1] = 0
     rotated_o, rotated_r = np.empty((rows, max(d_o, 1)), dtype=np.float32), np.empty((rows, d_r), dtype=np.float32)
+    gathered_o, gathered_r = np.empty_like(rotated_o), np.empty_like(rotated_r)  # the query rows in a block's order
+    dots, norms = np.empty((rows, bs), dtype=np.float32), np.empty(bs, dtype=np.float32)
+    exponents = np.empty(bs, dtype=np.int32)
     if d_o == 0 and j1 > j0:  # one channel order: the queries rotated once
-        rotate_rows(qs, order, 0, rot_r, signs_r, gathered, rotated_r)
+        rotate_rows(qs, order, 0, rot_r, signs_r, gathered_r, rotated_r)
     elif static and j1 > j0:  # the split over the head's calibrated channels: one order, the queries rotated once
         block_order(mask, head, order)
-        rotate_rows(qs, order, 0, rot_o, signs_o, gathered, rotated_o)
-        rotate_rows(qs, order, d_o, rot_r, signs_r, gathered, rotated_r)
+        rotate_rows(qs, order, 0, rot_o, signs_o, gathered_o, rotated_o)
+        rotate_rows(qs, order, d_o, rot_r, signs_r, gathered_r, rotated_r)
     for j in range(j0, j1):
         block = body_table[s, j]
         base = j * bs
@@ -329,12 +437,12 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, gathered, scores, he
         if d_o > 0:
             if not static:  # the block's own channel order: the queries gathered into it and rotated per block
                 block_order(mask, block, order)
-                rotate_rows(qs, order, 0, rot_o, signs_o, gathered, rotated_o)
-                rotate_rows(qs, order, d_o, rot_r, signs_r, gathered, rotated_r)
-            codebook_tile(codes_o, block, widths_o, book_o, table_o, tile_o)
-            instance_scores(scores, base, rotated_o, tile_o, norm_o, block)
-        codebook_tile(codes_r, block, widths_r, book_r, table_r, tile_r)
-        instance_scores(scores, base, rotated_r, tile_r, norm_r, block)
+                rotate_rows(qs, order, 0, rot_o, signs_o, gathered_o, rotated_o)
+                rotate_rows(qs, order, d_o, rot_r, signs_r, gathered_r, rotated_r)
+            codebook_tile(codes_o, block, widths_o, book_o, table_o, slices_o, tile_o)
+            instance_scores(scores, base, rotated_o, tile_o, norm_o, block, dots, norms, exponents)
+        codebook_tile(codes_r, block, widths_r, book_r, table_r, slices_r, tile_r)
+        instance_scores(scores, base, rotated_r, tile_r, norm_r, block, dots, norms, exponents)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -349,8 +457,15 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
     table_o, table_r = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)  # the codebooks, padded
     padded_codebook(book_o, table_o)
     padded_codebook(book_r, table_r)
+    slices_o, slices_r = np.zeros(12, dtype=np.int32), np.zeros(12, dtype=np.int32)  # zeros: `unpack_block`
+    if not slice_table(widths_o, bs, slices_o):
+        slices_o[1] = 0
+    if not slice_table(widths_r, bs, slices_r):
+        slices_r[1] = 0
     summed_o, summed_r = np.zeros((rows, max(d_o, 1)), dtype=np.float32), np.zeros((rows, d_r), dtype=np.float32)
-    row = np.empty(rows * d, dtype=np.float32)  # P^T's rows (the matrix: all R at once)
+    rows_o, rows_r = np.empty_like(summed_o), np.empty_like(summed_r)  # P^T's rows
+    coef, norms = np.empty((rows, bs), dtype=np.float32), np.empty(bs, dtype=np.float32)
+    exponents = np.empty(bs, dtype=np.int32)
     for j in range(j0, j1):
         block = body_table[s, j]
         base = j * bs
@@ -359,19 +474,19 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
                 block_order(mask, block, order)
                 summed_o[:] = 0.0
                 summed_r[:] = 0.0
-            codebook_tile(codes_o, block, widths_o, book_o, table_o, tile_o)
-            instance_values(weights, base, tile_o, norm_o, block, summed_o)
-        codebook_tile(codes_r, block, widths_r, book_r, table_r, tile_r)
-        instance_values(weights, base, tile_r, norm_r, block, summed_r)
+            codebook_tile(codes_o, block, widths_o, book_o, table_o, slices_o, tile_o)
+            instance_values(weights, base, tile_o, norm_o, block, summed_o, coef, norms, exponents)
+        codebook_tile(codes_r, block, widths_r, book_r, table_r, slices_r, tile_r)
+        instance_values(weights, base, tile_r, norm_r, block, summed_r, coef, norms, exponents)
         if d_o > 0 and not static:  # each block its own channel order: back to head channels block by block
-            unrotate_into(summed_o, rot_o, signs_o, order, 0, row, acc)
-            unrotate_into(summed_r, rot_r, signs_r, order, d_o, row, acc)
+            unrotate_into(summed_o, rot_o, signs_o, order, 0, rows_o, acc)
+            unrotate_into(summed_r, rot_r, signs_r, order, d_o, rows_r, acc)
     if d_o == 0 and j1 > j0:  # one channel order: the blocks' sums rotated back once
-        unrotate_into(summed_r, rot_r, signs_r, order, 0, row, acc)
+        unrotate_into(summed_r, rot_r, signs_r, order, 0, rows_r, acc)
     elif static and j1 > j0:  # the head's calibrated channels: one order, the sums rotated back once
         block_order(mask, head, order)
-        unrotate_into(summed_o, rot_o, signs_o, order, 0, row, acc)
-        unrotate_into(summed_r, rot_r, signs_r, order, d_o, row, acc)
+        unrotate_into(summed_o, rot_o, signs_o, order, 0, rows_o, acc)
+        unrotate_into(summed_r, rot_r, signs_r, order, d_o, rows_r, acc)
 
 
 @njit(cache=True, fastmath=FAST)
@@ -393,7 +508,6 @@ def attend_part_rotated(
     if u0 >= u1:
         return
     qs, scores, acc = q[s], weights[s], part_acc[s, part]
-    gathered = np.empty(qs.shape[0] * d, dtype=np.float32)  # the query rows in a block's order
     order = np.arange(d)  # a block's channel order (the identity without a split)
     j1 = min(u1, n_blocks)
     query_scale = k_side[14]
@@ -404,7 +518,7 @@ def attend_part_rotated(
         for r in range(qk.shape[0]):
             for c in range(d):
                 qk[r, c] *= query_scale[h, c]
-    body_scores(s, u0, j1, qk, body_table, k_side, bs, order, gathered, scores, stream_head[s])  # pass 1: logits
+    body_scores(s, u0, j1, qk, body_table, k_side, bs, order, scores, stream_head[s])  # pass 1: logits
     float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_ks, float_table, float_kind, bs, scores)
     part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum)
