@@ -15,7 +15,9 @@ by walking the cache's tensors from outside, and the process' peak RSS.
 
 `--interleaved` runs the caches of a (model, context, batch) in one process instead, each prefilled, then
 decode step s of every cache before step s + 1: the ratios then hold on a loaded machine (RESULTS.md's
-interleaved tables); peak RSS and bytes are not reported in that mode.
+interleaved tables); peak RSS and bytes are not reported in that mode. It also reports the median time a step
+spends inside the model's attention modules and its excess over `DynamicCache`'s (the part a cache changes:
+the rest of a step, the MLPs and the vocabulary projection, is the same for every cache).
 
 Baselines: `DynamicCache` (transformers' default cache, in the model's dtype) and,
 when `optimum-quanto` imports, transformers' `QuantizedCache` (quanto, 4-bit), the peer users compare with.
@@ -159,34 +161,59 @@ def measure_interleaved(model_name: str, labels: list[str], context: int, batch:
     model, tokenizer = load_model(model_path(model_name))
     context = min(context, model.config.max_position_embeddings - steps)
     ids = torch.randint(100, min(model.config.vocab_size, 20000), (batch, context + steps), generator=torch.Generator().manual_seed(0))
-    times = interleaved_step_times(model, {label: make_cache(label, model, tokenizer)[0] for label in labels}, ids, context, steps)
+    attention: dict[str, list[float]] = {}
+    times = interleaved_step_times(model, {label: make_cache(label, model, tokenizer)[0] for label in labels}, ids, context, steps,
+                                   attention)
     rows = []
     for label in labels:
         timed = times[label][2:]
         median = statistics.median(timed)
         rows.append({"cache": label, "ms_per_step": 1e3 * median, "best_ms_per_step": 1e3 * min(timed), "tokens_per_s": batch / median,
-                     "context_used": context, "interleaved": True})
+                     "attention_ms_per_step": 1e3 * statistics.median(attention[label][2:]), "context_used": context,
+                     "interleaved": True})
     return rows
 
 
-def interleaved_step_times(model, caches: dict, ids, context: int, steps: int) -> dict[str, list[float]]:
+def interleaved_step_times(model, caches: dict, ids, context: int, steps: int, attention: dict | None = None) -> dict[str, list[float]]:
     """Seconds of each decode step of each cache {label: cache}: every cache prefilled with ids[:, :context] (chunks of
     1024), then step s of every cache before step s + 1 (order reversed every other step), so a change in machine load
-    slows every cache alike."""
+    slows every cache alike. With ``attention`` (a dict), its {label: [seconds]} receive each step's time inside the
+    model's attention modules (every ``self_attn``, timed around its ``forward``): the part of a step a cache changes."""
     import torch
 
     times = {label: [] for label in caches}
     labels = list(caches)
-    with torch.no_grad():
-        for cache in caches.values():
-            for start in range(0, context, 1024):
-                model(ids[:, start:min(context, start + 1024)], **with_cache(cache), use_cache=True)
-        for step in range(steps):
-            token = ids[:, context + step:context + step + 1]
-            for label in labels if step % 2 == 0 else labels[::-1]:
-                begin = time.perf_counter()
-                model(token, **with_cache(caches[label]), use_cache=True)
-                times[label].append(time.perf_counter() - begin)
+    inside = [0.0]
+    modules = [m for name, m in model.named_modules() if name.endswith("self_attn")] if attention is not None else []
+
+    def timed(forward):
+        def run(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - begin
+        return run
+
+    for module in modules:
+        module.forward = timed(module.forward)  # an instance attribute: dropped again below
+    try:
+        with torch.no_grad():
+            for cache in caches.values():
+                for start in range(0, context, 1024):
+                    model(ids[:, start:min(context, start + 1024)], **with_cache(cache), use_cache=True)
+            for step in range(steps):
+                token = ids[:, context + step:context + step + 1]
+                for label in labels if step % 2 == 0 else labels[::-1]:
+                    inside[0] = 0.0
+                    begin = time.perf_counter()
+                    model(token, **with_cache(caches[label]), use_cache=True)
+                    times[label].append(time.perf_counter() - begin)
+                    if attention is not None:
+                        attention.setdefault(label, []).append(inside[0])
+    finally:
+        for module in modules:
+            del module.forward
     return times
 
 
@@ -214,19 +241,26 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="decode speed (ms per step, median of timed steps; ratio to DynamicCache in the same run)")
-    for column in ("model", "context", "batch", "cache", "ms/step", "tokens/s", "x DynamicCache", "held MB", "reserved MB",
-                   "walked MB", "kept", "peak RSS MB"):
+    attention = any("attention_ms_per_step" in r for r in rows)  # --interleaved: the time inside the attention modules
+    columns = ["model", "context", "batch", "cache", "ms/step", "tokens/s", "x DynamicCache"]
+    columns += ["attention ms", "attention +ms"] if attention else []
+    for column in columns + ["held MB", "reserved MB", "walked MB", "kept", "peak RSS MB"]:
         table.add_column(column, justify="right")
     mb = lambda x: "" if x is None else f"{x / 2**20:.1f}"  # noqa: E731
     for r in rows:
         if "error" in r or "skipped" in r:
-            table.add_row(r["model"], str(r["context"]), str(r["batch"]), r["cache"], r.get("error") or r.get("skipped"), *[""] * 7)
+            table.add_row(r["model"], str(r["context"]), str(r["batch"]), r["cache"], r.get("error") or r.get("skipped"),
+                          *[""] * (len(columns) + 2))
             continue
         peak = "" if "peak_rss_bytes" not in r else mb(r["peak_rss_bytes"])
         ratio = r.get("ratio_to_dynamic")
+        extra = []
+        if attention:
+            over = r.get("attention_over_dynamic_ms")
+            extra = [f"{r['attention_ms_per_step']:.2f}", "" if over is None else f"{over:+.2f}"]
         table.add_row(
             r["model"], str(r["context"]), str(r["batch"]), r["cache"], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:.1f}",
-            "" if ratio is None else f"{ratio:.2f}", mb(r.get("cache_bytes")), mb(r.get("reserved_bytes")), mb(r.get("walked_bytes")),
+            "" if ratio is None else f"{ratio:.3f}", *extra, mb(r.get("cache_bytes")), mb(r.get("reserved_bytes")), mb(r.get("walked_bytes")),
             "" if r.get("kept_fraction") is None else f"{r['kept_fraction']:.2f}", peak,
         )
     Console().print(table)
@@ -263,16 +297,18 @@ def main() -> None:
             for batch in args.batches:
                 if batch * context > args.max_batch_tokens:
                     continue
-                base = None
+                base = base_attention = None
                 if args.interleaved:
                     measured = measure_interleaved(model_name, caches, context, batch, args.steps, args.threads)
                 for index, label in enumerate(caches):
                     row = {"model": model_name, "context": context, "batch": batch, "cache": label}
                     row.update(measured[index] if args.interleaved else run_row(model_name, label, context, batch, args.steps, args.threads))
                     if label == "DynamicCache" and "ms_per_step" in row:
-                        base = row["ms_per_step"]
+                        base, base_attention = row["ms_per_step"], row.get("attention_ms_per_step")
                     if base and "ms_per_step" in row:
                         row["ratio_to_dynamic"] = row["ms_per_step"] / base
+                    if base_attention is not None and "attention_ms_per_step" in row:
+                        row["attention_over_dynamic_ms"] = row["attention_ms_per_step"] - base_attention
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
     print_table(rows)
