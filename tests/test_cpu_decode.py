@@ -400,7 +400,8 @@ def test_block_codes_read_in_one_pass_equal_the_unpacked_codes_looked_up(widths,
     padded_codebook(codebook, table)
     width_array = np.zeros(4, np.int64)
     width_array[: len(widths)] = widths
-    assert slice_table(width_array, bs, slices)
+    slice_table(width_array, bs, slices)
+    assert slices[1] > 0  # the one-pass read applies
     for block in range(3):
         unpacked = np.empty((bs, dim), np.float32)
         unpack_block(codes, block, width_array, unpacked)

@@ -103,22 +103,22 @@ def lookup_row(row, codebook, table):
 def slice_table(widths, bs, slices):
     """slices (12,) int32 <- (first row, rows, width, low bit) of each of up to three bit slices of a body block of
     ``bs`` tokens with slice ``widths`` (`unpack_block`'s layout: a w-bit slice spans bs w / 8 byte rows), (0, 1, 0, 0)
-    for a slice the codes do not have; read by `simd.codebook_block_lanes`. Returns False when the codes need more
-    than three slices (then the block is read by `unpack_block`)."""
+    for a slice the codes do not have; read by `simd.codebook_block_lanes`. All zeros (the block then read by
+    `unpack_block`) when the codes have more than three slices."""
+    slices[:] = 0
+    for i in range(3, widths.shape[0]):
+        if widths[i] > 0:
+            return
     first, low = 0, 0
-    for i in range(widths.shape[0]):
-        if widths[i] > 0 and i >= 3:
-            return False
     for i in range(3):
         w = widths[i] if i < widths.shape[0] else 0
         if w == 0:
-            slices[4 * i], slices[4 * i + 1], slices[4 * i + 2], slices[4 * i + 3] = 0, 1, 0, 0
+            slices[4 * i + 1] = 1
             continue
         sub = bs * w // 8
         slices[4 * i], slices[4 * i + 1], slices[4 * i + 2], slices[4 * i + 3] = first, sub, w, low
         first += sub
         low += w
-    return True
 
 
 @njit(cache=True, fastmath=FAST)
@@ -126,9 +126,9 @@ def codebook_tile(codes, block, widths, codebook, table, slices, tile):
     """tile (BS, d) float32 <- the codebook values of block ``block``'s codes (cap, BS * b / 8, d), bit-sliced and
     token-split as `cpu_decode_kernel.unpack_block` reads them. Codes of up to 5 bits in at most three slices over d a
     multiple of 16 (every TurboQuant recipe's instances at head_dim 64 and 256): in one pass from the bytes to the
-    codebook values (`simd.codebook_block_lanes`; ``slices`` from `slice_table`, its first entry's rows count 0 when
-    it does not apply; ``table`` the codebook padded to 32 levels, `padded_codebook`); else `unpack_block` (which
-    writes the integer codes as floats), then `lookup_row` over the tile as one row."""
+    codebook values (`simd.codebook_block_lanes`; ``slices`` from `slice_table`, all zeros when it does not apply;
+    ``table`` the codebook padded to 32 levels, `padded_codebook`); else `unpack_block` (which writes the integer
+    codes as floats), then `lookup_row` over the tile as one row."""
     if slices[1] > 0 and codebook.shape[0] <= 32 and tile.shape[1] % LANES == 0:
         codebook_block_lanes(codes[block], slices, table, tile)
         return
@@ -415,11 +415,9 @@ def body_scores(s, j0, j1, qs, body_table, side, bs, order, scores, head):
     table_o, table_r = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)  # the codebooks, padded
     padded_codebook(book_o, table_o)
     padded_codebook(book_r, table_r)
-    slices_o, slices_r = np.zeros(12, dtype=np.int32), np.zeros(12, dtype=np.int32)  # zeros: `unpack_block`
-    if not slice_table(widths_o, bs, slices_o):
-        slices_o[1] = 0
-    if not slice_table(widths_r, bs, slices_r):
-        slices_r[1] = 0
+    slices_o, slices_r = np.empty(12, dtype=np.int32), np.empty(12, dtype=np.int32)  # the codes' bit slices
+    slice_table(widths_o, bs, slices_o)
+    slice_table(widths_r, bs, slices_r)
     rotated_o, rotated_r = np.empty((rows, max(d_o, 1)), dtype=np.float32), np.empty((rows, d_r), dtype=np.float32)
     gathered_o, gathered_r = np.empty_like(rotated_o), np.empty_like(rotated_r)  # the query rows in a block's order
     dots, norms = np.empty((rows, bs), dtype=np.float32), np.empty(bs, dtype=np.float32)
@@ -457,11 +455,9 @@ def body_values(s, j0, j1, body_table, side, bs, order, weights, acc, head):
     table_o, table_r = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)  # the codebooks, padded
     padded_codebook(book_o, table_o)
     padded_codebook(book_r, table_r)
-    slices_o, slices_r = np.zeros(12, dtype=np.int32), np.zeros(12, dtype=np.int32)  # zeros: `unpack_block`
-    if not slice_table(widths_o, bs, slices_o):
-        slices_o[1] = 0
-    if not slice_table(widths_r, bs, slices_r):
-        slices_r[1] = 0
+    slices_o, slices_r = np.empty(12, dtype=np.int32), np.empty(12, dtype=np.int32)  # the codes' bit slices
+    slice_table(widths_o, bs, slices_o)
+    slice_table(widths_r, bs, slices_r)
     summed_o, summed_r = np.zeros((rows, max(d_o, 1)), dtype=np.float32), np.zeros((rows, d_r), dtype=np.float32)
     rows_o, rows_r = np.empty_like(summed_o), np.empty_like(summed_r)  # P^T's rows
     coef, norms = np.empty((rows, bs), dtype=np.float32), np.empty(bs, dtype=np.float32)

@@ -259,11 +259,11 @@ def weighted_rows_lanes(typingctx, coef, tile, summed, d):
 
 @intrinsic
 def codebook_block_lanes(typingctx, codes, slices, table, tile):
-    """tile (T d,) float32 <- table[code] for every code of one body block of T tokens x d channels, read in one pass
+    """tile (T, d) float32 <- table[code] for every code of one body block of T tokens x d channels, read in one pass
     from its bit-sliced bytes ``codes`` (rows x d uint8: slice i's rows first_i .. first_i + sub_i - 1 hold token t at
     row first_i + t mod sub_i, bits from (t div sub_i) w_i, so code = sum_i ((byte >> shift) & (2^w_i - 1)) << low_i;
     `cpu_decode_kernel.unpack_block`'s layout). ``slices`` (3, 4) int32 flat: (first, sub, w, low) per slice, w = 0
-    (with sub 1) for no such slice, slices present in order; tile (T, d) with d a multiple of 16 (T from it); codes
+    (with sub 1) for no such slice, slices present in order; d a multiple of 16 (T and d from ``tile``); codes
     0 .. 31 (at most 5 bits) with ``table`` (32,) float32 the codebook padded by its last level (read as in
     `codebook_lanes`; one half of it for codes of at most 4 bits). 16 codes at a time in 32-bit lanes, one loop per
     number of slices."""
