@@ -124,9 +124,9 @@ def codebook_lanes(typingctx, row, table):
     return types.void(row, table), codegen
 
 
-def _splat(builder, value):
-    """A <16 x float> with every lane ``value``."""
-    vec = builder.insert_element(ir.Constant(_FLOATS, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+def _splat(builder, value, vector=_FLOATS):
+    """A 16-lane ``vector`` (float by default, or ``_INTS``) with every lane ``value``."""
+    vec = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(vec, vec, ir.Constant(_INTS, [0] * LANES))
 
 
@@ -155,6 +155,11 @@ def _fast(builder, op, a, b):
     return getattr(builder, op)(a, b, flags=("fast",))
 
 
+def _block_product(a, b, c, d) -> bool:
+    """The arguments of a block product: three C-contiguous float32 arrays and an integer row length."""
+    return _block(a) and _block(b) and _block(c) and isinstance(d, types.Integer)
+
+
 def _blocks_and_width(context, builder, signature, args):
     """The three array arguments of a block product (their data and item counts) and its row length d as an intp,
     with a constant maker of that type."""
@@ -170,7 +175,7 @@ def tile_dots_lanes(typingctx, rows, tile, out, d):
     flat; d and T multiples of 16). Sixteen tokens at a time: one 16-lane partial sum per token over the row's chunks,
     then the sixteen summed together into one vector of sixteen logits (`_sum_lanes_by_vector`), not sixteen separate
     reductions."""
-    if not (_block(rows) and _block(tile) and _block(out) and isinstance(d, types.Integer)):
+    if not _block_product(rows, tile, out, d):
         return None
 
     def codegen(context, builder, signature, args):
@@ -206,7 +211,7 @@ def weighted_rows_lanes(typingctx, coef, tile, summed, d):
     weighted value rows for R query rows (each array C-contiguous, of any rank, read flat; d a multiple of 16, T even).
     Up to four 16-lane chunks of a row per pass over the tokens, each summed in two halves (even and odd tokens), so up
     to eight independent sums keep the adds from waiting on each other."""
-    if not (_block(coef) and _block(tile) and _block(summed) and isinstance(d, types.Integer)):
+    if not _block_product(coef, tile, summed, d):
         return None
 
     def codegen(context, builder, signature, args):
@@ -282,10 +287,6 @@ def codebook_block_lanes(typingctx, codes, slices, table, tile):
         halves = (builder.load(_vector_at(builder, book.data, const(0)), align=4),
                   builder.load(_vector_at(builder, book.data, const(LANES)), align=4))
 
-        def splat(v):
-            vec = builder.insert_element(ir.Constant(_INTS, ir.Undefined), v, ir.Constant(int32, 0))
-            return builder.shuffle_vector(vec, ir.Constant(_INTS, ir.Undefined), ir.Constant(_INTS, [0] * LANES))
-
         fields = [builder.sext(builder.load(builder.gep(p.data, [const(i)])), width.type) for i in range(12)]
         byte_vector = ir.VectorType(ir.IntType(8), LANES).as_pointer()
         with cgutils.for_range(builder, n_tokens) as token_loop:
@@ -295,9 +296,10 @@ def codebook_block_lanes(typingctx, codes, slices, table, tile):
                 first, sub, w, low = fields[4 * i : 4 * i + 4]
                 row = builder.add(first, builder.urem(t, sub))
                 starts.append(builder.gep(src.data, [builder.mul(row, width)]))
-                shifts.append(splat(builder.trunc(builder.mul(builder.udiv(t, sub), w), int32)))
-                masks.append(splat(builder.trunc(builder.sub(builder.shl(const(1), w), const(1)), int32)))
-                lows.append(splat(builder.trunc(low, int32)))
+                shifts.append(_splat(builder, builder.trunc(builder.mul(builder.udiv(t, sub), w), int32), _INTS))
+                mask = builder.sub(builder.shl(const(1), w), const(1))
+                masks.append(_splat(builder, builder.trunc(mask, int32), _INTS))
+                lows.append(_splat(builder, builder.trunc(low, int32), _INTS))
             out_row = builder.mul(t, width)
 
             def read_row(count, wide):  # the row's codes from `count` slices; `wide`: codes past 15 (both halves)
