@@ -45,12 +45,47 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -
     interleaved: pairs (2i, 2i+1) instead of halves (Cohere); cos/sin in the same layout.
     """
     rotary_dim = _check_dims(x, cos)
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]  # (B, H, T, R), (B, H, T, D-R)
     cos = cos.unsqueeze(1).to(x.dtype)  # (B, 1, T, R)
     sin = sin.unsqueeze(1).to(x.dtype)  # (B, 1, T, R)
+    differentiated = torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad)
+    if not interleaved and not differentiated:  # (in-place writes into an output have no gradient)
+        return _rotate_halves(x, cos, sin, rotary_dim)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]  # (B, H, T, R), (B, H, T, D-R)
     turn = rotate_pairs if interleaved else rotate_half
     rotated = x_rot * cos + turn(x_rot) * sin
     return torch.cat((rotated, x_pass), dim=-1)
+
+
+@dataclass(frozen=True, eq=False)
+class KeyRotation:
+    """RoPE at given cos / sin (S, T, R) float32 in a layout, as a function of keys (S, g, T, D) (`apply_rope`): what a
+    format's ``chunk_scores`` gets to turn pre-RoPE keys at their true positions; a host kernel that turns the keys
+    itself reads cos, sin and the layout from it (`cpu_lowrank.py`)."""
+
+    cos: Tensor
+    sin: Tensor
+    interleaved: bool = False
+
+    def __call__(self, keys: Tensor) -> Tensor:
+        return apply_rope(keys, self.cos, self.sin, self.interleaved)
+
+
+def _rotate_halves(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
+    """``x cos + rotate_half(x) sin`` on the first ``rotary_dim`` channels of x (B, H, T, D), the rest passed
+    through, with cos / sin (B, 1, T, R) in x's dtype: written half by half into one output, so neither the rotated
+    copy nor the concatenation is made (decode reads re-rotate every held pre-RoPE key each step). The same products
+    and sums as the full-width formula, each rounded once, in the same order: the same bits."""
+    h = rotary_dim // 2
+    x1, x2 = x[..., :h], x[..., h:rotary_dim]
+    out = torch.empty((*torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1]), x.shape[-1]), dtype=x.dtype, device=x.device)
+    first, second = out[..., :h], out[..., h:rotary_dim]
+    product = torch.mul(x2, sin[..., :h])
+    torch.mul(x1, cos[..., :h], out=first).sub_(product)  # x1 cos - x2 sin
+    torch.mul(x1, sin[..., h:], out=product)
+    torch.mul(x2, cos[..., h:], out=second).add_(product)  # x2 cos + x1 sin
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
 
 
 def unapply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:

@@ -53,6 +53,9 @@ class CacheContext:
     shrink: tuple[torch.Tensor, int] | None = field(default=None, init=False)
     # (id of a forward's attention mask, t) -> (weak reference to that mask, every new token real): see `all_real`
     _all_real: dict = field(default_factory=dict, init=False, repr=False)
+    # RoPE of one forward's body positions on the host: index of a layer's RoPE -> (positions, cos, sin); see
+    # `body_cos_sin` (emptied when the forward's last layer is done, so no table outlives it)
+    _cos_sin: dict = field(default_factory=dict, init=False, repr=False)
 
     def all_real(self, attention_mask: torch.Tensor, t: int, real: torch.Tensor) -> bool:
         """``bool(real.all())`` for the real-token flags (B, t) read from ``attention_mask``, once per forward: every
@@ -84,6 +87,25 @@ class CacheContext:
         return self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
 
     # --- per forward ---------------------------------------------------------------------------
+    def body_cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (S, T, R) of layer ``layer``'s RoPE at body positions (S, T): on the host computed once per forward for
+        every layer with the same RoPE and the same positions (every layer of a model that keeps no positions per slot:
+        SmolLM2-135M computed 30 tables a step for one), else as `RopeTable.cos_sin`."""
+        if positions.device.type != "cpu":  # (on a GPU the comparison would be a host sync per layer)
+            return self.rope.cos_sin(layer, positions)
+        kind = self.rope.kind(layer)
+        held = self._cos_sin.get(kind)
+        if held is not None and held[0].shape == positions.shape and torch.equal(held[0], positions):
+            return held[1], held[2]
+        cos, sin = self.rope.cos_sin(layer, positions)
+        self._cos_sin[kind] = (positions, cos, sin)
+        return cos, sin
+
+    def end_layer(self, layer: int) -> None:
+        """A layer's attention is done: after the forward's last layer, drop what was shared within the forward."""
+        if layer == len(self.rope.ropes) - 1 and self._cos_sin:
+            self._cos_sin.clear()
+
     def begin(self, batch: int, device) -> None:
         if self.needs_sequence_positions and self.sequence_positions is None:
             self.sequence_positions = SequencePositions(batch, device)

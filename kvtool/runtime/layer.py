@@ -274,6 +274,12 @@ class KvtoolLayer(CacheLayerMixin):
     # --- attention ----------------------------------------------------------------------------------
     def attend(self, module, query, key, value, attention_mask, scaling: float, **kwargs) -> torch.Tensor:
         """Attention of the new queries (B, H_q, t, D) over the store and the new tokens; then store. (B, t, H_q, D)."""
+        try:
+            return self._attend(query, attention_mask, scaling, kwargs)
+        finally:
+            self.context.end_layer(self.index)
+
+    def _attend(self, query, attention_mask, scaling: float, kwargs: dict) -> torch.Tensor:
         new_k, new_v, seen_before = self._pending
         self._pending = None
         if query.shape[2] == 1 and self.context.backend == "numba":
@@ -730,8 +736,7 @@ class KvtoolLayer(CacheLayerMixin):
             pos = context.body_positions(self, c0, c1, ids) if (needs_pos or pre_rope) else None
             to_attention = None
             if pre_rope:
-                cos, sin = context.rope.cos_sin(self.index, pos)  # (S, T, R)
-                to_attention = lambda keys, cos=cos, sin=sin: context.rope.rotate(self.index, keys, cos, sin)  # noqa: E731
+                to_attention = context.rope.key_rotation(self.index, *context.body_cos_sin(self.index, pos))  # (S, T, R)
             yield Chunk(
                 scores=lambda q, kb=kb, fn=to_attention: self.key_format.chunk_scores(q, kb, self.group_of_stream, fn),
                 values=lambda p, vb=vb: self.value_format.chunk_values(p, vb, self.group_of_stream),

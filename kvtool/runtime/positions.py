@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.models.rope import RopeSpec, apply_rope, unapply_rope
+from kvtool.models.rope import KeyRotation, RopeSpec, apply_rope, unapply_rope
 
 
 class ForwardProbes:
@@ -56,14 +56,26 @@ class RopeTable:
 
     def __init__(self, ropes) -> None:
         self.ropes: tuple[RopeSpec, ...] = tuple(ropes)  # one per decoder layer
+        kinds: list[int] = []  # per layer: the first layer whose RoPE gives the same cos/sin for every position
+        for spec in self.ropes:
+            kinds.append(next((kinds[i] for i, other in enumerate(self.ropes[: len(kinds)]) if spec.same_as(other)), len(kinds)))
+        self.kinds = tuple(kinds)
 
     @classmethod
     def from_adapter(cls, adapter) -> "RopeTable":
         return cls(adapter.layer_spec(i).rope for i in range(adapter.geometry.num_layers))
 
+    def kind(self, layer: int) -> int:
+        """The first layer whose RoPE is layer ``layer``'s (same cos/sin at every position)."""
+        return self.kinds[layer]
+
     def cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (..., T, R) float32 of layer ``layer`` for positions (..., T)."""
         return self.ropes[layer].cos_sin(positions)
+
+    def key_rotation(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> KeyRotation:
+        """Layer ``layer``'s RoPE at cos, sin (S, T, R) as a function of keys (S, g, T, D) (`KeyRotation`)."""
+        return KeyRotation(cos, sin, self.ropes[layer].interleaved)
 
     def rotate(self, layer: int, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """RoPE (or its exact inverse, scaling included) of keys (S, g, T, D) float32 with cos/sin (S, T, R)."""

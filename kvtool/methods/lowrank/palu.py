@@ -82,6 +82,7 @@ class PaluQuantizer(BlockQuantizer):
                 f"the artifact is for another model; run kvtool calibrate again"
             )
         self.basis, self.bias = basis, bias
+        self.has_bias = bool(bias.abs().amax() > 0)  # projections without a bias (most models): nothing to add
         self.length = self.rank  # L coordinates coded per token
         self.hadamard_block = min(self.rank & -self.rank, 64) if spec.hadamard else 1  # power of two dividing r
         self.qgroup = min(spec.group_size, self.length)
@@ -98,11 +99,33 @@ class PaluQuantizer(BlockQuantizer):
 
     # ----- geometry ------------------------------------------------------------------------
 
-    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(basis (G, gD, r), bias (G, gD)) float32 on ``device``."""
+    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(basis (G, gD, r), bias (G, gD), up-projection of the stored coordinates per head (G, g, r, D): U^T, or
+        H U^T with the Hadamard transform folded in, as the Triton kernel's ``recon``) float32 on ``device``."""
         if device not in self._device_cache:
-            self._device_cache[device] = (self.basis.to(device), self.bias.to(device))
+            recon = self._recon().view(self.groups, self.rank, self.heads_per_group, self.head_dim)  # (G, r, g, D)
+            up = recon.transpose(1, 2).float().contiguous().to(device)
+            self._device_cache[device] = (self.basis.to(device), self.bias.to(device), up)
         return self._device_cache[device]
+
+    def _recon(self) -> torch.Tensor:
+        """(G, r, gD) float64: the stored coordinates' up-projection, H @ U^T with a Hadamard transform (H symmetric:
+        (U H)^T = H U^T), else U^T."""
+        up = self.basis.double().transpose(1, 2)  # (G, r, gD)
+        if self.spec.bits != 16 and self.spec.hadamard:
+            up = block_fwht(up.transpose(1, 2), self.hadamard_block).transpose(1, 2)
+        return up
+
+    def _reconstruct(self, coded: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        """Stored coordinates (N, T, r) float32 (`_coded_latent`) of group ``group`` (N,) -> (N, g, T, D) float32:
+        h U^T + b head by head, the Hadamard transform folded into the product; one up-projection for every token
+        when the layer has one group (not copied per block)."""
+        _, bias, up = self._tensors(coded.device)
+        group = group.to(coded.device)
+        out = torch.matmul(coded[:, None], up[0] if self.groups == 1 else up[group])  # (N, g, T, D)
+        if self.has_bias:
+            out = out + bias[group].view(-1, self.heads_per_group, 1, self.head_dim)
+        return out
 
     def check_kv_heads(self, num_kv_heads: int) -> None:
         if num_kv_heads != self.groups * self.heads_per_group:
@@ -132,7 +155,7 @@ class PaluQuantizer(BlockQuantizer):
 
     def encode_blocks(self, x: torch.Tensor, group: torch.Tensor) -> dict[str, torch.Tensor]:
         n, g, s, d = x.shape
-        basis, bias = self._tensors(x.device)
+        basis, bias, _ = self._tensors(x.device)
         group = group.to(x.device)
         flat = x.float().permute(0, 2, 1, 3).reshape(n, s, g * d) - bias[group][:, None, :]  # (N, S, gD)
         # one (S, gD) @ (gD, r) product per block, so a block's latent does not depend on the others
@@ -152,35 +175,84 @@ class PaluQuantizer(BlockQuantizer):
 
     def decode_latent(self, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
         """Storage {name: (N, ...)} -> latents (N, S, r) float32 (Hadamard undone)."""
+        coded = self._coded_latent(blocks)
+        return block_fwht(coded, self.hadamard_block) if self.spec.bits != 16 and self.spec.hadamard else coded
+
+    def _coded_latent(self, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Storage {name: (N, ...)} -> the stored coordinates (N, S, L) float32: codes x scale + zero (a Hadamard
+        transform not undone), or the float16 latents."""
         if self.spec.bits == 16:
             return blocks["latent"].float()
+        if blocks["codes"].device.type == "cpu" and _numba_available():  # one compiled pass, the same bits
+            return _host_latents(blocks, self.spec.bits, self.qgroup)  # (N, S, L)
         codes = unpack_codes(blocks["codes"], self.spec.bits, self.block_size)  # (N, S, L)
         grouped = self._padded(codes.float())  # (N, S, qgroups, q)
         values = grouped * blocks["scale"].float()[..., None] + blocks["zero"].float()[..., None]
-        latent = values.reshape(*codes.shape[:2], -1)[..., : self.length]
-        return block_fwht(latent, self.hadamard_block) if self.spec.hadamard else latent
+        return values.reshape(*codes.shape[:2], -1)[..., : self.length]
 
     def decode_blocks(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
-        latent = self.decode_latent(blocks)  # (N, S, r)
-        basis, bias = self._tensors(latent.device)
-        group = group.to(latent.device)
-        flat = torch.bmm(latent, basis[group].transpose(1, 2)) + bias[group][:, None, :]  # (N, S, gD)
-        n, s = flat.shape[:2]
+        heads = self._reconstruct(self._coded_latent(blocks), group)  # (N, g, S, D)
         limit = torch.finfo(self.dtype).max
-        heads = flat.reshape(n, s, self.heads_per_group, self.head_dim).transpose(1, 2)  # (N, g, S, D)
         return heads.clamp(-limit, limit).to(self.dtype)
+
+    def _chunk_latent(self, blocks: dict[str, torch.Tensor]) -> torch.Tensor:
+        """{name: (Sc, nb, ...)} -> stored coordinates (Sc, nb * S, r) float32 (`_coded_latent`)."""
+        sc, nb = next(iter(blocks.values())).shape[:2]
+        flat = {name: t.reshape(sc * nb, *t.shape[2:]) for name, t in blocks.items()}
+        return self._coded_latent(flat).reshape(sc, nb * self.block_size, self.rank)
+
+    def _decode_chunk(self, blocks: dict[str, torch.Tensor], group: torch.Tensor) -> torch.Tensor:
+        """{name: (Sc, nb, ...)} -> (Sc, g, nb * S, D) float32: one product per chunk, not rounded to the format's dtype
+        (an intermediate that attention reads at once, as the Triton kernel's registers hold it)."""
+        return self._reconstruct(self._chunk_latent(blocks), group)
+
+    def chunk_scores(self, query, blocks, group, keys_to_attention=None):
+        """q . k of the chunk's tokens (Sc, g, R, T) float32; on the host by `cpu_lowrank.latent_logits` (one pass, the
+        keys reconstructed and turned sixteen tokens at a time) where Numba is installed, else the keys reconstructed
+        whole (the base's)."""
+        tokens = next(iter(blocks.values())).shape[1] * self.block_size
+        if not self._host_logits_cover(query, tokens, keys_to_attention):
+            return super().chunk_scores(query, blocks, group, keys_to_attention)
+        from kvtool.runtime.kernels.cpu_lowrank import latent_logits
+
+        coded = self._chunk_latent(blocks).contiguous()  # (Sc, T, r)
+        _, bias, up = self._tensors(coded.device)
+        sc, g, r, d = query.shape
+        out = torch.empty(sc, g, r, tokens)
+        rope = keys_to_attention
+        none = torch.zeros(1, 1, 2)  # (keys stored after RoPE: no cos / sin read)
+        cos, sin = (rope.cos.float().contiguous(), rope.sin.float().contiguous()) if rope is not None else (none, none)
+        latent_logits(
+            coded.numpy(), up[0].numpy(), bias[0].view(g, d).numpy(), self.has_bias, cos.numpy(), sin.numpy(),
+            0 if rope is None else cos.shape[-1], False if rope is None else rope.interleaved,
+            query.float().contiguous().numpy(), out.numpy(),
+        )
+        return out
+
+    def _host_logits_cover(self, query: torch.Tensor, tokens: int, keys_to_attention) -> bool:
+        """`chunk_scores` runs the host kernel: CPU tensors, Numba, one head group, keys stored after RoPE or turned by a
+        `KeyRotation` (whose cos / sin the kernel reads), and a chunk the kernel's tiles cover."""
+        from kvtool.models.rope import KeyRotation
+
+        if query.device.type != "cpu" or self.groups != 1 or not _numba_available():
+            return False
+        if keys_to_attention is not None and not isinstance(keys_to_attention, KeyRotation):
+            return False
+        from kvtool.runtime.kernels.cpu_lowrank import covers
+
+        return covers(tokens, self.rank, self.head_dim)
 
     def chunk_values(self, probs, blocks, group):
         """Palu's fold: sum_t p_t (U_h h_t + b_h) = U_h (sum_t p_t h_t) + b_h sum_t p_t, never reconstructing V."""
-        sc, nb = next(iter(blocks.values())).shape[:2]
-        flat = {name: t.reshape(sc * nb, *t.shape[2:]) for name, t in blocks.items()}
-        latent = self.decode_latent(flat).reshape(sc, nb * self.block_size, self.rank)  # (Sc, T, r)
-        basis, bias = self._tensors(latent.device)
-        g, d = self.heads_per_group, self.head_dim
-        up = basis[group].reshape(sc, g, d, self.rank)  # (Sc, g, D, r): head h's rows of the group basis
-        mixed = torch.matmul(probs, latent[:, None])  # (Sc, g, R, r)
-        out = torch.matmul(mixed, up.transpose(-1, -2))  # (Sc, g, R, D)
-        return out + probs.sum(dim=-1, keepdim=True) * bias[group].reshape(sc, g, 1, d)
+        latent = self._chunk_latent(blocks)  # (Sc, T, r)
+        sc, g, r, t = probs.shape
+        _, bias, up = self._tensors(latent.device)
+        group = group.to(latent.device)
+        mixed = torch.matmul(probs.reshape(sc, g * r, t), latent).view(sc, g, r, self.rank)  # one pass over the latents
+        out = torch.matmul(mixed, up[0] if self.groups == 1 else up[group])  # (Sc, g, R, D)
+        if self.has_bias:
+            out = out + probs.sum(dim=-1, keepdim=True) * bias[group].view(sc, g, 1, self.head_dim)
+        return out
 
     # ----- the Triton decode kernel ----------------------------------------------------------
     def kernel_format(self):
@@ -198,10 +270,7 @@ class PaluQuantizer(BlockQuantizer):
 
     def kernel_constants(self) -> dict[str, torch.Tensor]:
         """``recon`` (G, r, gD) = H @ U^T (the Hadamard transform folded in) and ``recon_bias`` (G, gD)."""
-        up = self.basis.double().transpose(1, 2)  # (G, r, gD)
-        if self.spec.bits != 16 and self.spec.hadamard:
-            up = block_fwht(up.transpose(1, 2), self.hadamard_block).transpose(1, 2)  # H symmetric: (U H)^T = H U^T
-        return {"recon": up, "recon_bias": self.bias}
+        return {"recon": self._recon(), "recon_bias": self.bias}
 
     def block_nbytes(self) -> int | float:
         s = self.block_size
@@ -211,6 +280,26 @@ class PaluQuantizer(BlockQuantizer):
             group_bytes = packed_bytes(s, self.length, self.spec.bits) + 2 * 2 * s * self.qgroups
         per_head, rest = divmod(group_bytes, self.heads_per_group)
         return per_head if rest == 0 else group_bytes / self.heads_per_group
+
+
+def _numba_available() -> bool:
+    from kvtool.runtime.kernels.cpu_decode import numba_available
+
+    return numba_available()
+
+
+def _host_latents(blocks: dict[str, torch.Tensor], bits: int, group: int) -> torch.Tensor:
+    """`PaluQuantizer.decode_latent`'s codes x scale + zero of host blocks by the compiled
+    `cpu_decode_kernel.dequantize_latents` (about a dozen tensor operations in one pass): (N, S, L) float32."""
+    from kvtool.runtime.kernels.cpu_decode import slice_width_table
+    from kvtool.runtime.kernels.cpu_decode_kernel import dequantize_latents
+
+    codes = blocks["codes"].contiguous()
+    n, length = codes.shape[0], codes.shape[-1]
+    out = torch.empty(n, codes.shape[1] * 8 // bits, length)
+    scale, zero = (blocks[name].contiguous().view(torch.int16).numpy().view("uint16") for name in ("scale", "zero"))
+    dequantize_latents(codes.numpy(), slice_width_table(bits), scale, zero, group, out.numpy())
+    return out
 
 
 # ----- calibration: bases per layer, ranks searched across layers and K/V ------------------------

@@ -99,7 +99,7 @@ def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _widths(bits: int) -> np.ndarray:
+def slice_width_table(bits: int) -> np.ndarray:
     """(4,) int64 slice widths of ``bits``-bit codes, lowest bits first, padded with 0 (built once per width: asked
     at every decode step; never written)."""
     out = np.zeros(4, dtype=np.int64)
@@ -227,7 +227,7 @@ MODES = {"channel": 1, "token": 2, "block": 3, "static": 4}  # the kernel's scal
 def _no_side() -> tuple:
     """The placeholder side of a store with no body (never read; built once)."""
     empty8, empty16, empty32 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.float32)
-    return (empty8, empty16, empty16, _widths(8), 1, 1, 0, 0, empty32, empty32, True)
+    return (empty8, empty16, empty16, slice_width_table(8), 1, 1, 0, 0, empty32, empty32, True)
 
 
 def _rotated_side(side: dict, fmt) -> tuple:
@@ -248,7 +248,7 @@ def _rotated_side(side: dict, fmt) -> tuple:
         empty8, empty32 = placeholder[0], placeholder[8]
         rotation = side["rotation"].numpy()
         return (0, empty8, codes, empty8[0], norm, empty8[0], empty32[0], book, empty32, rotation, empty32[0, :0],
-                _signs(rotation), _widths(1), _widths(fmt.bits), _query_scale(side, codes.shape[2]), False)
+                _signs(rotation), slice_width_table(1), slice_width_table(fmt.bits), _query_scale(side, codes.shape[2]), False)
     tables = side["split_tables"].numpy()  # outlier codebook, then P_o and P_r flattened
     levels = 2**fmt.split_bits
     rot_o = tables[levels : levels + d_o * d_o].reshape(d_o, d_o)
@@ -256,7 +256,7 @@ def _rotated_side(side: dict, fmt) -> tuple:
     (rot_o, signs_o), (rot_r, signs_r) = _fast_rotation(rot_o), _fast_rotation(rot_r)
     return (d_o, _held_view(side["outlier_codes"]), codes, _held_view(side["outlier_norm"], norm_view), norm,
             _held_view(side["outlier_mask"], "2d"), tables[:levels], book, rot_o, rot_r, signs_o, signs_r,
-            _widths(fmt.split_bits), _widths(fmt.bits), _query_scale(side, d_o + d_r), bool(fmt.static_mask))
+            slice_width_table(fmt.split_bits), slice_width_table(fmt.bits), _query_scale(side, d_o + d_r), bool(fmt.static_mask))
 
 
 def _query_scale(side: dict, d: int) -> np.ndarray:
@@ -376,7 +376,7 @@ def _side_arrays(side: dict | None, fmt) -> tuple:
     else:
         table = empty32
     table_zero = _held_view(side["static_zero"], "2d") if mode == 4 and fmt.zero else empty32
-    return (codes, scale16, zero16, _widths(fmt.bits if not mantissa else 8), mode, int(fmt.group), int(mantissa),
+    return (codes, scale16, zero16, slice_width_table(fmt.bits if not mantissa else 8), mode, int(fmt.group), int(mantissa),
             int(bias), table, table_zero, bool(fmt.zero))
 
 

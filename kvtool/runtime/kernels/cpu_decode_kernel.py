@@ -750,3 +750,22 @@ def encode_int8_rows(x, group, codes, scale_bits, held):
                     q = min(max(np.rint(x[i, base + c] / scale), np.float32(-127.0)), np.float32(127.0))
                 codes[i, base + c] = np.int8(q)
                 held[i, base + c] = q * scale
+
+
+@njit(cache=True)
+def dequantize_latents(codes, widths, scale_bits, zero_bits, group, out):
+    """Palu's quantized latents on the host (`PaluQuantizer.decode_latent` before its Hadamard step): out (N, S, L)
+    float32 <- the integer codes of blocks codes (N, S * bits / 8, L) uint8 (bit-sliced, token-split) x scale + zero,
+    one float16 scale and zero (their bits, (N, S, ceil(L / group)) uint16) per token and group of ``group``
+    coordinates (a last partial group allowed). A product, then a sum, each rounded to float32 (no fused
+    multiply-add): the torch version's bits."""
+    n, s, length = out.shape
+    for b in range(n):
+        buf = out[b]
+        unpack_block(codes, b, widths, buf)
+        for t in range(s):
+            for j in range(scale_bits.shape[2]):
+                scale, zero = half_to_float(scale_bits[b, t, j]), half_to_float(zero_bits[b, t, j])
+                part = buf[t, j * group: min(length, (j + 1) * group)]
+                for c in range(part.shape[0]):
+                    part[c] = part[c] * scale + zero

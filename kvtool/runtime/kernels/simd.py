@@ -10,7 +10,9 @@ TurboQuant decode step's time goes" and "The TurboQuant kernel's block reads in 
   the bytes to 64-bit lanes, eight codes per instruction, and wrote every slice's bits back as floats);
 * `tile_dots_lanes`: a block's logits, sixteen tokens' partial sums reduced together into one vector of sixteen
   logits (one horizontal reduction per row and token before);
-* `weighted_rows_lanes`: a block's weighted value rows, four chunks of a row per pass over the tokens.
+* `weighted_rows_lanes`: a block's weighted value rows, four chunks of a row per pass over the tokens;
+* `matrix_product_lanes`: a small matrix product (Palu's keys from their latents, `cpu_lowrank`), four rows by four
+  chunks of sums in registers per pass, so each row of the right-hand matrix is read once per four rows.
 
 They emit plain LLVM vector IR (``<16 x float>`` / ``<16 x i32>`` arithmetic, shuffles, selects, and element extracts
 that LLVM's x86 back end turns into one variable permute), so they compile for any CPU LLVM targets: AVX-512 runs a
@@ -338,3 +340,57 @@ def codebook_block_lanes(typingctx, codes, slices, table, tile):
         return context.get_dummy_value()
 
     return types.void(codes, slices, table, tile), codegen
+
+
+@intrinsic
+def matrix_product_lanes(typingctx, a, b, out, d):
+    """out (M d,) <- a (M K,) @ b (K d,): out[m d + c] = sum_k a[m K + k] b[k d + c] (each array C-contiguous, of any
+    rank, read flat; d a multiple of 16; M = out's items / d, K = b's items / d). Four rows by up to four 16-lane chunks
+    of sums (sixteen vectors) per pass over k, so a row of b is loaded once for four rows of a (`weighted_rows_lanes`
+    loads it for every row: a product of latents and an up-projection was bound by those loads); the rows past a
+    multiple of four one at a time."""
+    if not _block_product(a, b, out, d):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y, o, width, const = _blocks_and_width(context, builder, signature, args)
+        n_rows, depth = builder.udiv(o.nitems, width), builder.udiv(y.nitems, width)
+        chunks = builder.lshr(width, const(4))
+        accs = [[cgutils.alloca_once(builder, _FLOATS) for _ in range(4)] for _ in range(4)]
+        zero = ir.Constant(_FLOATS, [0.0] * LANES)
+
+        def run(row, rows, first_chunk, count):  # rows row .. row + rows - 1, chunks first_chunk .. + count - 1
+            ats = [builder.shl(builder.add(first_chunk, const(j)), const(4)) for j in range(count)]
+            for i in range(rows):
+                for j in range(count):
+                    builder.store(zero, accs[i][j])
+            with cgutils.for_range(builder, depth) as k_loop:
+                k = k_loop.index
+                b_at = builder.mul(k, width)
+                bvs = [builder.load(_vector_at(builder, y.data, builder.add(b_at, at)), align=4) for at in ats]
+                for i in range(rows):
+                    a_at = builder.add(builder.mul(builder.add(row, const(i)), depth), k)
+                    av = _splat(builder, builder.load(builder.gep(x.data, [a_at])))
+                    for j, bv in enumerate(bvs):
+                        acc = accs[i][j]
+                        builder.store(_fast(builder, "fadd", builder.load(acc), _fast(builder, "fmul", av, bv)), acc)
+            for i in range(rows):
+                row_at = builder.mul(builder.add(row, const(i)), width)
+                for j, at in enumerate(ats):
+                    builder.store(builder.load(accs[i][j]), _vector_at(builder, o.data, builder.add(row_at, at)), align=4)
+
+        def row_run(row, rows):  # every chunk of rows row .. row + rows - 1: four at a time, then one at a time
+            with cgutils.for_range(builder, builder.lshr(chunks, const(2))) as quad:
+                run(row, rows, builder.shl(quad.index, const(2)), 4)
+            done = builder.shl(builder.lshr(chunks, const(2)), const(2))
+            with cgutils.for_range(builder, builder.sub(chunks, done)) as single:
+                run(row, rows, builder.add(done, single.index), 1)
+
+        with cgutils.for_range(builder, builder.lshr(n_rows, const(2))) as block_loop:
+            row_run(builder.shl(block_loop.index, const(2)), 4)
+        whole = builder.shl(builder.lshr(n_rows, const(2)), const(2))
+        with cgutils.for_range(builder, builder.sub(n_rows, whole)) as rest_loop:
+            row_run(builder.add(whole, rest_loop.index), 1)
+        return context.get_dummy_value()
+
+    return types.void(a, b, out, d), codegen
