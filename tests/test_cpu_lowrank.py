@@ -42,21 +42,27 @@ def test_matrix_product_lanes_matches_numpy(rows, depth, width):
     np.testing.assert_allclose(out, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5, atol=1e-5)
 
 
-def _quantizer(bits=3, hadamard=False, rank=80, heads=3, head_dim=64, bias=False, seed=0, block_size=32):
+def _quantizer(bits=3, hadamard=False, rank=80, heads=3, head_dim=64, bias=False, seed=0, block_size=32, groups=1):
     g = torch.Generator().manual_seed(seed)
     width = heads * head_dim
-    basis = torch.linalg.qr(torch.randn(width, rank, generator=g, dtype=torch.float64))[0].float()[None]
-    fitted = {"basis": basis, "bias": torch.randn(1, width, generator=g) if bias else torch.zeros(1, width)}
+    basis = torch.stack([torch.linalg.qr(torch.randn(width, rank, generator=g, dtype=torch.float64))[0].float()
+                         for _ in range(groups)])  # (G, gD, r)
+    fitted = {"basis": basis, "bias": torch.randn(groups, width, generator=g) if bias else torch.zeros(groups, width)}
     spec = QuantSpec(path="keys", method="palu", bits=bits, pre_rope=True, rank_fraction=rank / width, hadamard=hadamard,
                      group_size=128)
     return PaluQuantizer(spec, head_dim, block_size, torch.float16, fitted)
 
 
+def _stream_groups(quantizer, streams=2):
+    """(Sc,) the head group of each stream: streams of a sequence are its groups in turn."""
+    return torch.arange(streams) % quantizer.groups
+
+
 def _blocks(quantizer, streams=2, blocks=5, seed=1):
-    """Encoded body blocks {name: (Sc, nb, ...)} of random keys."""
+    """Encoded body blocks {name: (Sc, nb, ...)} of random keys, each stream's in its own head group."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(streams * blocks, quantizer.heads_per_group, quantizer.block_size, quantizer.head_dim, generator=g) * 2
-    stored = quantizer.encode_blocks(x, torch.zeros(streams * blocks, dtype=torch.long))
+    stored = quantizer.encode_blocks(x, _stream_groups(quantizer, streams).repeat_interleave(blocks))
     return {name: t.view(streams, blocks, *t.shape[1:]) for name, t in stored.items()}
 
 
@@ -89,6 +95,7 @@ def host_calls(monkeypatch):
     dict(bias=True),
     dict(heads=1, head_dim=128, rank=64),
     dict(heads=2, head_dim=256, rank=200, bits=2),
+    dict(heads=1, rank=40, groups=2, bias=True),  # per-head groups (palu-30, palu-50): each stream its group's basis
 ])
 @pytest.mark.parametrize("rope", ["none", "halves", "pairs", "partial", "scaled"])
 def test_host_logits_match_the_torch_path(case, rope, host_calls):
@@ -100,7 +107,7 @@ def test_host_logits_match_the_torch_path(case, rope, host_calls):
         "partial": _rotation(streams, tokens, d // 2), "scaled": _rotation(streams, tokens, d, scaling=1.3),
     }[rope]
     query = torch.randn(streams, quantizer.heads_per_group, 3, d, generator=torch.Generator().manual_seed(3))
-    group = torch.zeros(streams, dtype=torch.long)
+    group = _stream_groups(quantizer, streams)
     ours = quantizer.chunk_scores(query, blocks, group, rotation)
     reference = BlockQuantizer.chunk_scores(quantizer, query, blocks, group, rotation)  # keys reconstructed whole
     assert host_calls, "the compiled logits did not run"

@@ -22,7 +22,11 @@ Storage per block of one (sequence, head group) stream (leading block dim omitte
   token-split (`packing.py`); ``scale``, ``zero`` float16 (S, ceil(L/q)).
 
 A stored block spans the g KV heads of its group (``heads_per_block``); attention folds the
-value up-projection into the attention output (`chunk_values`).
+value up-projection into the attention output (`chunk_values`). Attention reads the stored
+coordinates with the Hadamard transform folded into the up-projection (H U^T, as the Triton
+kernel's ``recon``), one product per chunk for a layer of one group; on the host the key
+logits are compiled (`cpu_lowrank.latent_logits`: keys reconstructed, turned by RoPE and
+dotted sixteen tokens at a time) and the codes dequantized in one pass (`_host_latents`).
 
 ``block_nbytes`` is per block of one (sequence, KV head) stream, i.e. a group block's bytes / g:
 ``S*r*2 / g`` at 16 bits, ``(S*L*bits/8 + 4*S*ceil(L/q)) / g`` quantized (an int when exact,
@@ -223,18 +227,18 @@ class PaluQuantizer(BlockQuantizer):
         none = torch.zeros(1, 1, 2)  # (keys stored after RoPE: no cos / sin read)
         cos, sin = (rope.cos.float().contiguous(), rope.sin.float().contiguous()) if rope is not None else (none, none)
         latent_logits(
-            coded.numpy(), up[0].numpy(), bias[0].view(g, d).numpy(), self.has_bias, cos.numpy(), sin.numpy(),
-            0 if rope is None else cos.shape[-1], False if rope is None else rope.interleaved,
-            query.float().contiguous().numpy(), out.numpy(),
+            coded.numpy(), group.to(torch.int64).contiguous().numpy(), up.numpy(), bias.view(-1, g, d).numpy(),
+            self.has_bias, cos.numpy(), sin.numpy(), 0 if rope is None else cos.shape[-1],
+            False if rope is None else rope.interleaved, query.float().contiguous().numpy(), out.numpy(),
         )
         return out
 
     def _host_logits_cover(self, query: torch.Tensor, tokens: int, keys_to_attention) -> bool:
-        """`chunk_scores` runs the host kernel: CPU tensors, Numba, one head group, keys stored after RoPE or turned by a
-        `KeyRotation` (whose cos / sin the kernel reads), and a chunk the kernel's tiles cover."""
+        """`chunk_scores` runs the host kernel: CPU tensors, Numba, keys stored after RoPE or turned by a `KeyRotation`
+        (whose cos / sin the kernel reads), and a chunk the kernel's tiles cover."""
         from kvtool.models.rope import KeyRotation
 
-        if query.device.type != "cpu" or self.groups != 1 or not _numba_available():
+        if query.device.type != "cpu" or not _numba_available():
             return False
         if keys_to_attention is not None and not isinstance(keys_to_attention, KeyRotation):
             return False

@@ -30,27 +30,28 @@ def covers(tokens: int, rank: int, head_dim: int) -> bool:
 
 
 @njit(cache=True, fastmath=FAST)
-def latent_logits(coded, up, bias, has_bias, cos, sin, rotary, interleaved, q, out):
-    """out (S, g, R, T) float32 <- q (S, g, R, D) . RoPE(coded (S, T, r) @ up (g, r, D) + bias (g, D)), head by head:
-    the logits of each stream's R query rows per KV head against its chunk of T tokens, from their stored coordinates
-    ``coded`` (the Hadamard transform, if any, folded into ``up``) and the tokens' cos / sin (S, T, R) (``rotary`` = R
-    channels turn, 0 for keys stored after RoPE; ``interleaved``: the pair layout). T a multiple of `TILE`, r even, D
-    a multiple of 16 (`covers`)."""
+def latent_logits(coded, group, up, bias, has_bias, cos, sin, rotary, interleaved, q, out):
+    """out (S, g, R, T) float32 <- q (S, g, R, D) . RoPE(coded (S, T, r) @ up[G_s] (g, r, D) + bias[G_s] (g, D)), head
+    by head, with G_s = group[s] (S,) the stream's head group: the logits of each stream's R query rows per KV head
+    against its chunk of T tokens, from their stored coordinates ``coded`` (the Hadamard transform, if any, folded into
+    ``up`` (G, g, r, D)) and the tokens' cos / sin (S, T, R) (``rotary`` = R channels turn, 0 for keys stored after
+    RoPE; ``interleaved``: the pair layout). T a multiple of `TILE`, r even, D a multiple of 16 (`covers`)."""
     n, tokens, _ = coded.shape
-    heads, _, d = up.shape
+    heads, d = up.shape[1], up.shape[3]
     rows = q.shape[2]
     keys = np.empty((TILE, d), np.float32)
     logits = np.empty((rows, TILE), np.float32)
     for s in range(n):
+        g_s = group[s]
         for t0 in range(0, tokens, TILE):
             latents = coded[s, t0:t0 + TILE]  # (TILE, r)
             for h in range(heads):
-                matrix_product_lanes(latents, up[h], keys, d)  # (TILE, D): the head's keys before RoPE
+                matrix_product_lanes(latents, up[g_s, h], keys, d)  # (TILE, D): the head's keys before RoPE
                 for t in range(TILE):
                     key = keys[t]
                     if has_bias:
                         for c in range(d):
-                            key[c] += bias[h, c]
+                            key[c] += bias[g_s, h, c]
                     if rotary:
                         rotate_row(key, cos[s, t0 + t], sin[s, t0 + t], rotary, interleaved)
                 tile_dots_lanes(q[s, h], keys, logits, d)  # (R, TILE)
