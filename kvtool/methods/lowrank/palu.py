@@ -244,7 +244,7 @@ class PaluQuantizer(BlockQuantizer):
             return False
         from kvtool.runtime.kernels.cpu_lowrank import covers
 
-        return covers(tokens, self.rank, self.head_dim)
+        return covers(tokens, self.head_dim)
 
     def chunk_values(self, probs, blocks, group):
         """Palu's fold: sum_t p_t (U_h h_t + b_h) = U_h (sum_t p_t h_t) + b_h sum_t p_t, never reconstructing V."""

@@ -24,9 +24,9 @@ from kvtool.runtime.kernels.simd import matrix_product_lanes, tile_dots_lanes
 TILE = 16  # tokens reconstructed at a time (`tile_dots_lanes` reduces sixteen tokens' logits together)
 
 
-def covers(tokens: int, rank: int, head_dim: int) -> bool:
-    """`latent_logits` takes chunks of ``tokens`` tokens of latents of ``rank`` coordinates at ``head_dim``."""
-    return tokens % TILE == 0 and rank % 2 == 0 and head_dim % 16 == 0
+def covers(tokens: int, head_dim: int) -> bool:
+    """`latent_logits` takes chunks of ``tokens`` tokens at ``head_dim`` (any rank)."""
+    return tokens % TILE == 0 and head_dim % 16 == 0
 
 
 @njit(cache=True, fastmath=FAST)
@@ -35,7 +35,7 @@ def latent_logits(coded, group, up, bias, has_bias, cos, sin, rotary, interleave
     by head, with G_s = group[s] (S,) the stream's head group: the logits of each stream's R query rows per KV head
     against its chunk of T tokens, from their stored coordinates ``coded`` (the Hadamard transform, if any, folded into
     ``up`` (G, g, r, D)) and the tokens' cos / sin (S, T, R) (``rotary`` = R channels turn, 0 for keys stored after
-    RoPE; ``interleaved``: the pair layout). T a multiple of `TILE`, r even, D a multiple of 16 (`covers`)."""
+    RoPE; ``interleaved``: the pair layout). T a multiple of `TILE`, D a multiple of 16 (`covers`)."""
     n, tokens, _ = coded.shape
     heads, d = up.shape[1], up.shape[3]
     rows = q.shape[2]
