@@ -77,7 +77,8 @@ def _rotate_halves(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tens
     and sums as the full-width formula, each rounded once, in the same order: the same bits."""
     h = rotary_dim // 2
     x1, x2 = x[..., :h], x[..., h:rotary_dim]
-    out = torch.empty((*torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1]), x.shape[-1]), dtype=x.dtype, device=x.device)
+    shape = (*torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1]), x.shape[-1])
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
     first, second = out[..., :h], out[..., h:rotary_dim]
     product = torch.mul(x2, sin[..., :h])
     torch.mul(x1, cos[..., :h], out=first).sub_(product)  # x1 cos - x2 sin

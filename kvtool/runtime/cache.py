@@ -88,9 +88,9 @@ class CacheContext:
 
     # --- per forward ---------------------------------------------------------------------------
     def body_cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (S, T, R) of layer ``layer``'s RoPE at body positions (S, T): on the host computed once per forward for
-        every layer with the same RoPE and the same positions (every layer of a model that keeps no positions per slot:
-        SmolLM2-135M computed 30 tables a step for one), else as `RopeTable.cos_sin`."""
+        """cos, sin (S, T, R) of layer ``layer``'s RoPE at body positions (S, T): on the host computed once per forward
+        for every layer with the same RoPE and the same positions (every layer of a model that keeps no positions per
+        slot: SmolLM2-135M computed 30 tables a step for one), else as `RopeTable.cos_sin`."""
         if positions.device.type != "cpu":  # (on a GPU the comparison would be a host sync per layer)
             return self.rope.cos_sin(layer, positions)
         kind = self.rope.kind(layer)

@@ -57,8 +57,8 @@ class RopeTable:
     def __init__(self, ropes) -> None:
         self.ropes: tuple[RopeSpec, ...] = tuple(ropes)  # one per decoder layer
         kinds: list[int] = []  # per layer: the first layer whose RoPE gives the same cos/sin for every position
-        for spec in self.ropes:
-            kinds.append(next((kinds[i] for i, other in enumerate(self.ropes[: len(kinds)]) if spec.same_as(other)), len(kinds)))
+        for layer, spec in enumerate(self.ropes):
+            kinds.append(next((kinds[i] for i in range(layer) if spec.same_as(self.ropes[i])), layer))
         self.kinds = tuple(kinds)
 
     @classmethod
