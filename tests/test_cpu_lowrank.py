@@ -214,3 +214,24 @@ def test_cos_sin_shared_within_a_forward_changes_no_output_and_leaves_nothing(mo
     own = lambda self, layer, positions: self.rope.cos_sin(layer, positions)  # noqa: E731  every layer its own table
     monkeypatch.setattr(cache_module.CacheContext, "body_cos_sin", own)
     assert torch.equal(with_shared, decode(runtime.new_cache()))
+
+
+def test_a_forward_that_fails_leaves_no_shared_cos_sin(monkeypatch):
+    """A layer that raises ends the forward (a middle one: the last layer would drop them anyway): the tables shared
+    so far are dropped with it."""
+    model = tiny_model("llama", layers=3)
+    runtime = fitted_runtime(model, palu_recipe(0.5, bits=4))
+    cache = runtime.new_cache()
+    ids = torch.randint(3, 128, (1, 72), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(input_ids=ids[:, :64], **with_cache(cache), use_cache=True)
+        middle = cache.layers[1]
+
+        def broken(*args, **kwargs):
+            assert cache.context._cos_sin  # layer 0 shared its table
+            raise RuntimeError("a middle layer fails")
+
+        monkeypatch.setattr(middle, "_attend", broken)
+        with pytest.raises(RuntimeError, match="a middle layer fails"):
+            model(input_ids=ids[:, 64:65], **with_cache(cache), use_cache=True)
+    assert not cache.context._cos_sin

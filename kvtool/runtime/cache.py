@@ -101,9 +101,10 @@ class CacheContext:
         self._cos_sin[kind] = (positions, cos, sin)
         return cos, sin
 
-    def end_layer(self, layer: int) -> None:
-        """A layer's attention is done: after the forward's last layer, drop what was shared within the forward."""
-        if layer == len(self.rope.ropes) - 1 and self._cos_sin:
+    def end_layer(self, layer: int, failed: bool = False) -> None:
+        """A layer's attention is done: after the forward's last layer, or a layer that raised (the forward stops
+        there), drop what was shared within the forward."""
+        if (failed or layer == len(self.rope.ropes) - 1) and self._cos_sin:
             self._cos_sin.clear()
 
     def begin(self, batch: int, device) -> None:

@@ -275,9 +275,12 @@ class KvtoolLayer(CacheLayerMixin):
     def attend(self, module, query, key, value, attention_mask, scaling: float, **kwargs) -> torch.Tensor:
         """Attention of the new queries (B, H_q, t, D) over the store and the new tokens; then store. (B, t, H_q, D)."""
         try:
-            return self._attend(query, attention_mask, scaling, kwargs)
-        finally:
-            self.context.end_layer(self.index)
+            out = self._attend(query, attention_mask, scaling, kwargs)
+        except BaseException:
+            self.context.end_layer(self.index, failed=True)
+            raise
+        self.context.end_layer(self.index)
+        return out
 
     def _attend(self, query, attention_mask, scaling: float, kwargs: dict) -> torch.Tensor:
         new_k, new_v, seen_before = self._pending

@@ -9,8 +9,8 @@ query rows (`simd.tile_dots_lanes`) while the tile is in the first-level cache. 
 the logits agree with the torch path's to float rounding, not bit for bit.
 
 At SmolLM2-135M's shape (2K tokens, rank 80, 3 KV heads of 64) a layer's logits take about 0.68 ms on one Zen 4 core,
-where torch's reconstruction alone (one MKL product) took 0.70 ms and the whole torch path about 2.5 ms; the product
-is then bound by the core's multiply-adds (Zen 4 runs a 16-lane one as two 8-lane halves).
+RoPE and products included, where torch's reconstruction alone (one MKL product) takes 0.70 ms; the product is then
+bound by the core's multiply-adds (Zen 4 runs a 16-lane one as two 8-lane halves).
 """
 
 from __future__ import annotations
