@@ -5,7 +5,7 @@
     python -m benchmarks.cpu_kernel_blocks --head-dims 256 --block-size 16 --recipes turboquant-local   # its own blocks
 
 For each recipe and head_dim: random keys and values (keys with a spread of channel scales, so TurboQuant's outlier
-split has outliers to find) are encoded by the recipe's own quantizers into ``streams`` x ``blocks`` body blocks of 32
+split has outliers to find; a recipe that needs calibration, e.g. `kvquant-4bit-1pct`, is fitted on them) are encoded by the recipe's own quantizers into ``streams`` x ``blocks`` body blocks of 32
 tokens (``--block-size``; the TurboQuant recipes store 16), and one decode step's attention over them
 (`cpu_decode_attention`, serial, no float tokens) is timed ``calls`` times after a warm-up call (compilation). Reported: the median microseconds per call and per block. This is the
 kernel's share of a decode step (the model, the store's writes and flushes are not in it); `benchmarks.decode_speed`
@@ -28,6 +28,7 @@ from rich.table import Table
 
 from kvtool.calibration import build_quantizers
 from kvtool.fileio import write_json_atomic
+from kvtool.methods.registry import quantizer_class
 from kvtool.recipe import load_recipe
 from kvtool.runtime.kernels.cpu_decode import covers, cpu_decode_attention
 
@@ -41,11 +42,25 @@ def kernel_case(recipe_name: str, head_dim: int, rows: int, streams: int, blocks
     """`cpu_decode_attention`'s arguments for ``streams`` streams of ``blocks`` full body blocks each (no float tokens)."""
     recipe = load_recipe(recipe_name)
     g = torch.Generator().manual_seed(seed)
-    kq, vq = build_quantizers(recipe, head_dim, torch.float32, {})
     n = streams * blocks
     group = torch.zeros(n, dtype=torch.long)  # (N,) the KV head of each block (one table row: no per-head tables here)
     keys = torch.randn(n, 1, block_size, head_dim, generator=g) * torch.linspace(0.2, 3.0, head_dim)  # (N, 1, BS, D)
     values = torch.randn(n, 1, block_size, head_dim, generator=g)
+    fitted = {}  # calibrated formats (nuq, static scales, ...): fitted on the case's own tokens, one KV head
+    for part, spec, x in (("keys", recipe.keys, keys), ("values", recipe.values, values)):
+        method = quantizer_class(spec.method)
+        if not method.requires_fit(spec):
+            continue
+        samples = x.reshape(-1, 1, head_dim)  # (N BS, H_kv = 1, D)
+        if method.fit_source == "reservoir":  # nuq, palu
+            own = method.fit(spec, head_dim, block_size, samples)
+        elif method.fit_source == "ranges":  # static fp8 / int scales
+            own = method.fit_ranges(spec, head_dim, block_size, samples.amin(dim=0), samples.amax(dim=0), samples)
+        else:
+            raise SystemExit(f"{recipe_name}: fitted from the model's queries; this benchmark has no model (use "
+                             "benchmarks.decode_speed)")
+        fitted.update({f"{part}.{name}": t for name, t in own.items()})
+    kq, vq = build_quantizers(recipe, head_dim, torch.float32, fitted)
     body = ({**kq.encode_blocks(keys, group), **kq.kernel_tensors("cpu")},
             {**vq.encode_blocks(values, group), **vq.kernel_tensors("cpu")})
     formats = (kq.kernel_format(), vq.kernel_format())

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None, reaso
 
 SIDES = [
     "uniform-2", "uniform-3", "uniform-4", "uniform-8", "uniform-4-token-keys-channel-values", "fp8-dynamic", "fp8-static",
-    "int8-static-channel-int4-layer", "int3-static-head-int2-channel", "turboquant-3", "turboquant-2.5-3.5",
+    "int8-static-channel-int4-layer", "int3-static-head-int2-channel", "nuq-3-1pct", "nuq-2-5pct-4-dense-channel-values",
+    "turboquant-3", "turboquant-2.5-3.5",
 ]
 SHAPES = [(64, 1), (64, 4), (128, 8), (256, 1)]  # (head_dim, GQA ratio)
 
@@ -59,6 +60,9 @@ def test_cpu_kernel_equals_the_dense_reference(side, head_dim, gqa):
     ("tokens", "int8-static-channel-int4-layer", 1.0, True),  # slots are positions; Cohere's interleaved pairs
     ("sequence", "uniform-4-token-keys-channel-values", 0.5, False),  # per-token key groups; partial rotary (Phi-3)
     ("tokens", "fp8-static", 1.0, False),
+    ("slots", "nuq-3-1pct", 1.0, False),  # KVQuant: codebook values, outliers placed before the rotation
+    ("sequence", "nuq-2-5pct-4-dense-channel-values", 0.5, True),
+    ("tokens", "nuq-4-2pct-token-keys-channel-values", 1.0, False),  # per-token key groups with outliers
 ])
 @pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1)])
 def test_cpu_kernel_rotates_pre_rope_keys_at_their_true_positions(source, side, rotary, interleaved, head_dim, gqa):
@@ -233,12 +237,70 @@ TURBOQUANT_SIDES = {
 }
 
 
+# KVQuant (nuq) sides beyond the kernel matrix's: outliers on every scale mode the kernel folds or dequantizes (keys per
+# channel, keys per token group, values per channel; the cases carry no RoPE unless a test gives one, so the per-channel
+# keys take the fold into the query), more outliers than a block has channels
+NUQ_SIDES = {
+    "nuq-4-2pct-channel-keys": (
+        QuantSpec(method="nuq", bits=4, outlier_fraction=0.02, pre_rope=True, path="keys"),
+        QuantSpec(method="nuq", bits=3, axis="token", group_size=32, outlier_fraction=0.02, path="values")),
+    "nuq-4-2pct-token-keys-channel-values": (
+        QuantSpec(method="nuq", bits=4, axis="token", group_size=16, outlier_fraction=0.02, pre_rope=True, path="keys"),
+        QuantSpec(method="nuq", bits=2, outlier_fraction=0.02, path="values")),
+    "nuq-3-5pct-narrow-groups": (  # head_dim 24: rows that do not fill 16 lanes
+        QuantSpec(method="nuq", bits=3, outlier_fraction=0.05, pre_rope=True, path="keys"),
+        QuantSpec(method="nuq", bits=3, axis="token", group_size=8, outlier_fraction=0.05, path="values")),
+    "nuq-2-10pct-uniform-values": (
+        QuantSpec(method="nuq", bits=2, outlier_fraction=0.1, pre_rope=True, path="keys"),
+        QuantSpec(bits=2, axis="token", path="values")),
+}
+
+
 @pytest.fixture(autouse=True)
 def _turboquant_sides(monkeypatch):
     import tests.test_kernels as kernels
 
-    for name, specs in TURBOQUANT_SIDES.items():
+    for name, specs in {**TURBOQUANT_SIDES, **NUQ_SIDES}.items():
         monkeypatch.setitem(kernels.SIDES, name, specs)
+
+
+@pytest.mark.parametrize("side", ["uniform-4-token-keys-channel-values", "fp8-static", "int8-static-channel-int4-layer",
+                                  "nuq-3-5pct-narrow-groups"])
+@pytest.mark.parametrize("rope", [None, ("tokens", 24, False)])
+def test_cpu_kernel_reads_rows_narrower_than_its_vectors(side, rope):
+    """head_dim 24 (not a multiple of 16): a block's logits and weighted values take one dot product / row update
+    per token instead of the 16-lane tile products, and give the dense reference's result."""
+    from kvtool.runtime.kernels.cpu_decode import covers, cpu_decode_attention
+
+    args, reference = build_case(side, 24, 2, "cpu", seed=29, rope=rope)
+    assert covers(args["formats"], torch.float16, 24) is None
+    torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("side", [name for name in NUQ_SIDES if "narrow" not in name])
+@pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1), (128, 8)])
+def test_cpu_kernel_reads_nuq_blocks_with_outliers_as_the_dense_reference(side, head_dim, gqa):
+    """KVQuant bodies (`reads_nuq`): codebook values of the codes, scaled per channel (folded into the query or into
+    the summed values) or per token group, every block's sparse outliers in place; the reference decodes the blocks
+    with `NuqQuantizer.decode_blocks`. Without the outliers the result differs (they are really read)."""
+    from kvtool.runtime.kernels import cpu_decode
+    from kvtool.runtime.kernels.cpu_decode import covers, cpu_decode_attention
+
+    args, reference = build_case(side, head_dim, gqa, "cpu", seed=head_dim + gqa + 11)
+    assert covers(args["formats"], torch.float16, head_dim) is None
+    torch.testing.assert_close(cpu_decode_attention(**_cpu_args(args)), reference, rtol=1e-4, atol=1e-4)
+    sides = cpu_decode._side_arrays  # the same blocks with their outliers dropped
+
+    def no_outliers(side_tensors, fmt):
+        arrays = sides(side_tensors, fmt)
+        return arrays[:12] + (arrays[12][:, :0], arrays[13][:, :0]) if arrays[12].shape[1] else arrays
+
+    try:
+        cpu_decode._side_arrays = no_outliers
+        dense_only = cpu_decode_attention(**_cpu_args(args))
+    finally:
+        cpu_decode._side_arrays = sides
+    assert (dense_only - reference).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("side", [name for name in TURBOQUANT_SIDES if "qjl" not in name])
@@ -369,7 +431,7 @@ def test_codebook_lookup_in_lanes_equals_indexing(levels, width):
     """`lookup_row` (16 codes at a time by a permute of the padded codebook up to 32 levels, then the rest one by one;
     larger codebooks one by one) gives exactly ``codebook[code]`` for every code, also past the last full vector and
     for a codebook whose size is not a power of two."""
-    from kvtool.runtime.kernels.cpu_decode_rotated import lookup_row, padded_codebook
+    from kvtool.runtime.kernels.cpu_decode_kernel import lookup_row, padded_codebook
 
     rng = np.random.default_rng(levels * width)
     codebook = np.sort(rng.standard_normal(levels)).astype(np.float32)
@@ -389,8 +451,7 @@ def test_block_codes_read_in_one_pass_equal_the_unpacked_codes_looked_up(widths,
     to three slices, codes of up to 4 bits from one half of the padded codebook, 5 bits from both) gives exactly
     ``codebook[code]`` of the codes `unpack_block` reads from the same bytes, for every slice layout, block size and
     row length; the fallback (no slice table) gives the same."""
-    from kvtool.runtime.kernels.cpu_decode_kernel import unpack_block
-    from kvtool.runtime.kernels.cpu_decode_rotated import codebook_tile, padded_codebook, slice_table
+    from kvtool.runtime.kernels.cpu_decode_kernel import codebook_tile, padded_codebook, slice_table, unpack_block
 
     bits = sum(widths)
     rng = np.random.default_rng(bits * bs + dim)
@@ -491,7 +552,7 @@ def test_kronecker_split_rotation_needs_a_wide_power_of_two_factor():
 def test_cpu_kernel_refuses_what_it_cannot_read():
     from kvtool.runtime.kernels.cpu_decode import covers
 
-    for side in ("nuq-3-1pct", "palu-fp16", "float", "uniform-4-keys-turboquant-2-values", "turboquant-3.5-keys-palu-values",
+    for side in ("palu-fp16", "float", "uniform-4-keys-turboquant-2-values", "turboquant-3.5-keys-palu-values",
                  "turboquant-qjl"):
         args, _ = build_case(side, 64, 1, "cpu")
         assert covers(args["formats"], torch.float16, 64) is not None, side

@@ -31,7 +31,7 @@ Resolved once per runtime and reported in every memory report (``backend``):
   Needs CUDA, or ``TRITON_INTERPRET=1`` to run the kernels on CPU tensors (slow; for tests);
 * ``numba``: on CPU, one decode step's attention of a layer is one compiled call
   (`kernels/cpu_decode.py`) that reads float blocks (float16 / bfloat16) and uniform (KIVI),
-  int_static and fp8 body blocks in place, and TurboQuant blocks on both sides (one instance or the
+  int_static, fp8 and nuq (KVQuant: codebook values, sparse outliers) body blocks in place, and TurboQuant blocks on both sides (one instance or the
   outlier split, without QJL; `kernels/cpu_decode_rotated.py`: the queries rotated into the codes'
   domains, the value sums rotated back), for one-token steps of full-attention and sliding-window layers
   (the window read from the positions the store keeps per slot), keys stored
@@ -45,7 +45,7 @@ Resolved once per runtime and reported in every memory report (``backend``):
   ``numba`` package (a dependency of kvtool);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
   decode kernel reads; on CPU ``numba`` when Numba is installed and the CPU kernel reads the
-  recipe's store (float-only, uniform, int_static, fp8 or TurboQuant codes); else ``torch``. What the encode kernel writes never decides the backend: a
+  recipe's store (float-only, uniform, int_static, fp8, nuq or TurboQuant codes); else ``torch``. What the encode kernel writes never decides the backend: a
   format it does not write is encoded by torch under ``triton``.
 """
 

@@ -13,7 +13,11 @@ What it reads (the layout of `kvtool.runtime.store`, as the Triton kernels do):
 * body blocks of integer codes: ``codes`` (cap, BS * bits / 8, D) uint8, bit-sliced and token-split
   (`kvtool.methods.quant.packing`), with fp16 ``scale`` / ``zero`` per channel ((cap, D): ``x = code * scale +
   zero`` per channel of a block) or per token group ((cap, BS, D / group)) (uniform, KIVI), or calibrated float32
-  tables ``static_scale`` / ``static_zero`` (rows 1 or H_kv, columns 1 or D; int_static); or fp8 e4m3 / e5m2 bytes
+  tables ``static_scale`` / ``static_zero`` (rows 1 or H_kv, columns 1 or D; int_static); or nuq codes (KVQuant):
+  ``codes`` as above read as indices into the layer's ``codebook`` (L,) float32, scaled by calibrated per-channel
+  tables (keys) or fp16 scale and zero per token group (values), with ``outlier_index`` (cap, k) int16 flat positions
+  minus 32768 and ``outlier_value`` (cap, k) fp16 (k sparse values per block, each replacing the dense value at its
+  position; `kvtool.methods.quant.outliers`); or fp8 e4m3 / e5m2 bytes
   (cap, BS, D) with one float32 ``scale`` per block or a calibrated table (fp8); ``body_table`` (S, Bn) int32, ``body_len``
   (S,) blocks; ``score`` (cap, FBS) / (cap, BS) float32 and ``pos`` (cap, FBS) int32 per slot when the store
   keeps them (evicting recipes); or TurboQuant blocks on both sides (codebook codes of rotated unit vectors with fp16
@@ -71,6 +75,14 @@ def reads(fmt) -> bool:
     return plain and fmt.bits < 16 and (fmt.uniform or fmt.scales in ("block", "static"))
 
 
+def reads_nuq(fmt) -> bool:
+    """The kernel's plain read also takes KVQuant's (nuq) codes: integer codes into a codebook of up to 256 levels,
+    scaled by calibrated per-channel tables (keys) or fp16 scale and zero per token group (values), with or without
+    sparse outliers (fp16 values at int16 positions, one set per block)."""
+    others = not fmt.rank and not fmt.rotated and not fmt.split and not fmt.qjl and not fmt.fp8
+    return others and 0 < fmt.levels <= 256 and fmt.bits <= 8 and fmt.zero and fmt.scales in ("static", "token")
+
+
 def reads_rotated(fmt) -> bool:
     """The kernel reads this body format as TurboQuant's (`cpu_decode_rotated.py`): codebook codes of rotated unit
     vectors with a norm per token (fp16, or 8-bit log codes over the block's range), one instance or the outlier
@@ -91,8 +103,9 @@ def covers(formats, float_dtype: torch.dtype, head_dim: int) -> str | None:
     if any(rotated):
         return "TurboQuant on one side only (the CPU kernel reads TurboQuant keys with TurboQuant values)"
     for fmt, side in zip(formats, ("keys", "values")):
-        if not reads(fmt):
-            return f"{side}: the CPU kernel reads uniform (KIVI), int_static, fp8 and TurboQuant (without QJL) codes only"
+        if not (reads(fmt) or reads_nuq(fmt)):
+            return (f"{side}: the CPU kernel reads uniform (KIVI), int_static, fp8, nuq (KVQuant) and TurboQuant (without "
+                    "QJL) codes only")
         if fmt.scales == "token" and head_dim % fmt.group:
             return f"{side}: per-token groups of {fmt.group} channels do not tile head_dim {head_dim}"
     return None
@@ -227,7 +240,9 @@ MODES = {"channel": 1, "token": 2, "block": 3, "static": 4}  # the kernel's scal
 def _no_side() -> tuple:
     """The placeholder side of a store with no body (never read; built once)."""
     empty8, empty16, empty32 = np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.float32)
-    return (empty8, empty16, empty16, slice_width_table(8), 1, 1, 0, 0, empty32, empty32, True)
+    no_levels, no_outliers = np.zeros(0, np.float32), np.zeros((1, 0), np.uint16)
+    return (empty8, empty16, empty16, slice_width_table(8), 1, 1, 0, 0, empty32, empty32, True, no_levels, no_outliers,
+            no_outliers)
 
 
 def _rotated_side(side: dict, fmt) -> tuple:
@@ -359,11 +374,18 @@ def _held_rotated_side(side: dict, fmt) -> tuple:
 def _side_arrays(side: dict | None, fmt) -> tuple:
     """One body side as the kernel takes it: (codes uint8 (cap, rows, D), fp16 scale / zero bits (cap, n) or
     placeholders, slice widths, scale mode, token group, fp8 mantissa bits and bias (0, 0: integer codes), float32
-    table (block scales (cap, 1), or the calibrated scale table), float32 zero table, has zero)."""
+    table (block scales (cap, 1), or the calibrated scale table), float32 zero table, has zero, nuq codebook (L,)
+    float32 (L = 0: the codes are the values), outlier positions' int16 bits and values' float16 bits (cap, k) uint16
+    (k = 0: none))."""
     if side is None:
         return _no_side()
     placeholder = _no_side()
     empty16, empty32 = placeholder[1], placeholder[8]
+    levels, out_index, out_value = placeholder[11:]
+    if fmt.levels:
+        levels = side["codebook"].numpy()  # (L,) float32 (`kernel_tensors`)
+    if fmt.outliers:
+        out_index, out_value = _held_view(side["outlier_index"], "rows"), _held_view(side["outlier_value"], "rows")
     mode = MODES[fmt.scales]
     mantissa, bias = fmt.fp8_layout()
     codes = _held_view(side["codes"])
@@ -377,7 +399,7 @@ def _side_arrays(side: dict | None, fmt) -> tuple:
         table = empty32
     table_zero = _held_view(side["static_zero"], "2d") if mode == 4 and fmt.zero else empty32
     return (codes, scale16, zero16, slice_width_table(fmt.bits if not mantissa else 8), mode, int(fmt.group), int(mantissa),
-            int(bias), table, table_zero, bool(fmt.zero))
+            int(bias), table, table_zero, bool(fmt.zero), levels, out_index, out_value)
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,6 +33,7 @@ from numba.extending import intrinsic
 
 from kvtool.runtime.kernels.body_format import BFLOAT16, FLOAT8_E4M3, FP8_LAYOUTS, INT8_SCALED
 from kvtool.runtime.kernels.borrowed import borrowed
+from kvtool.runtime.kernels.simd import LANES, codebook_block_lanes, codebook_lanes, tile_dots_lanes, weighted_rows_lanes
 from kvtool.runtime.kernels.team_launch import team_runner
 
 TINY_LOGIT = np.float32(-60.0)  # relative weights under e^-60 are dropped (subnormal products are ~100x slower)
@@ -200,18 +201,105 @@ def unpack_block(codes, block, widths, buf):
         low += w
 
 
+@njit(cache=True, inline="always")
+def padded_codebook(codebook, table):
+    """table (32,) float32 <- the codebook (up to 32 levels), padded by its last level (read by `lookup_row`); zeros
+    for the empty placeholder of a side without an outlier instance."""
+    top = codebook.shape[0] - 1
+    for i in range(table.shape[0]):
+        table[i] = codebook[min(i, top)] if top >= 0 else np.float32(0.0)
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def lookup_row(row, codebook, table):
+    """row (d,) float codes 0 .. L - 1 -> their codebook values in place: up to 32 levels 16 codes at a time by a
+    variable permute of the padded ``table`` (`simd.codebook_lanes`; Numba leaves ``codebook[code]`` scalar), the
+    rest and larger codebooks (6-bit outlier codes) one by one."""
+    n = row.shape[0]
+    done = 0
+    if codebook.shape[0] <= 32:
+        codebook_lanes(row, table)
+        done = n - n % LANES
+    for c in range(done, n):
+        row[c] = codebook[np.int32(row[c])]
+
+
+@njit(cache=True, inline="always")
+def slice_table(widths, bs, slices):
+    """slices (12,) int32 <- (first row, rows, width, low bit) of each of up to three bit slices of a body block of
+    ``bs`` tokens with slice ``widths`` (`unpack_block`'s layout: a w-bit slice spans bs w / 8 byte rows), (0, 1, 0, 0)
+    for a slice the codes do not have; read by `simd.codebook_block_lanes`. All zeros (the block then read by
+    `unpack_block`) when the codes have more than three slices."""
+    slices[:] = 0
+    for i in range(3, widths.shape[0]):
+        if widths[i] > 0:
+            return
+    first, low = 0, 0
+    for i in range(3):
+        w = widths[i] if i < widths.shape[0] else 0
+        if w == 0:
+            slices[4 * i + 1] = 1
+            continue
+        sub = bs * w // 8
+        slices[4 * i], slices[4 * i + 1], slices[4 * i + 2], slices[4 * i + 3] = first, sub, w, low
+        first += sub
+        low += w
+
+
 @njit(cache=True, fastmath=FAST)
-def load_codes(codes, block, widths, fp8_mantissa, fp8_bias, buf):
+def codebook_tile(codes, block, widths, codebook, table, slices, tile):
+    """tile (BS, d) float32 <- the codebook values of block ``block``'s codes (cap, BS * b / 8, d), bit-sliced and
+    token-split as `unpack_block` reads them. Codes of up to 5 bits in at most three slices over d a
+    multiple of 16 (every TurboQuant recipe's instances at head_dim 64 and 256): in one pass from the bytes to the
+    codebook values (`simd.codebook_block_lanes`; ``slices`` from `slice_table`, all zeros when it does not apply;
+    ``table`` the codebook padded to 32 levels, `padded_codebook`); else `unpack_block` (which writes the integer
+    codes as floats), then `lookup_row` over the tile as one row."""
+    if slices[1] > 0 and codebook.shape[0] <= 32 and tile.shape[1] % LANES == 0:
+        codebook_block_lanes(codes[block], slices, table, tile)
+        return
+    unpack_block(codes, block, widths, tile)
+    lookup_row(tile.reshape(tile.size), codebook, table)  # the tile is one contiguous row
+
+
+@njit(cache=True, fastmath=FAST)
+def load_codes(codes, block, widths, fp8_mantissa, fp8_bias, levels, table, slices, buf):
     """buf (BS, D) float32 <- body block ``block``'s codes: fp8 bytes (cap, BS, D) decoded to floats when
-    ``fp8_mantissa`` > 0, else bit-sliced integer codes (`unpack_block`)."""
+    ``fp8_mantissa`` > 0; else bit-sliced integer codes, as their codebook values when the side has ``levels`` (L,)
+    (nuq: `codebook_tile`, ``table`` and ``slices`` from `padded_codebook` and `slice_table`), else as the integers
+    (`unpack_block`)."""
     if fp8_mantissa > 0:
         rows = codes[block]
         for t in range(buf.shape[0]):
             src, dst = rows[t], buf[t]
             for c in range(dst.shape[0]):
                 dst[c] = fp8_to_float(src[c], fp8_mantissa, fp8_bias)
+    elif levels.shape[0] > 0:
+        codebook_tile(codes, block, widths, levels, table, slices, buf)
     else:
         unpack_block(codes, block, widths, buf)
+
+
+@njit(cache=True)
+def scatter_outliers(buf, index, value, block):
+    """buf (BS, D) float32 dequantized values <- block ``block``'s sparse outliers (nuq's dense-and-sparse split): k
+    (flat token-major position, value) pairs, ``index`` (cap, k) the int16 positions' bits (position - 32768, so
+    position = bits ^ 0x8000) and ``value`` (cap, k) float16 bits, each replacing the dense value at its position."""
+    d = buf.shape[1]
+    for i in range(index.shape[1]):
+        position = np.int64(index[block, i]) ^ 0x8000
+        buf[position // d, position % d] = half_to_float(value[block, i])
+
+
+@njit(cache=True)
+def scatter_outliers_scaled(buf, index, value, block, scale, zero):
+    """`scatter_outliers` into a tile of codebook values that are dequantized later as ``x * scale + zero`` per
+    channel (scale, zero (D,); scale > 0): each outlier is written as ``(value - zero) / scale``, so the fold of the
+    scale into the query (keys) or into the summed values gives it back (to float32 rounding)."""
+    d = buf.shape[1]
+    for i in range(index.shape[1]):
+        position = np.int64(index[block, i]) ^ 0x8000
+        c = position % d
+        buf[position // d, c] = (half_to_float(value[block, i]) - zero[c]) / scale[c]
 
 
 @njit(cache=True, fastmath=FAST)
@@ -431,6 +519,43 @@ def float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_vs, float_ta
                     axpy_half(acc_r, p, values[t], value_scales[t if scaled else 0], float_kind)
 
 
+@njit(cache=True, inline="always", fastmath=FAST)
+def block_logits(rows_q, tile, offsets, lanes, dots, scores, base):
+    """scores[r, base + t] <- rows_q[r] . tile[t] + offsets[r] for a block's tokens: rows_q (R, D), tile (BS, D),
+    offsets (R,), dots (R, BS) scratch. With ``lanes`` (D and BS multiples of 16) sixteen tokens' sums are reduced
+    together (`simd.tile_dots_lanes`), else one dot product per row and token."""
+    rows, bs = dots.shape
+    if lanes:
+        tile_dots_lanes(rows_q, tile, dots, rows_q.shape[1])
+        for r in range(rows):
+            for t in range(bs):
+                scores[r, base + t] = dots[r, t] + offsets[r]
+    else:
+        for t in range(bs):
+            for r in range(rows):
+                scores[r, base + t] = dot(rows_q[r], tile[t]) + offsets[r]
+
+
+@njit(cache=True, inline="always", fastmath=FAST)
+def block_weighted_rows(scores, base, tile, lanes, coef, summed):
+    """summed (R, D) += sum_t scores[r, base + t] tile[t] over a block's tokens (``coef`` (R, BS) scratch): with
+    ``lanes`` four chunks of a row per pass over the tokens (`simd.weighted_rows_lanes`), else one row update per
+    token with a weight (weights under e^-60 are 0: skipped)."""
+    rows, bs = coef.shape
+    if lanes:
+        for r in range(rows):
+            for t in range(bs):
+                coef[r, t] = scores[r, base + t]
+        weighted_rows_lanes(coef, tile, summed, tile.shape[1])
+    else:
+        for r in range(rows):
+            summed_r = summed[r]
+            for t in range(bs):
+                p = scores[r, base + t]
+                if p != 0.0:
+                    axpy(summed_r, p, tile[t])
+
+
 @njit(cache=True, fastmath=FAST)
 def attend_part(
     s, part, q, float_k, float_v, float_ks, float_vs, float_table, float_len, body_table, body_len, stream_head,
@@ -453,17 +578,32 @@ def attend_part(
         return
     qs, scores, acc = q[s], weights[s], part_acc[s, part]
     # pass 1: logits
-    k_codes, k_scale, k_zero, k_widths, k_mode, k_group, k_mantissa, k_bias, k_table, k_table_zero, k_has_zero = k_side
-    v_codes, v_scale, v_zero, v_widths, v_mode, v_group, v_mantissa, v_bias, v_table, v_table_zero, v_has_zero = v_side
+    (k_codes, k_scale, k_zero, k_widths, k_mode, k_group, k_mantissa, k_bias, k_table, k_table_zero, k_has_zero,
+     k_levels, k_out_index, k_out_value) = k_side
+    (v_codes, v_scale, v_zero, v_widths, v_mode, v_group, v_mantissa, v_bias, v_table, v_table_zero, v_has_zero,
+     v_levels, v_out_index, v_out_value) = v_side
     rope_source, rope_cos, rope_sin, rotary, interleaved, rope_positions, n_sink, streams_per_sequence = rope
     head = stream_head[s]
     body_buf = np.empty((bs, d), dtype=np.float32)
-    q_block = np.empty(d, dtype=np.float32)  # a query row with a block's per-channel key scales folded in
     scale_vec = np.empty(d, dtype=np.float32)
     zero_vec = np.empty(d, dtype=np.float32)
+    k_lut, v_lut = np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32)  # nuq codebooks, padded
+    k_slices, v_slices = np.zeros(12, dtype=np.int32), np.zeros(12, dtype=np.int32)
+    if k_levels.shape[0] > 0:
+        padded_codebook(k_levels, k_lut)
+        slice_table(k_widths, bs, k_slices)
+    if v_levels.shape[0] > 0:
+        padded_codebook(v_levels, v_lut)
+        slice_table(v_widths, bs, v_slices)
+    k_outliers, v_outliers = k_out_index.shape[1] > 0, v_out_index.shape[1] > 0
+    lanes = d % LANES == 0 and bs % LANES == 0
+    dots = np.empty((rows, bs), dtype=np.float32)  # a block's logits, then its weights (scratch)
+    q_fold = np.empty((rows, d), dtype=np.float32)  # query rows with a block's per-channel key scales folded in
+    offsets = np.zeros(rows, dtype=np.float32)  # q . zero per row (0 where the tile holds the keys themselves)
+    no_offsets = np.zeros(rows, dtype=np.float32)
     for j in range(u0, min(u1, n_blocks)):
         block = body_table[s, j]
-        load_codes(k_codes, block, k_widths, k_mantissa, k_bias, body_buf)
+        load_codes(k_codes, block, k_widths, k_mantissa, k_bias, k_levels, k_lut, k_slices, body_buf)
         if rope_source > 0:  # keys stored before RoPE: decoded, then rotated at each token's true position
             if k_mode != 2:
                 side_vectors(k_mode, k_scale, k_zero, k_table, k_table_zero, k_has_zero, block, head, scale_vec, zero_vec)
@@ -473,54 +613,55 @@ def attend_part(
                         key_row[c] = key_row[c] * scale_vec[c] + zero_vec[c]
             else:
                 dequantize_groups(body_buf, k_scale, k_zero, block, k_group)
+            if k_outliers:
+                scatter_outliers(body_buf, k_out_index, k_out_value, block)
             for t in range(bs):
                 position = body_position(rope_source, rope_positions, n_sink, streams_per_sequence, s, j, t, block, bs)
                 rotate_row(body_buf[t], rope_cos[position], rope_sin[position], rotary, interleaved)
-                for r in range(rows):
-                    scores[r, j * bs + t] = dot(qs[r], body_buf[t])
+            block_logits(qs, body_buf, no_offsets, lanes, dots, scores, j * bs)
         elif k_mode != 2:  # q . (scale * code + zero) = (q * scale) . code + q . zero, scale and zero per channel
             side_vectors(k_mode, k_scale, k_zero, k_table, k_table_zero, k_has_zero, block, head, scale_vec, zero_vec)
+            if k_outliers:
+                scatter_outliers_scaled(body_buf, k_out_index, k_out_value, block, scale_vec, zero_vec)
             for r in range(rows):
                 z = np.float32(0.0)
-                qr = qs[r]
+                qr, fold = qs[r], q_fold[r]
                 for c in range(d):
-                    q_block[c] = qr[c] * scale_vec[c]
+                    fold[c] = qr[c] * scale_vec[c]
                     z += qr[c] * zero_vec[c]
-                for t in range(bs):
-                    scores[r, j * bs + t] = dot(q_block, body_buf[t]) + z
+                offsets[r] = z
+            block_logits(q_fold, body_buf, offsets, lanes, dots, scores, j * bs)
         else:
             dequantize_groups(body_buf, k_scale, k_zero, block, k_group)
-            for t in range(bs):
-                for r in range(rows):
-                    scores[r, j * bs + t] = dot(qs[r], body_buf[t])
+            if k_outliers:
+                scatter_outliers(body_buf, k_out_index, k_out_value, block)
+            block_logits(qs, body_buf, no_offsets, lanes, dots, scores, j * bs)
     float_block_scores(s, u0, u1, n_blocks, n_float, qs, float_k, float_ks, float_table, float_kind, bs, scores)
     part_softmax(s, part, first, last, n_blocks, body_table, float_table, bs, fbs, window, softcap, scores, part_max,
                  part_sum)
     # pass 2: values
-    part_v = np.empty(d, dtype=np.float32)
+    part_v = np.empty((rows, d), dtype=np.float32)  # a block's weighted code rows (folded scales)
     for j in range(u0, min(u1, n_blocks)):
         block = body_table[s, j]
-        load_codes(v_codes, block, v_widths, v_mantissa, v_bias, body_buf)
+        load_codes(v_codes, block, v_widths, v_mantissa, v_bias, v_levels, v_lut, v_slices, body_buf)
         if v_mode != 2:  # sum_t p_t (scale * code_t + zero) = scale * sum_t p_t code_t + zero * sum_t p_t
             side_vectors(v_mode, v_scale, v_zero, v_table, v_table_zero, v_has_zero, block, head, scale_vec, zero_vec)
+            if v_outliers:
+                scatter_outliers_scaled(body_buf, v_out_index, v_out_value, block, scale_vec, zero_vec)
+            part_v[:] = 0.0
+            block_weighted_rows(scores, j * bs, body_buf, lanes, dots, part_v)
             for r in range(rows):
-                part_v[:] = 0.0
                 mass = np.float32(0.0)
                 for t in range(bs):
-                    p = scores[r, j * bs + t]
-                    mass += p
-                    axpy(part_v, p, body_buf[t])
-                acc_r = acc[r]
+                    mass += scores[r, j * bs + t]
+                acc_r, part_r = acc[r], part_v[r]
                 for c in range(d):
-                    acc_r[c] += part_v[c] * scale_vec[c] + mass * zero_vec[c]
+                    acc_r[c] += part_r[c] * scale_vec[c] + mass * zero_vec[c]
         else:
             dequantize_groups(body_buf, v_scale, v_zero, block, v_group)
-            for r in range(rows):
-                acc_r = acc[r]
-                for t in range(bs):
-                    p = scores[r, j * bs + t]
-                    if p != 0.0:
-                        axpy(acc_r, p, body_buf[t])
+            if v_outliers:
+                scatter_outliers(body_buf, v_out_index, v_out_value, block)
+            block_weighted_rows(scores, j * bs, body_buf, lanes, dots, acc)
     float_block_values(s, u0, u1, n_blocks, n_float, float_v, float_vs, float_table, float_kind, bs, scores, acc)
 
 

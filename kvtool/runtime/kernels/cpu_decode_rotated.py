@@ -43,13 +43,13 @@ from kvtool.runtime.kernels.cpu_decode_kernel import (
     open_part,
     part_scratch,
     part_softmax,
-    unpack_block,
+    codebook_tile,
+    padded_codebook,
+    slice_table,
 )
 from kvtool.runtime.kernels.simd import (
     LANES,
     MAX_LANES_DIM,
-    codebook_block_lanes,
-    codebook_lanes,
     tile_dots_lanes,
     walsh_hadamard_lanes,
     weighted_rows_lanes,
@@ -74,66 +74,6 @@ def block_order(mask, block, order):
         order[seen_o if bit else seen_r] = c
         seen_o += bit
         seen_r += 1 - bit
-
-
-@njit(cache=True, inline="always")
-def padded_codebook(codebook, table):
-    """table (32,) float32 <- the codebook (up to 32 levels), padded by its last level (read by `lookup_row`); zeros
-    for the empty placeholder of a side without an outlier instance."""
-    top = codebook.shape[0] - 1
-    for i in range(table.shape[0]):
-        table[i] = codebook[min(i, top)] if top >= 0 else np.float32(0.0)
-
-
-@njit(cache=True, inline="always", fastmath=FAST)
-def lookup_row(row, codebook, table):
-    """row (d,) float codes 0 .. L - 1 -> their codebook values in place: up to 32 levels 16 codes at a time by a
-    variable permute of the padded ``table`` (`simd.codebook_lanes`; Numba leaves ``codebook[code]`` scalar), the
-    rest and larger codebooks (6-bit outlier codes) one by one."""
-    n = row.shape[0]
-    done = 0
-    if codebook.shape[0] <= 32:
-        codebook_lanes(row, table)
-        done = n - n % LANES
-    for c in range(done, n):
-        row[c] = codebook[np.int32(row[c])]
-
-
-@njit(cache=True, inline="always")
-def slice_table(widths, bs, slices):
-    """slices (12,) int32 <- (first row, rows, width, low bit) of each of up to three bit slices of a body block of
-    ``bs`` tokens with slice ``widths`` (`unpack_block`'s layout: a w-bit slice spans bs w / 8 byte rows), (0, 1, 0, 0)
-    for a slice the codes do not have; read by `simd.codebook_block_lanes`. All zeros (the block then read by
-    `unpack_block`) when the codes have more than three slices."""
-    slices[:] = 0
-    for i in range(3, widths.shape[0]):
-        if widths[i] > 0:
-            return
-    first, low = 0, 0
-    for i in range(3):
-        w = widths[i] if i < widths.shape[0] else 0
-        if w == 0:
-            slices[4 * i + 1] = 1
-            continue
-        sub = bs * w // 8
-        slices[4 * i], slices[4 * i + 1], slices[4 * i + 2], slices[4 * i + 3] = first, sub, w, low
-        first += sub
-        low += w
-
-
-@njit(cache=True, fastmath=FAST)
-def codebook_tile(codes, block, widths, codebook, table, slices, tile):
-    """tile (BS, d) float32 <- the codebook values of block ``block``'s codes (cap, BS * b / 8, d), bit-sliced and
-    token-split as `cpu_decode_kernel.unpack_block` reads them. Codes of up to 5 bits in at most three slices over d a
-    multiple of 16 (every TurboQuant recipe's instances at head_dim 64 and 256): in one pass from the bytes to the
-    codebook values (`simd.codebook_block_lanes`; ``slices`` from `slice_table`, all zeros when it does not apply;
-    ``table`` the codebook padded to 32 levels, `padded_codebook`); else `unpack_block` (which writes the integer
-    codes as floats), then `lookup_row` over the tile as one row."""
-    if slices[1] > 0 and codebook.shape[0] <= 32 and tile.shape[1] % LANES == 0:
-        codebook_block_lanes(codes[block], slices, table, tile)
-        return
-    unpack_block(codes, block, widths, tile)
-    lookup_row(tile.reshape(tile.size), codebook, table)  # the tile is one contiguous row
 
 
 @njit(cache=True, inline="always", fastmath=FAST)
