@@ -141,6 +141,42 @@ def test_host_latents_are_the_torch_latents_bit_for_bit(bits, rank, group_size, 
     assert torch.equal(host, quantizer._coded_latent(flat))
 
 
+@pytest.fixture
+def two_threads():
+    """torch on two threads for one test (its OpenMP team then has a second thread to share work with)."""
+    from kvtool.runtime.kernels.openmp_team import openmp_team
+
+    if openmp_team() is None:
+        pytest.skip("no OpenMP team in this torch build")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield openmp_team()
+    torch.set_num_threads(before)
+
+
+def test_host_logits_and_latents_spread_over_torch_threads_give_the_one_thread_bits(two_threads, monkeypatch):
+    """A chunk large enough to spread (`SPREAD_MIN_WORK`, `HOST_SPREAD_MIN_ELEMENTS`) runs on torch's OpenMP team: the
+    same bits as on one thread (each item's sums in the same order), and the team really ran (its run count grows)."""
+    quantizer = _quantizer(bits=3, rank=80, groups=2, bias=True)
+    blocks = _blocks(quantizer, streams=2, blocks=24)
+    streams, tokens, d = 2, 24 * quantizer.block_size, quantizer.head_dim
+    assert streams * tokens * 3 * 80 * d >= cpu_lowrank.SPREAD_MIN_WORK
+    assert streams * tokens * 80 >= palu.HOST_SPREAD_MIN_ELEMENTS
+    rotation = _rotation(streams, tokens, d)
+    query = torch.randn(streams, 3, 3, d, generator=torch.Generator().manual_seed(3))
+    group = _stream_groups(quantizer, streams)
+    runs = two_threads.runs
+    spread = quantizer.chunk_scores(query, blocks, group, rotation)
+    assert two_threads.runs == runs + 2  # the keys' latents dequantized, then their logits, each on the team
+    monkeypatch.setattr(palu, "HOST_SPREAD_MIN_ELEMENTS", 1 << 62)
+    monkeypatch.setattr(cpu_lowrank, "SPREAD_MIN_WORK", 1 << 62)
+    serial = quantizer.chunk_scores(query, blocks, group, rotation)
+    assert two_threads.runs == runs + 2  # (one thread)
+    assert torch.equal(spread, serial)
+    torch.testing.assert_close(spread, BlockQuantizer.chunk_scores(quantizer, query, blocks, group, rotation),
+                               rtol=1e-5, atol=1e-4 * float(serial.abs().max()))
+
+
 def _full_width(x, cos, sin, interleaved=False):
     """The model's formula: x cos + rotate(x) sin on the first R channels, the rest passed through."""
     rotary = cos.shape[-1]

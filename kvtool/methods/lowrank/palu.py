@@ -26,7 +26,8 @@ value up-projection into the attention output (`chunk_values`). Attention reads 
 coordinates with the Hadamard transform folded into the up-projection (H U^T, as the Triton
 kernel's ``recon``), one product per chunk for a layer of one group; on the host the key
 logits are compiled (`cpu_lowrank.latent_logits`: keys reconstructed, turned by RoPE and
-dotted sixteen tokens at a time) and the codes dequantized in one pass (`_host_latents`).
+dotted sixteen tokens at a time) and the codes dequantized in one pass (`_host_latents`), both
+shared out over torch's own OpenMP threads when a chunk is large enough.
 
 ``block_nbytes`` is per block of one (sequence, KV head) stream, i.e. a group block's bytes / g:
 ``S*r*2 / g`` at 16 bits, ``(S*L*bits/8 + 4*S*ceil(L/q)) / g`` quantized (an int when exact,
@@ -292,17 +293,30 @@ def _numba_available() -> bool:
     return numba_available()
 
 
+HOST_SPREAD_MIN_ELEMENTS = 1 << 16  # latents from which `_host_latents` spreads over torch's threads (about 30 us on one core)
+
+
 def _host_latents(blocks: dict[str, torch.Tensor], bits: int, group: int) -> torch.Tensor:
     """`PaluQuantizer.decode_latent`'s codes x scale + zero of host blocks by the compiled
-    `cpu_decode_kernel.dequantize_latents` (about a dozen tensor operations in one pass): (N, S, L) float32."""
+    `cpu_decode_kernel.dequantize_latents` (about a dozen tensor operations in one pass): (N, S, L) float32. At
+    least `HOST_SPREAD_MIN_ELEMENTS` of them are shared out by block over torch's own OpenMP threads (`openmp_team`),
+    where there are several."""
     from kvtool.runtime.kernels.cpu_decode import slice_width_table
     from kvtool.runtime.kernels.cpu_decode_kernel import dequantize_latents
+
+    from kvtool.runtime.kernels.openmp_team import openmp_team
 
     codes = blocks["codes"].contiguous()
     n, length = codes.shape[0], codes.shape[-1]
     out = torch.empty(n, codes.shape[1] * 8 // bits, length)
     scale, zero = (blocks[name].contiguous().view(torch.int16).numpy().view("uint16") for name in ("scale", "zero"))
-    dequantize_latents(codes.numpy(), slice_width_table(bits), scale, zero, group, out.numpy())
+    threads = torch.get_num_threads()
+    team = openmp_team() if threads > 1 and out.numel() >= HOST_SPREAD_MIN_ELEMENTS and n > 1 else None
+    addresses = (team.gomp_parallel, team.thread_num, team.num_threads) if team is not None else (0, 0, 0)
+    dequantize_latents(codes.numpy(), slice_width_table(bits), scale, zero, group, out.numpy(), addresses,
+                       threads if team is not None else 1)
+    if team is not None:
+        team.runs += 1
     return out
 
 

@@ -894,19 +894,39 @@ def encode_int8_rows(x, group, codes, scale_bits, held):
 
 
 @njit(cache=True)
-def dequantize_latents(codes, widths, scale_bits, zero_bits, group, out):
-    """Palu's quantized latents on the host (`PaluQuantizer.decode_latent` before its Hadamard step): out (N, S, L)
-    float32 <- the integer codes of blocks codes (N, S * bits / 8, L) uint8 (bit-sliced, token-split) x scale + zero,
-    one float16 scale and zero (their bits, (N, S, ceil(L / group)) uint16) per token and group of ``group``
-    coordinates (a last partial group allowed). A product, then a sum, each rounded to float32 (no fused
-    multiply-add): the torch version's bits."""
-    n, s, length = out.shape
-    for b in range(n):
+def dequantize_latent_blocks(codes, widths, scale_bits, zero_bits, group, out, first, last):
+    """Blocks [first, last) of `dequantize_latents`."""
+    length = out.shape[2]
+    for b in range(first, last):
         buf = out[b]
         unpack_block(codes, b, widths, buf)
-        for t in range(s):
+        for t in range(buf.shape[0]):
             for j in range(scale_bits.shape[2]):
                 scale, zero = half_to_float(scale_bits[b, t, j]), half_to_float(zero_bits[b, t, j])
                 part = buf[t, j * group: min(length, (j + 1) * group)]
                 for c in range(part.shape[0]):
                     part[c] = part[c] * scale + zero
+
+
+def latent_blocks_on_team_thread(payload, thread, size):
+    """What each thread of an OpenMP team runs (`team_launch`): a contiguous share of the blocks of ``payload`` =
+    (`dequantize_latent_blocks`' arrays and group)."""
+    total = payload[5].shape[0]
+    dequantize_latent_blocks(*payload, total * thread // size, total * (thread + 1) // size)
+
+
+_latent_blocks_on_team = team_runner(latent_blocks_on_team_thread)
+
+
+@njit(cache=True, nogil=True)
+def dequantize_latents(codes, widths, scale_bits, zero_bits, group, out, team, threads):
+    """Palu's quantized latents on the host (`PaluQuantizer.decode_latent` before its Hadamard step): out (N, S, L)
+    float32 <- the integer codes of blocks codes (N, S * bits / 8, L) uint8 (bit-sliced, token-split) x scale + zero,
+    one float16 scale and zero (their bits, (N, S, ceil(L / group)) uint16) per token and group of ``group``
+    coordinates (a last partial group allowed). A product, then a sum, each rounded to float32 (no fused
+    multiply-add): the torch version's bits. On this thread, or with ``team`` (`openmp_team`'s addresses; zeros: none)
+    its blocks shared out over ``threads`` OpenMP threads, as `decode_step`'s items."""
+    if team[0] != 0:
+        _latent_blocks_on_team(team[0], team[1], team[2], threads, (codes, widths, scale_bits, zero_bits, group, out))
+    else:
+        dequantize_latent_blocks(codes, widths, scale_bits, zero_bits, group, out, 0, out.shape[0])
