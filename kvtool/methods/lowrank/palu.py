@@ -303,7 +303,6 @@ def _host_latents(blocks: dict[str, torch.Tensor], bits: int, group: int) -> tor
     where there are several."""
     from kvtool.runtime.kernels.cpu_decode import slice_width_table
     from kvtool.runtime.kernels.cpu_decode_kernel import dequantize_latents
-
     from kvtool.runtime.kernels.openmp_team import openmp_team
 
     codes = blocks["codes"].contiguous()
