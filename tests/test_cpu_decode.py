@@ -279,7 +279,7 @@ def test_cpu_kernel_reads_rows_narrower_than_its_vectors(side, rope):
 
 @pytest.mark.parametrize("side", [name for name in NUQ_SIDES if "narrow" not in name])
 @pytest.mark.parametrize("head_dim, gqa", [(64, 4), (256, 1), (128, 8)])
-def test_cpu_kernel_reads_nuq_blocks_with_outliers_as_the_dense_reference(side, head_dim, gqa):
+def test_cpu_kernel_reads_nuq_blocks_with_outliers_as_the_dense_reference(side, head_dim, gqa, monkeypatch):
     """KVQuant bodies (`reads_nuq`): codebook values of the codes, scaled per channel (folded into the query or into
     the summed values) or per token group, every block's sparse outliers in place; the reference decodes the blocks
     with `NuqQuantizer.decode_blocks`. Without the outliers the result differs (they are really read)."""
@@ -295,11 +295,8 @@ def test_cpu_kernel_reads_nuq_blocks_with_outliers_as_the_dense_reference(side, 
         arrays = sides(side_tensors, fmt)
         return arrays[:12] + (arrays[12][:, :0], arrays[13][:, :0]) if arrays[12].shape[1] else arrays
 
-    try:
-        cpu_decode._side_arrays = no_outliers
-        dense_only = cpu_decode_attention(**_cpu_args(args))
-    finally:
-        cpu_decode._side_arrays = sides
+    monkeypatch.setattr(cpu_decode, "_side_arrays", no_outliers)
+    dense_only = cpu_decode_attention(**_cpu_args(args))
     assert (dense_only - reference).abs().max() > 1e-3
 
 
