@@ -303,17 +303,14 @@ def _host_latents(blocks: dict[str, torch.Tensor], bits: int, group: int) -> tor
     where there are several."""
     from kvtool.runtime.kernels.cpu_decode import slice_width_table
     from kvtool.runtime.kernels.cpu_decode_kernel import dequantize_latents
-    from kvtool.runtime.kernels.openmp_team import openmp_team
+    from kvtool.runtime.kernels.openmp_team import team_for
 
     codes = blocks["codes"].contiguous()
     n, length = codes.shape[0], codes.shape[-1]
     out = torch.empty(n, codes.shape[1] * 8 // bits, length)
     scale, zero = (blocks[name].contiguous().view(torch.int16).numpy().view("uint16") for name in ("scale", "zero"))
-    threads = torch.get_num_threads()
-    team = openmp_team() if threads > 1 and out.numel() >= HOST_SPREAD_MIN_ELEMENTS and n > 1 else None
-    addresses = (team.gomp_parallel, team.thread_num, team.num_threads) if team is not None else (0, 0, 0)
-    dequantize_latents(codes.numpy(), slice_width_table(bits), scale, zero, group, out.numpy(), addresses,
-                       threads if team is not None else 1)
+    team, addresses, threads = team_for(out.numel() if n > 1 else 0, HOST_SPREAD_MIN_ELEMENTS)
+    dequantize_latents(codes.numpy(), slice_width_table(bits), scale, zero, group, out.numpy(), addresses, threads)
     if team is not None:
         team.runs += 1
     return out

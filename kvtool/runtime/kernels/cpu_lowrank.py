@@ -17,11 +17,10 @@ torch's own OpenMP threads (`team_launch`, as the decode kernel's steps): 0.35 m
 from __future__ import annotations
 
 import numpy as np
-import torch
 from numba import njit
 
 from kvtool.runtime.kernels.cpu_decode_kernel import FAST, rotate_row
-from kvtool.runtime.kernels.openmp_team import openmp_team
+from kvtool.runtime.kernels.openmp_team import team_for
 from kvtool.runtime.kernels.simd import matrix_product_lanes, tile_dots_lanes
 from kvtool.runtime.kernels.team_launch import team_runner
 
@@ -97,12 +96,8 @@ def latent_logits(coded, group, up, bias, has_bias, cos, sin, rotary, interleave
     threads (``torch.get_num_threads()`` of them, `openmp_team`), each taking a contiguous share of the (stream, tile)
     items: the reconstruction is compute-bound, and a model's other operations already use every thread torch has;
     smaller calls, and processes with no team, run on this thread."""
-    threads = torch.get_num_threads()
     work = coded.shape[0] * coded.shape[1] * up.shape[1] * coded.shape[2] * up.shape[3]
-    team = openmp_team() if threads > 1 and work >= SPREAD_MIN_WORK else None
-    if team is None:
-        logits_step(coded, group, up, bias, has_bias, cos, sin, rotary, interleaved, q, out, (0, 0, 0), 1)
-        return
-    logits_step(coded, group, up, bias, has_bias, cos, sin, rotary, interleaved, q, out,
-                (team.gomp_parallel, team.thread_num, team.num_threads), threads)
-    team.runs += 1
+    team, addresses, threads = team_for(work, SPREAD_MIN_WORK)
+    logits_step(coded, group, up, bias, has_bias, cos, sin, rotary, interleaved, q, out, addresses, threads)
+    if team is not None:
+        team.runs += 1

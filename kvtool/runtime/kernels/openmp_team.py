@@ -78,3 +78,16 @@ def _loaded_runtimes(torch_dir: str) -> list[str]:
     except OSError:
         return []
     return sorted(paths, key=lambda path: not path.startswith(torch_dir))
+
+
+def team_for(work: int, minimum: int) -> tuple[OpenMPTeam | None, tuple[int, int, int], int]:
+    """(team, its addresses as compiled callers take them, thread count) for a host call of ``work`` units that spreads
+    over torch's own threads from ``minimum`` of them: (None, (0, 0, 0), 1) where it runs on this thread (one torch
+    thread, less work, or no team). The caller counts a run on the team (``team.runs += 1``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    team = openmp_team() if threads > 1 and work >= minimum else None
+    if team is None:
+        return None, (0, 0, 0), 1
+    return team, (team.gomp_parallel, team.thread_num, team.num_threads), threads
