@@ -21,7 +21,8 @@ the rest of a step, the MLPs and the vocabulary projection, is the same for ever
 
 Baselines: `DynamicCache` (transformers' default cache, in the model's dtype) and,
 when `optimum-quanto` imports, transformers' `QuantizedCache` (quanto, 4-bit), the peer users compare with.
-Recipes that need calibration (kvquant, palu, static fp8 / int scales) are fitted on 4 windows of WikiText-2 first
+Recipes that need calibration (kvquant, palu, static fp8 / int scales) are fitted on 4 windows of WikiText-2 first,
+and those that need a profile (FastGen's offline head policies, fitted layer budgets) are profiled on the same text
 (that time is not part of the decode figures).
 """
 
@@ -103,8 +104,25 @@ def make_cache(label: str, model, tokenizer):
         recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=4, seq_len=512))
         runtime = CompressedRuntime.from_artifact(model, calibrate_loaded(model, tokenizer, str(CALIBRATION_TEXT), recipe), backend)
     else:
-        runtime = CompressedRuntime.from_recipe(model, recipe, backend=backend)
+        from kvtool.api import with_token_classes
+
+        profile = attention_profile(model, tokenizer, recipe) if recipe.eviction.needs_profile else None
+        profile = with_token_classes(model, recipe, profile, tokenizer)  # FastGen per prompt: the tokenizer's classes
+        runtime = CompressedRuntime.from_recipe(model, recipe, profile=profile, backend=backend)
     return runtime.new_cache(), runtime
+
+
+def attention_profile(model, tokenizer, recipe) -> dict:
+    """What `kvtool profile` would give a FastGen or fitted-budget recipe, from 4 windows of 512 calibration tokens
+    (as the calibrated recipes above; the time is not part of the decode figures)."""
+    from kvtool.attention_profile import profile_attention
+    from kvtool.data import DataSpec, token_windows
+    from kvtool.methods.evict.fastgen import token_classes
+    from kvtool.models.adapter import adapter_for
+
+    windows = token_windows(tokenizer, DataSpec.parse(str(CALIBRATION_TEXT)), samples=4, seq_len=512, seed=0, mode="random")
+    special, punct = token_classes(tokenizer)
+    return profile_attention(model, adapter_for(model), windows, special, punct, recipe.eviction, batch_size=2).tensors
 
 
 def measure_row(model_name: str, label: str, context: int, batch: int, steps: int, threads: int) -> dict:

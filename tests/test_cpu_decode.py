@@ -709,8 +709,8 @@ RECIPES = {
 }
 
 
-def _generate(model, recipe, backend, ids, mask, tokens=24):
-    runtime = CompressedRuntime.from_recipe(model, recipe, backend=backend)
+def _generate(model, recipe, backend, ids, mask, tokens=24, profile=None):
+    runtime = CompressedRuntime.from_recipe(model, recipe, profile=profile, backend=backend)
     cache = runtime.new_cache()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, **with_cache(cache), max_new_tokens=tokens, do_sample=False,
@@ -724,7 +724,7 @@ def _held(store) -> tuple:
     slots = torch.arange(width)[None].expand(store.streams, width)
     valid = slots < torch.from_numpy(store.float_len)[:, None]
     ids = store.float_slot_ids(slots)
-    names = ("k", "v") + tuple(name for name in ("pos", "score") if name in store.layout.meta)
+    names = ("k", "v") + tuple(name for name in ("pos", "score", "cls") if name in store.layout.meta)
     floats = [store.read_float_values(name, ids, per_slot=True)[valid] for name in names]  # int8 codes: decoded
     if store.body_pool is not None and "score" in store.layout.meta:  # the body blocks' scores too
         blocks = int(store.body_len.max())
@@ -775,12 +775,12 @@ def test_decode_steps_take_the_host_array_path_and_a_bfloat16_model_decodes_as_o
                                atol=tolerance)
 
 
-def _assert_numba_matches_torch(model, recipe, steps: int) -> None:
+def _assert_numba_matches_torch(model, recipe, steps: int, profile=None) -> None:
     """Batch of two (row 1 left-padded), 70-token prompt, 24 generated: the numba backend ran on every layer in at least
     ``steps`` of the 23 decode steps and gives the torch backend's tokens, logits, bytes and held slots."""
     ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=70)
-    by_torch, torch_cache = _generate(model, recipe, "torch", ids, mask)
-    by_numba, numba_cache = _generate(model, recipe, "numba", ids, mask)
+    by_torch, torch_cache = _generate(model, recipe, "torch", ids, mask, profile=profile)
+    by_numba, numba_cache = _generate(model, recipe, "numba", ids, mask, profile=profile)
     report = numba_cache.memory_report()
     assert report["backend"] == "numba"
     assert report["kernel_steps"] >= steps * model.config.num_hidden_layers  # the kernel really ran

@@ -41,7 +41,11 @@ Resolved once per runtime and reported in every memory report (``backend``):
   token, its position and its score, and adds the attention every held token received to its
   score, so attention-scored policies (h2o, tova, snapkv, ...) run on it between their cuts (such a
   step takes the model's query and token as host arrays and returns the output as a view, with none
-  of the general path's tensor operations: `KvtoolLayer._cpu_kernel_step`); the rest (cuts, flushes, prefill, a sliding-window rule's frees) stays on the torch path. Needs the
+  of the general path's tensor operations: `KvtoolLayer._cpu_kernel_step`). FastGen, which re-chooses
+  its kept set after every token, runs every such step on it too: after the call a compiled pass
+  (`kernels/cpu_fastgen.py`) writes the token's class, applies each head's policy (and a sliding
+  window's rule) and compacts the store as the torch path would. The rest (cuts, flushes, prefill,
+  a sliding-window rule's frees) stays on the torch path. Needs the
   ``numba`` package (a dependency of kvtool);
 * ``auto``: ``triton`` on CUDA when Triton is installed and the recipe's formats are ones the
   decode kernel reads; on CPU ``numba`` when Numba is installed and the CPU kernel reads the

@@ -56,6 +56,9 @@ class CacheContext:
     # RoPE of one forward's body positions on the host: index of a layer's RoPE -> (positions, cos, sin); see
     # `body_cos_sin` (emptied when the forward's last layer is done, so no table outlives it)
     _cos_sin: dict = field(default_factory=dict, init=False, repr=False)
+    # FastGen's token classes of one forward on the host: (B, t, sink tokens) -> (input ids, positions, classes); see
+    # `token_classes` (emptied with `_cos_sin`)
+    _classes: dict = field(default_factory=dict, init=False, repr=False)
 
     def all_real(self, attention_mask: torch.Tensor, t: int, real: torch.Tensor) -> bool:
         """``bool(real.all())`` for the real-token flags (B, t) read from ``attention_mask``, once per forward: every
@@ -104,8 +107,9 @@ class CacheContext:
     def end_layer(self, layer: int, failed: bool = False) -> None:
         """A layer's attention is done: after the forward's last layer, or a layer that raised (the forward stops
         there), drop what was shared within the forward."""
-        if (failed or layer == len(self.rope.ropes) - 1) and self._cos_sin:
+        if failed or layer == len(self.rope.ropes) - 1:
             self._cos_sin.clear()
+            self._classes.clear()
 
     def begin(self, batch: int, device) -> None:
         if self.needs_sequence_positions and self.sequence_positions is None:
@@ -122,10 +126,22 @@ class CacheContext:
         return torch.arange(seen, seen + t, device=device).expand(b, t)
 
     def token_classes(self, b: int, t: int, positions: torch.Tensor, sink_tokens: int) -> torch.Tensor:
-        """(B, t) uint8 FastGen classes: SPECIAL (special id or a sink position) | PUNCT."""
+        """(B, t) uint8 FastGen classes: SPECIAL (special id or a sink position) | PUNCT. On the host computed once per
+        forward for every layer with the same positions (FastGen's decode steps on the CPU kernel ask in every layer)."""
+        ids = None if self.probes is None else self.probes.input_ids
+        if positions.device.type != "cpu":  # (on a GPU the comparison would be a host sync per layer)
+            return self._token_classes(b, t, positions, sink_tokens, ids)
+        key = (b, t, sink_tokens)
+        held = self._classes.get(key)
+        if held is not None and held[0] is ids and held[1].shape == positions.shape and torch.equal(held[1], positions):
+            return held[2]
+        classes = self._token_classes(b, t, positions, sink_tokens, ids)
+        self._classes[key] = (ids, positions, classes)
+        return classes
+
+    def _token_classes(self, b: int, t: int, positions: torch.Tensor, sink_tokens: int, ids) -> torch.Tensor:
         special = positions < sink_tokens
         punct = torch.zeros_like(special)
-        ids = None if self.probes is None else self.probes.input_ids
         if ids is not None and ids.shape[-1] == t:
             ids = ids.to(positions.device).expand(b, t)
             if self.special_ids is not None:

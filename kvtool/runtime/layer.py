@@ -153,6 +153,11 @@ def _stream_mask(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     return mask[:, None].expand(b, heads, t, t).reshape(b, heads * t, t).repeat_interleave(groups, dim=0)
 
 
+def _slot_bytes(flat: torch.Tensor) -> np.ndarray:
+    """A per-slot float-pool tensor (slots, ...) as host bytes (slots, bytes per slot) uint8, sharing its memory."""
+    return flat.reshape(flat.shape[0], -1).view(torch.uint8).numpy()
+
+
 def _decoding_real_tokens(attention_mask: torch.Tensor | None, all_real=None) -> bool:
     """A one-token forward whose new token is real in every sequence (no padding column at the end); ``all_real`` as
     in `new_token_mask`."""
@@ -396,14 +401,52 @@ class KvtoolLayer(CacheLayerMixin):
 
     def _count_kernel_write(self, b: int, positions: torch.Tensor | None) -> None:
         """The CPU kernel stored this decode step's token (and its position and score): count it (``positions``
-        (B, 1), which layer 0 records where the context keeps them)."""
+        (B, 1), which layer 0 records where the context keeps them). A policy that re-chooses by its rules after
+        every token (FastGen, `_rules_after_write`) then evicts."""
         self.store.appended_one()
         self.lengths = self.lengths + 1
         if self.index == 0 and positions is not None:
             self.context.record(positions, torch.ones(b, dtype=torch.int64, device=self.device))
         policy = self.policy
-        if policy is not None and (policy.evicts_while_decoding or self.window_rule is not None):
+        if policy is None:
+            return
+        if not policy.budgeted:
+            self._evict_by_rules(b, positions)
+        elif policy.evicts_while_decoding or self.window_rule is not None:
             self._quiet_steps -= 1  # one of the steps no stream can be due in (`_evict` counts them the same way)
+
+    def _evict_by_rules(self, b: int, positions: torch.Tensor) -> None:
+        """FastGen's kept set after a token the CPU kernel wrote (its classes written here), chosen and compacted by
+        `cpu_fastgen.fastgen_decode_evict` as the torch path's `_evict` does over the whole view."""
+        from kvtool.runtime.kernels.cpu_fastgen import fastgen_decode_evict, fastgen_decode_evict_blocks
+
+        store, spec = self.store, self.policy.spec
+        pool, body = store.float_pool, store.body_pool
+        classes = self.context.token_classes(b, 1, positions, spec.sink_tokens)  # (B, 1) uint8, once per forward
+        slots = (pool.host_flat("pos"), pool.host_flat("score"), pool.host_flat("cls"),
+                 tuple(pool.host_flat(name, as_bytes=True) for name in store.slot_names))
+        rules = (classes.numpy(), self.groups, self._rule_policies(), self.lengths.numpy(), float(spec.local_ratio),
+                 float(spec.frequent_ratio), self.window_rule.window if self.window_rule is not None else 0)
+        if body is None:
+            store.set_float_lengths(fastgen_decode_evict(store.float_table.numpy(), store.float_len, store.fbs, *slots, *rules))
+            return
+        lengths = np.empty((3, store.streams), np.int64)
+        freed = np.empty(max(int(store.body_len.sum()), 1), np.int64)
+        n_freed = fastgen_decode_evict_blocks(
+            store.float_table.numpy(), store.float_len, store.n_sink, store.layout.sink_tokens, store.fbs, *slots,
+            store.body_table.numpy(), store.body_len, store.bs, body.host_flat("pos"), body.host_flat("score"),
+            body.host_flat("cls"), *rules, lengths, freed,
+        )
+        store.set_kept_lengths(lengths, freed[:n_freed])
+
+    def _rule_policies(self) -> np.ndarray:
+        """(S,) int64 FastGen policy of each stream at a decode step (`FastGen.decode_policies`) on the host, kept
+        while the streams and their prompt's choices (``stream_state``) are the same objects."""
+        held = self.__dict__.get("_rule_policies_held")
+        if held is None or held[0] is not self.group_of_stream or held[1] is not self.stream_state:
+            policies = self.policy.decode_policies(self.index, self.group_of_stream, self.stream_state)
+            held = self._rule_policies_held = (self.group_of_stream, self.stream_state, policies.numpy().astype(np.int64))
+        return held[2]
 
     def _observation_window(self, t: int, sliding_window: int | None, real: torch.Tensor | None) -> torch.Tensor | int:
         """Query tokens of this forward of ``t`` whose attention scores the others, per stream (S,) int64, or one int
@@ -434,12 +477,19 @@ class KvtoolLayer(CacheLayerMixin):
     def _kernel_writes(self, real) -> bool:
         """The CPU kernel also stores this decode step's token: a plain append (every token real, per-slot metadata no
         more than positions and scores) into float slots the streams have (the next float block allocated first where
-        only that is missing: `LayerStore.can_append_one`), on a step where the policy cannot cut (`_policy_quiet`)."""
-        return (
-            self.context.backend == "numba" and real is None and set(self.store.layout.meta) <= {"pos", "score"}
-            and not self.store.layout.token_sums and self.context.shrink is None and self._policy_quiet()
-            and self.store.can_append_one()
-        )
+        only that is missing: `LayerStore.can_append_one`), on a step where the policy cannot cut (`_policy_quiet`);
+        or FastGen's token on a float store, which its rules then re-choose from (`_rules_after_write`)."""
+        if self.context.backend != "numba" or real is not None or self.store.layout.token_sums or self.context.shrink is not None:
+            return False
+        if set(self.store.layout.meta) <= {"pos", "score"} and self._policy_quiet():
+            return self.store.can_append_one()
+        return self._rules_after_write() and self.store.can_append_one(makes_sinks=True)
+
+    def _rules_after_write(self) -> bool:
+        """A policy that re-chooses its kept set by rules after every token (FastGen: not budgeted): the store's float
+        slots and body blocks, which `_evict_by_rules` compacts after the CPU kernel wrote the token."""
+        policy = self.policy
+        return policy is not None and not policy.budgeted and set(self.store.layout.meta) == {"pos", "score", "cls"}
 
     def _policy_quiet(self) -> bool:
         """This decode step only appends, as `_evict` decides it: no policy; one that never cuts while decoding (and

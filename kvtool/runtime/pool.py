@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import torch
 
 GROWTH = 1.25
@@ -43,6 +45,7 @@ class BlockPool:
         self._tensors = tensors
         self._flat_views: dict[str, torch.Tensor] = {}  # views of these tensors only: no old storage stays alive
         self._sides: dict[str, dict[str, torch.Tensor]] = {}
+        self._host: dict[tuple[str, bool], np.ndarray] = {}  # `host_flat`'s arrays of these tensors
 
     def flat(self, name: str) -> torch.Tensor:
         """Tensor ``name`` viewed per slot, (capacity x tokens per block, ...): one view per pool size, reused
@@ -52,6 +55,17 @@ class BlockPool:
             t = self._tensors[name]
             view = self._flat_views[name] = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
         return view
+
+    def host_flat(self, name: str, as_bytes: bool = False) -> np.ndarray:
+        """`flat` of a CPU pool as a host array sharing its memory, (slots, ...) in the tensor's dtype or, ``as_bytes``,
+        (slots, bytes per slot) uint8: built once per pool size (a compiled step that moves slots asks in every layer)."""
+        held = self._host.get((name, as_bytes))
+        if held is None:
+            view = self.flat(name)
+            if as_bytes:
+                view = view.reshape(view.shape[0], -1).view(torch.uint8)
+            held = self._host[(name, as_bytes)] = view.numpy()
+        return held
 
     def side(self, prefix: str) -> dict[str, torch.Tensor]:
         """{name without ``prefix``: tensor} of the tensors whose name starts with ``prefix`` (e.g. a body pool's

@@ -272,24 +272,25 @@ class LayerStore:
             quiet = self._quiet = int(room.min()) if room.shape[0] else 0
         return quiet
 
-    def can_append_one(self) -> bool:
+    def can_append_one(self, makes_sinks: bool = False) -> bool:
         """A decode step may write each stream's next float slot in place (then `appended_one`): room in the streams'
         float blocks (`quiet_appends`), or only a full last float block, which `reserve_one` allocates right before
-        the write (as the append would); False when a sink is due or a block must be encoded."""
+        the write (as the append would); False when a block must be encoded, or a sink is due and the caller does not
+        count sinks itself (``makes_sinks``: `cpu_fastgen` does, after the write)."""
         if self.quiet_appends() > 0:
             return True
         if not self.streams:
             return False
         if self.layout.quantized:
-            flush_room = self._flush_room()
+            flush_room = self._flush_room(makes_sinks)
             return flush_room is not None and int(flush_room.min()) > 0
         return True
 
-    def _flush_room(self) -> np.ndarray | None:
+    def _flush_room(self, makes_sinks: bool = False) -> np.ndarray | None:
         """(S,) one-token appends each stream of a quantized store takes before its oldest float block is encoded;
-        None when the next token of some stream becomes a sink."""
+        None when the next token of some stream becomes a sink (unless ``makes_sinks``)."""
         new_sinks, _ = self._append_split(np.ones_like(self.float_len))
-        if new_sinks.any():
+        if new_sinks.any() and not makes_sinks:
             return None
         return self.layout.recent_tokens + self.bs - 1 - (self.float_len - self.n_sink)
 
@@ -465,6 +466,26 @@ class LayerStore:
         self._set("float_len", new_len)
         if drop.sum():
             self.shrink()
+
+    def set_float_lengths(self, new_len: np.ndarray) -> None:
+        """A compiled step compacted the float region in place (`cpu_fastgen`): hold ``new_len`` (S,) tokens, free
+        the float blocks past them."""
+        if np.array_equal(new_len, self.float_len):  # nothing freed (FastGen's ``full`` heads, a kept new token)
+            return
+        self._summaries_stale = True
+        self._release_float_beyond(new_len)
+
+    def set_kept_lengths(self, lengths: np.ndarray, freed_body: np.ndarray) -> None:
+        """A compiled step compacted a quantized store in place, both regions in order (`cpu_fastgen`, as `keep`):
+        lengths (3, S) int64 = float tokens, sinks among them, body blocks; freed_body (N,) int64 the body blocks it
+        dropped from the table (released here)."""
+        if freed_body.size:
+            self.body_pool.release(torch.from_numpy(freed_body).to(self.device))
+            self._set("body_len", lengths[2])
+            self.shrink()
+        if not np.array_equal(lengths[1], self.n_sink):
+            self._set("n_sink", lengths[1])
+        self.set_float_lengths(lengths[0])
 
     def write_float(self, start: np.ndarray, count: np.ndarray, data: dict[str, torch.Tensor]) -> None:
         """Write the first count[s] entries of each row of data {name: (S, W, ...)} into float slots

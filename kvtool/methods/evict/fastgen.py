@@ -207,15 +207,20 @@ class FastGen(EvictionPolicy):
 
     def stream_policies(self, view: StreamView, kept: Tensor) -> Tensor:
         """(S,) int64 policy index of each stream for this forward."""
-        if self.spec.profile_source == "offline":
-            return self.profile["heads.policy"].to(view.heads.device)[view.layer, view.heads].long()
-        previous = view.stream_state if view.stream_state is not None else torch.full_like(view.length, FULL)
-        if view.window_attention is not None:  # a forward of several tokens: choose from its attention
+        previous = self.decode_policies(view.layer, view.heads, view.stream_state)
+        if self.spec.profile_source == "prompt" and view.window_attention is not None:  # several tokens: choose
             chosen = choose_from_prompt(view.window_attention, kept, view.valid, self.spec.threshold)
             attended = (view.window_attention * view.valid).sum(dim=1) > 0  # (S,) False: only padding this forward
             view.stream_state = torch.where(attended, chosen, previous)
             return view.stream_state
         return previous
+
+    def decode_policies(self, layer: int, heads: Tensor, stream_state: Tensor | None) -> Tensor:
+        """(S,) int64 policy of each stream (KV heads ``heads`` (S,) of ``layer``) at a decode step: the profile's, or
+        the one chosen at the stream's last prompt (``stream_state``; every token while none was chosen)."""
+        if self.spec.profile_source == "offline":
+            return self.profile["heads.policy"].to(heads.device)[layer, heads].long()
+        return stream_state if stream_state is not None else torch.full_like(heads, FULL)
 
 
 def kept_sets(view: StreamView, local_ratio: float, frequent_ratio: float) -> Tensor:
