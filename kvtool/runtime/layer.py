@@ -425,7 +425,8 @@ class KvtoolLayer(CacheLayerMixin):
         classes = self.context.token_classes(b, 1, positions, spec.sink_tokens)  # (B, 1) uint8, once per forward
         slots = (pool.host_flat("pos"), pool.host_flat("score"), pool.host_flat("cls"),
                  tuple(pool.host_flat(name, as_bytes=True) for name in store.slot_names))
-        rules = (classes.numpy(), self.groups, self._rule_policies(), self.lengths.numpy(), float(spec.local_ratio),
+        policies = self.policy.decode_policies(self.index, self.group_of_stream, self.stream_state).numpy()  # (S,)
+        rules = (classes.numpy(), self.groups, policies, self.lengths.numpy(), float(spec.local_ratio),
                  float(spec.frequent_ratio), self.window_rule.window if self.window_rule is not None else 0)
         if body is None:
             store.set_float_lengths(fastgen_decode_evict(store.float_table.numpy(), store.float_len, store.fbs, *slots, *rules))
@@ -438,15 +439,7 @@ class KvtoolLayer(CacheLayerMixin):
             body.host_flat("cls"), *rules, lengths, freed,
         )
         store.set_kept_lengths(lengths, freed[:n_freed])
-
-    def _rule_policies(self) -> np.ndarray:
-        """(S,) int64 FastGen policy of each stream at a decode step (`FastGen.decode_policies`) on the host, kept
-        while the streams and their prompt's choices (``stream_state``) are the same objects."""
-        held = self.__dict__.get("_rule_policies_held")
-        if held is None or held[0] is not self.group_of_stream or held[1] is not self.stream_state:
-            policies = self.policy.decode_policies(self.index, self.group_of_stream, self.stream_state)
-            held = self._rule_policies_held = (self.group_of_stream, self.stream_state, policies.numpy().astype(np.int64))
-        return held[2]
+        store.flush_held(self._float_positions_for_encode, self._encode)  # blocks now due, as `append` encodes them
 
     def _observation_window(self, t: int, sliding_window: int | None, real: torch.Tensor | None) -> torch.Tensor | int:
         """Query tokens of this forward of ``t`` whose attention scores the others, per stream (S,) int64, or one int
@@ -483,7 +476,7 @@ class KvtoolLayer(CacheLayerMixin):
             return False
         if set(self.store.layout.meta) <= {"pos", "score"} and self._policy_quiet():
             return self.store.can_append_one()
-        return self._rules_after_write() and self.store.can_append_one(makes_sinks=True)
+        return self._rules_after_write() and self.store.can_append_one(makes_sinks=True, flushes=True)
 
     def _rules_after_write(self) -> bool:
         """A policy that re-chooses its kept set by rules after every token (FastGen: not budgeted): the store's float

@@ -50,9 +50,13 @@ def storage_nbytes(tensors) -> int:
     storages = {}
     for tensor in tensors:
         if isinstance(tensor, np.ndarray):
-            base = tensor if tensor.base is None else tensor.base
-            storages[(base.__array_interface__["data"][0], "cpu")] = base.nbytes
-            continue
+            base = tensor
+            while isinstance(base, np.ndarray) and base.base is not None:
+                base = base.base
+            if not isinstance(base, torch.Tensor):  # numpy's own memory
+                storages[(base.__array_interface__["data"][0], "cpu")] = base.nbytes
+                continue
+            tensor = base  # a host view of a tensor's memory (`BlockPool.host_flat`): that storage, once
         storage = tensor.untyped_storage()
         device = "cpu" if tensor.device.type == "cpu" else str(tensor.device)
         storages[(storage.data_ptr(), device)] = storage.nbytes()

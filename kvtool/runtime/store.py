@@ -272,18 +272,18 @@ class LayerStore:
             quiet = self._quiet = int(room.min()) if room.shape[0] else 0
         return quiet
 
-    def can_append_one(self, makes_sinks: bool = False) -> bool:
+    def can_append_one(self, makes_sinks: bool = False, flushes: bool = False) -> bool:
         """A decode step may write each stream's next float slot in place (then `appended_one`): room in the streams'
         float blocks (`quiet_appends`), or only a full last float block, which `reserve_one` allocates right before
-        the write (as the append would); False when a block must be encoded, or a sink is due and the caller does not
-        count sinks itself (``makes_sinks``: `cpu_fastgen` does, after the write)."""
+        the write (as the append would); False when a block must be encoded, or a sink is due, and the caller does
+        not do it itself after the write (``flushes``: `flush_held`; ``makes_sinks``: `cpu_fastgen` counts them)."""
         if self.quiet_appends() > 0:
             return True
         if not self.streams:
             return False
         if self.layout.quantized:
             flush_room = self._flush_room(makes_sinks)
-            return flush_room is not None and int(flush_room.min()) > 0
+            return flush_room is not None and (flushes or int(flush_room.min()) > 0)
         return True
 
     def _flush_room(self, makes_sinks: bool = False) -> np.ndarray | None:
@@ -729,6 +729,22 @@ class LayerStore:
         old = self.float_len - self.n_sink  # non-sink float tokens held (the new sinks do not change it)
         flush = np.maximum((old + counts - new_sinks - self.layout.recent_tokens) // self.bs, 0)
         return new_sinks, flush
+
+    def flush_held(self, float_positions: Callable[[np.ndarray, int], torch.Tensor], encode: Callable[..., dict]) -> None:
+        """Encode the oldest float blocks of streams holding ``recent_tokens + block_size`` or more non-sink float
+        tokens, as `append` does after it writes: for a step whose token a kernel wrote into the float region itself
+        (FastGen on the CPU kernel, which then evicted; `append` would have evicted first, then written and encoded
+        the same blocks)."""
+        zeros = np.zeros_like(self.float_len)
+        _, flush = self._append_split(zeros)
+        if not flush.any():
+            return
+        shapes = {"k": (self.layout.heads_per_stream, self.layout.head_dim), "v": (self.layout.heads_per_stream, self.layout.head_dim)}
+        dtypes = {"k": torch.float32, "v": torch.float32, "pos": torch.int64}
+        rest = {name: torch.empty((self.streams, 0, *shapes.get(name, ())), dtype=dtypes.get(name, META_DTYPES.get(name)),
+                                  device=self.device) for name in ("k", "v", *self.layout.meta)}
+        rest_pos = torch.empty((self.streams, 0), dtype=torch.int64, device=self.device)
+        self._flush(rest, rest_pos, zeros, self.float_len - self.n_sink, flush, float_positions, encode)
 
     def appends_in_float(self, counts) -> bool:
         """Appending ``counts`` tokens per stream only writes float slots: no sink is made, no block encoded."""
