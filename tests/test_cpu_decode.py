@@ -677,6 +677,15 @@ RECIPES = {
         values=QuantSpec(method="none", bits=16, axis="token", path="values"), cache=CacheSpec(float_dtype="float16"),
         eviction=EvictionSpec(policy="h2o", budget_tokens=48, sink_tokens=2, window=8),
     ),
+    "knorm": Recipe(  # a policy that keeps a feature per token (the key's norm): the kernel's steps write it too
+        name="knorm", keys=QuantSpec(method="none", bits=16, path="keys"),
+        values=QuantSpec(method="none", bits=16, axis="token", path="values"),
+        eviction=EvictionSpec(policy="knorm", budget_tokens=48, sink_tokens=2, window=8),
+    ),
+    "vatp-4bit": Recipe(  # ... attention x the value's L1 norm, over a quantized store
+        name="vatp4", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
+        eviction=EvictionSpec(policy="vatp", budget_tokens=72, sink_tokens=2, window=8),
+    ),
     "h2o-4bit": Recipe(  # ... and of a quantized store: scores of body blocks too
         name="h2o4", cache=CacheSpec(sink_tokens=2, recent_tokens=8, block_size=32),
         eviction=EvictionSpec(policy="h2o", budget_tokens=72, sink_tokens=2, window=8),
@@ -724,7 +733,7 @@ def _held(store) -> tuple:
     slots = torch.arange(width)[None].expand(store.streams, width)
     valid = slots < torch.from_numpy(store.float_len)[:, None]
     ids = store.float_slot_ids(slots)
-    names = ("k", "v") + tuple(name for name in ("pos", "score", "cls") if name in store.layout.meta)
+    names = ("k", "v") + tuple(name for name in ("pos", "score", "cls", "feature") if name in store.layout.meta)
     floats = [store.read_float_values(name, ids, per_slot=True)[valid] for name in names]  # int8 codes: decoded
     if store.body_pool is not None and "score" in store.layout.meta:  # the body blocks' scores too
         blocks = int(store.body_len.max())
@@ -739,7 +748,7 @@ def test_numba_backend_generates_the_torch_backends_tokens_and_store(name):
     """Batch of two, row 1 left-padded (ragged streams), GQA 4:2; 24 tokens cross block flushes and float-block
     boundaries, so the kernel's own writes (`LayerStore.quiet_appends`) and the torch path's alternate; with scored
     eviction the kernel's steps (stores, positions, scores) and the torch path's cuts alternate too."""
-    steps = {"float16": 23, "h2o-4bit": 12, "h2o-4bit-prerope": 12, "turboquant-3bit-h2o-block16": 12}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
+    steps = {"float16": 23, "h2o-4bit": 12, "h2o-4bit-prerope": 12, "turboquant-3bit-h2o-block16": 12, "vatp-4bit": 16}.get(name, 20)  # of 23 decode steps (flushes and cuts go to torch)
     _assert_numba_matches_torch(tiny_model("llama", kv_heads=2), RECIPES[name], steps)
 
 
@@ -773,6 +782,28 @@ def test_decode_steps_take_the_host_array_path_and_a_bfloat16_model_decodes_as_o
     tolerance = 2e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(torch.stack(by_numba.logits).float(), torch.stack(by_torch.logits).float(), rtol=tolerance,
                                atol=tolerance)
+
+
+@pytest.mark.parametrize("name,steps", [("knorm", 20), ("vatp-4bit", 16)])
+def test_feature_policies_store_their_decode_tokens_on_the_kernel(name, steps, monkeypatch):
+    """KNorm and VATP keep a feature per token (the key's norm, the value's L1 norm): the kernel's lean steps write
+    it with the token (`_count_kernel_write`), so between cuts their decode steps are `_cpu_kernel_step`'s, not the
+    torch path's store (KNorm's attention was read by the kernel before too, its tokens stored by torch)."""
+    from kvtool.runtime.layer import KvtoolLayer
+
+    taken = []
+    step = KvtoolLayer._cpu_kernel_step
+
+    def counted(self, *args):
+        out = step(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(KvtoolLayer, "_cpu_kernel_step", counted)
+    model = tiny_model("llama", kv_heads=2)
+    ids, mask = tiny_tokenizer_free_inputs(batch=2, seq=70)
+    _generate(model, RECIPES[name], "numba", ids, mask)
+    assert sum(taken) >= steps * model.config.num_hidden_layers
 
 
 def _assert_numba_matches_torch(model, recipe, steps: int, profile=None) -> None:

@@ -332,7 +332,7 @@ class KvtoolLayer(CacheLayerMixin):
             )
             out = out.reshape(b, hq, 1, d).transpose(1, 2).to(query.dtype)
             if writes:  # (only an empty store's step that scores, soft-caps or has sinks: else `_cpu_kernel_step`)
-                self._count_kernel_write(b, positions)
+                self._count_kernel_write(b, positions, nk[:, 0, 0], nv[:, 0, 0])
                 return out
         else:
             q = (query.float() * scaling).reshape(b, groups, g, G, t, d).reshape(s, g, r, d)
@@ -388,22 +388,28 @@ class KvtoolLayer(CacheLayerMixin):
             positions = self.context.positions(b, 1, seen_before, query.device)
         q = _host_rows(query, s) * np.float32(scaling)  # (S, R, D) float32, already scaled
         sink_logits = self._sink_logits(options.sinks, b, 1)
+        token_k, token_v = _host_rows(new_k, s)[:, 0], _host_rows(new_v, s)[:, 0]  # (S, D) float32
         out = self._kernel_decode(
-            q, _host_rows(new_k, s)[:, 0], _host_rows(new_v, s)[:, 0], options,
-            None if sink_logits is None else sink_logits[:, 0], "exact", True, None if positions is None else positions[:, 0],
-            scoring,
+            q, token_k, token_v, options, None if sink_logits is None else sink_logits[:, 0], "exact", True,
+            None if positions is None else positions[:, 0], scoring,
         )  # (S, R, D) float32: (B, H_q, D), which is (B, 1, H_q, D) for one token
         out = out.view(b, 1, hq, d)
         if query.dtype != torch.float32:
             out = out.to(query.dtype)
-        self._count_kernel_write(b, positions)
+        self._count_kernel_write(b, positions, token_k, token_v)
         return out
 
-    def _count_kernel_write(self, b: int, positions: torch.Tensor | None) -> None:
+    def _count_kernel_write(self, b: int, positions: torch.Tensor | None, new_k, new_v) -> None:
         """The CPU kernel stored this decode step's token (and its position and score): count it (``positions``
-        (B, 1), which layer 0 records where the context keeps them). A policy that re-chooses by its rules after
-        every token (FastGen, `_rules_after_write`) then evicts."""
-        self.store.appended_one()
+        (B, 1), which layer 0 records where the context keeps them) and write its feature where the policy keeps one
+        (KNorm, VATP: from the token's key and value ``new_k`` / ``new_v`` (S, D) float32, as the torch path does). A
+        policy that re-chooses by its rules after every token (FastGen, `_rules_after_write`) then evicts."""
+        store = self.store
+        store.appended_one()
+        if "feature" in store.layout.meta:
+            k, v = torch.as_tensor(new_k)[:, None], torch.as_tensor(new_v)[:, None]  # (S, 1, D)
+            slots = store.float_slot_ids(to_device(store.float_len - 1, self.device)[:, None])[:, 0]  # (S,) the new slots
+            store.float_flat("feature")[slots] = self.policy.token_feature(k, v)[:, 0].float()
         self.lengths = self.lengths + 1
         if self.index == 0 and positions is not None:
             self.context.record(positions, torch.ones(b, dtype=torch.int64, device=self.device))
@@ -469,12 +475,12 @@ class KvtoolLayer(CacheLayerMixin):
 
     def _kernel_writes(self, real) -> bool:
         """The CPU kernel also stores this decode step's token: a plain append (every token real, per-slot metadata no
-        more than positions and scores) into float slots the streams have (the next float block allocated first where
+        more than positions, scores and a feature) into float slots the streams have (the next float block allocated first where
         only that is missing: `LayerStore.can_append_one`), on a step where the policy cannot cut (`_policy_quiet`);
         or FastGen's token on a float store, which its rules then re-choose from (`_rules_after_write`)."""
         if self.context.backend != "numba" or real is not None or self.store.layout.token_sums or self.context.shrink is not None:
             return False
-        if set(self.store.layout.meta) <= {"pos", "score"} and self._policy_quiet():
+        if set(self.store.layout.meta) <= {"pos", "score", "feature"} and self._policy_quiet():
             return self.store.can_append_one()
         return self._rules_after_write() and self.store.can_append_one(makes_sinks=True, flushes=True)
 
