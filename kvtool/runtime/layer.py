@@ -153,11 +153,6 @@ def _stream_mask(mask: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     return mask[:, None].expand(b, heads, t, t).reshape(b, heads * t, t).repeat_interleave(groups, dim=0)
 
 
-def _slot_bytes(flat: torch.Tensor) -> np.ndarray:
-    """A per-slot float-pool tensor (slots, ...) as host bytes (slots, bytes per slot) uint8, sharing its memory."""
-    return flat.reshape(flat.shape[0], -1).view(torch.uint8).numpy()
-
-
 def _decoding_real_tokens(attention_mask: torch.Tensor | None, all_real=None) -> bool:
     """A one-token forward whose new token is real in every sequence (no padding column at the end); ``all_real`` as
     in `new_token_mask`."""
@@ -435,7 +430,8 @@ class KvtoolLayer(CacheLayerMixin):
         rules = (classes.numpy(), self.groups, policies, self.lengths.numpy(), float(spec.local_ratio),
                  float(spec.frequent_ratio), self.window_rule.window if self.window_rule is not None else 0)
         if body is None:
-            store.set_float_lengths(fastgen_decode_evict(store.float_table.numpy(), store.float_len, store.fbs, *slots, *rules))
+            new_len = fastgen_decode_evict(store.float_table.numpy(), store.float_len, store.fbs, *slots, *rules)
+            store.set_float_lengths(new_len)
             return
         lengths = np.empty((3, store.streams), np.int64)
         freed = np.empty(max(int(store.body_len.sum()), 1), np.int64)
@@ -475,14 +471,16 @@ class KvtoolLayer(CacheLayerMixin):
 
     def _kernel_writes(self, real) -> bool:
         """The CPU kernel also stores this decode step's token: a plain append (every token real, per-slot metadata no
-        more than positions, scores and a feature) into float slots the streams have (the next float block allocated first where
-        only that is missing: `LayerStore.can_append_one`), on a step where the policy cannot cut (`_policy_quiet`);
-        or FastGen's token on a float store, which its rules then re-choose from (`_rules_after_write`)."""
-        if self.context.backend != "numba" or real is not None or self.store.layout.token_sums or self.context.shrink is not None:
+        more than positions, scores and a feature) into float slots the streams have (the next float block allocated
+        first where only that is missing: `LayerStore.can_append_one`), on a step where the policy cannot cut
+        (`_policy_quiet`); or FastGen's token, which its rules then re-choose from (`_rules_after_write`: the sinks it
+        makes and the blocks then due are handled after the write)."""
+        store = self.store
+        if self.context.backend != "numba" or real is not None or store.layout.token_sums or self.context.shrink is not None:
             return False
-        if set(self.store.layout.meta) <= {"pos", "score", "feature"} and self._policy_quiet():
-            return self.store.can_append_one()
-        return self._rules_after_write() and self.store.can_append_one(makes_sinks=True, flushes=True)
+        if set(store.layout.meta) <= {"pos", "score", "feature"} and self._policy_quiet():
+            return store.can_append_one()
+        return self._rules_after_write() and store.can_append_one(makes_sinks=True, flushes=True)
 
     def _rules_after_write(self) -> bool:
         """A policy that re-chooses its kept set by rules after every token (FastGen: not budgeted): the store's float

@@ -166,10 +166,10 @@ def fastgen_decode_evict_blocks(table, float_len, n_sink, sink_tokens, fbs, pos,
 
     As `fastgen_decode_evict`, plus: n_sink (S,) int64 sinks among the float slots (the store makes ``sink_tokens``:
     a kept new token that finds its stream holding sinks only becomes one, as `LayerStore.append` makes it after the
-    torch path's `keep`); body_table (S, Bn) int32 (its kept
-    columns moved first in place, the rest zeroed), body_len (S,) int64 blocks of ``bs`` tokens; body_pos /
-    body_score / body_cls their flat metadata. Writes new_lengths (3, S) int64: float_len, n_sink, body_len; freed:
-    body block ids released (at least sum(body_len) long). Returns how many ids it wrote to ``freed``.
+    torch path's `keep`); body_table (S, Bn) int32 (its kept columns moved first in place, the rest zeroed), body_len
+    (S,) int64 blocks of ``bs`` tokens; body_pos / body_score / body_cls their flat metadata. Writes new_lengths
+    (3, S) int64: float_len, n_sink, body_len; freed: body block ids released (at least sum(body_len) long). Returns
+    how many ids it wrote to ``freed``. The blocks then due are the caller's to encode (`LayerStore.flush_held`).
     """
     keep, ids, p, sc, c, values, tied = _scratch(float_len, body_len, bs)
     n_freed = 0
@@ -193,12 +193,12 @@ def fastgen_decode_evict_blocks(table, float_len, n_sink, sink_tokens, fbs, pos,
                               values, tied)
         kept_blocks = 0
         for b in range(blocks):  # a block stays when at least half of its tokens do (and, windowed, one is visible)
-            kept, visible = 0, False
+            kept_tokens, visible = 0, False
             for i in range(b * bs, (b + 1) * bs):
-                kept += keep[i]
+                kept_tokens += keep[i]
                 visible = visible or p[i] > latest - window
             block = body_table[s, b]
-            if kept * 2 >= bs and (window == 0 or visible):
+            if kept_tokens * 2 >= bs and (window == 0 or visible):
                 body_table[s, kept_blocks] = block
                 kept_blocks += 1
             else:
