@@ -270,3 +270,18 @@ def test_a_fixed_budget_holds_flat_bytes_over_20k_generated_tokens(interval, ste
     assert min(kept) == 256 and max(kept) == 256 + interval - 1, (min(kept), max(kept))
     block = cache.layers[0].store.float_pool.block_nbytes()
     assert sorted(set(held)) == ([held[0]] if interval == 1 else [min(held), min(held) + block]), "held bytes moved beyond one block"
+
+
+def test_storage_bytes_count_host_views_of_tensors_once():
+    """A numpy view of a tensor's memory (`BlockPool.host_flat`, reshaped or as bytes) is that tensor's storage, counted
+    once beside the tensor; a numpy slice counts its owner; an array over a foreign buffer counts itself."""
+    import numpy as np
+
+    from kvtool.runtime.memory import storage_nbytes
+
+    t = torch.zeros(100)
+    as_bytes = t.view(torch.uint8).numpy().reshape(50, 8)
+    assert storage_nbytes([t, t.numpy(), as_bytes]) == storage_nbytes([as_bytes]) == 400
+    owner = np.zeros(10)
+    assert storage_nbytes([owner[2:5]]) == storage_nbytes([owner, owner[2:5]]) == 80
+    assert storage_nbytes([np.frombuffer(b"abcdefgh", dtype=np.uint8)]) == 8

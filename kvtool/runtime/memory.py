@@ -51,12 +51,13 @@ def storage_nbytes(tensors) -> int:
     for tensor in tensors:
         if isinstance(tensor, np.ndarray):
             base = tensor
-            while isinstance(base, np.ndarray) and base.base is not None:
-                base = base.base
-            if not isinstance(base, torch.Tensor):  # numpy's own memory
+            while isinstance(base.base, np.ndarray):
+                base = base.base  # the array that owns the memory
+            if isinstance(base.base, torch.Tensor):  # a host view of a tensor (`BlockPool.host_flat`): its storage, once
+                tensor = base.base
+            else:  # numpy's own memory (or a buffer it wraps)
                 storages[(base.__array_interface__["data"][0], "cpu")] = base.nbytes
                 continue
-            tensor = base  # a host view of a tensor's memory (`BlockPool.host_flat`): that storage, once
         storage = tensor.untyped_storage()
         device = "cpu" if tensor.device.type == "cpu" else str(tensor.device)
         storages[(storage.data_ptr(), device)] = storage.nbytes()
